@@ -1,0 +1,64 @@
+"""flatpool: typed, verified contiguous storage pools for PyTorch.
+
+A :class:`FlatPool` owns one contiguous storage on a device and hands out typed
+:class:`Slice` views. Tensors can be *adopted* into slices: their data moves into the pool,
+every object that viewed the original is rebound in place (identity survives), and the
+original storage is released with proof that it died.
+"""
+
+from .aliasing import (
+    ByteRange,
+    byte_range,
+    check_no_aliasing,
+    local_tensor,
+    overlaps,
+    same_storage,
+    storage_of,
+)
+from .devices import DeviceLike, allocator_counters, resolve_device
+from .errors import (
+    AdoptionError,
+    AliasingError,
+    DeviceError,
+    FlatPoolError,
+    ForeignSliceError,
+    FreedSliceError,
+    InvalidRequestError,
+    InvalidTypeError,
+    PinnedStorageError,
+    PoolExhaustedError,
+    SliceError,
+)
+from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
+from .slices import Slice
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "AdoptionError",
+    "AliasingError",
+    "ByteRange",
+    "DeviceError",
+    "DeviceLike",
+    "FlatPool",
+    "FlatPoolError",
+    "ForeignSliceError",
+    "FreedSliceError",
+    "InvalidRequestError",
+    "InvalidTypeError",
+    "PinnedStorageError",
+    "PoolExhaustedError",
+    "ShapeLike",
+    "Slice",
+    "SliceError",
+    "allocator_counters",
+    "byte_range",
+    "check_no_aliasing",
+    "live_pools",
+    "local_tensor",
+    "overlaps",
+    "resolve_device",
+    "same_storage",
+    "storage_of",
+]
+
+__version__ = "0.1.0"

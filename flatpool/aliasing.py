@@ -1,0 +1,128 @@
+"""Storage identity and byte-range checks between tensors, pool or no pool.
+
+Decisions are made by *storage identity* and byte ranges, never by ``data_ptr()`` equality:
+two different storages can share an address (zero-size tensors, free-and-reuse), and wrapper
+subclasses such as HyperParallel's DTensor override ``data_ptr()``. Every helper sees through
+DTensor (its ``_local_tensor``) and through subclasses whose wrapper shares the storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+import torch
+from attrs import define
+
+from .errors import AliasingError, InvalidTypeError
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
+
+
+@define(frozen=True)
+class ByteRange:
+    """Where a tensor's elements lie in its storage, in bytes: ``[start, end)``."""
+
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def contains(self, other: ByteRange) -> bool:
+        return self.start <= other.start and other.end <= self.end
+
+    def intersects(self, other: ByteRange) -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the data: a DTensor's ``_local_tensor``, else ``t`` itself."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    inner = getattr(t, "_local_tensor", None)
+    if isinstance(inner, torch.Tensor) and inner is not t:
+        return local_tensor(inner)
+    return t
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The untyped storage behind ``t`` (through DTensor and storage-sharing subclasses)."""
+    inner = local_tensor(t)
+    with torch._C.DisableTorchFunctionSubclass():
+        return inner.untyped_storage()
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An identity for a *live* storage (its StorageImpl address).
+
+    Only meaningful while the storage is alive: compare keys of storages you hold.
+    """
+    return int(storage._cdata)
+
+
+def byte_range(t: torch.Tensor) -> ByteRange:
+    """The bytes of ``t``'s storage its elements can touch (the strided extent)."""
+    inner = local_tensor(t)
+    with torch._C.DisableTorchFunctionSubclass():
+        item = inner.element_size()
+        start = int(inner.storage_offset()) * item
+        if inner.numel() == 0:
+            return ByteRange(start, start)
+        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(inner.shape, inner.stride()))
+        return ByteRange(start, start + span * item)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are backed by one storage (whatever their ranges)."""
+    return storage_key(storage_of(a)) == storage_key(storage_of(b))
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` share a storage and their byte extents intersect.
+
+    Extents are conservative for interleaved strided views (two disjoint column slices of one
+    matrix count as overlapping); zero-size tensors never overlap anything.
+    """
+    if not same_storage(a, b):
+        return False
+    return byte_range(a).intersects(byte_range(b))
+
+
+def check_no_aliasing(tensors: NamedTensors) -> None:
+    """Raise one :class:`AliasingError` listing *every* pair of tensors whose memory overlaps.
+
+    ``tensors`` is a mapping of names to tensors, or an iterable (names become ``[i]``). The same
+    tensor object given twice counts as aliasing: pass each tensor once.
+    """
+    items: list[tuple[str, torch.Tensor]]
+    if isinstance(tensors, Mapping):
+        items = [(str(k), v) for k, v in tensors.items()]
+    else:
+        items = [(f"[{i}]", v) for i, v in enumerate(tensors)]
+    by_storage: dict[int, list[tuple[ByteRange, str]]] = {}
+    keep_alive: list[torch.UntypedStorage] = []
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+        storage = storage_of(t)
+        keep_alive.append(storage)
+        rng = byte_range(t)
+        if rng.nbytes:
+            by_storage.setdefault(storage_key(storage), []).append((rng, name))
+    offenders: list[tuple[str, str]] = []
+    for ranges in by_storage.values():
+        ranges.sort(key=lambda r: (r[0].start, r[0].end))
+        active: list[tuple[ByteRange, str]] = []
+        for rng, name in ranges:
+            active = [a for a in active if a[0].end > rng.start]
+            offenders.extend((other, name) for _, other in active)
+            active.append((rng, name))
+    if offenders:
+        listed = ", ".join(f"{a} & {b}" for a, b in offenders)
+        raise AliasingError(
+            f"{len(offenders)} pair(s) of tensors share memory: {listed}. Give each tensor its "
+            "own storage (clone()) or pass only one of each aliasing pair.",
+            offenders,
+        )

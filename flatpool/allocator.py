@@ -1,0 +1,115 @@
+"""Byte-range bookkeeping for one pool: best-fit placement with coalescing free lists.
+
+Pure Python and device-free, so a layout can be planned before any storage exists. While the
+allocator is *growable* (a pool not yet materialized, without a fixed capacity) a request that
+fits no gap extends the extent; once fixed, it must fit a gap or the caller gets ``None``.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class RangeAllocator:
+    """Free space as sorted, disjoint, coalesced ``[start, end)`` ranges over ``[0, extent)``."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.growable = capacity is None
+        self.extent = 0 if capacity is None else capacity
+        self._starts: list[int] = []  # free range starts, sorted
+        self._ends: list[int] = []  # matching ends
+        if capacity:
+            self._starts.append(0)
+            self._ends.append(capacity)
+
+    # -- queries -----------------------------------------------------------------------
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))
+
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends))
+
+    def largest_free(self) -> int:
+        return max((e - s for s, e in zip(self._starts, self._ends)), default=0)
+
+    def largest_fit(self, alignment: int) -> int:
+        """Largest request that would fit now at ``alignment``."""
+        best = 0
+        for s, e in zip(self._starts, self._ends):
+            best = max(best, e - align_up(s, alignment))
+        return best
+
+    # -- mutation ----------------------------------------------------------------------
+    def find(self, nbytes: int, alignment: int) -> int | None:
+        """Best-fit start for ``nbytes`` at ``alignment`` without changing anything."""
+        best_start: int | None = None
+        best_waste = -1
+        for s, e in zip(self._starts, self._ends):
+            start = align_up(s, alignment)
+            if start + nbytes <= e:
+                waste = (e - s) - nbytes
+                if best_start is None or waste < best_waste:
+                    best_start, best_waste = start, waste
+        if best_start is None and self.growable:
+            # Extend: reuse a trailing free range if there is one.
+            tail = self._ends[-1] == self.extent if self._ends else False
+            base = self._starts[-1] if tail else self.extent
+            best_start = align_up(base, alignment)
+        return best_start
+
+    def take(self, start: int, nbytes: int) -> None:
+        """Mark ``[start, start + nbytes)`` used; it must lie in free space (or past the extent)."""
+        end = start + nbytes
+        if end > self.extent:
+            if not self.growable:
+                raise AssertionError("take() past a fixed extent")
+            old_extent, self.extent = self.extent, end
+            self.release(old_extent, end)
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or self._ends[i] < end:
+            raise AssertionError(f"take({start}, {nbytes}) outside free space")
+        s, e = self._starts[i], self._ends[i]
+        del self._starts[i], self._ends[i]
+        if end < e:
+            self._starts.insert(i, end)
+            self._ends.insert(i, e)
+        if s < start:
+            self._starts.insert(i, s)
+            self._ends.insert(i, start)
+
+    def release(self, start: int, end: int) -> None:
+        """Return ``[start, end)`` to free space, merging with adjacent free ranges."""
+        if start >= end:
+            return
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._ends[i - 1] > start or i < len(self._starts) and self._starts[i] < end:
+            raise AssertionError(f"release({start}, {end}) overlaps free space")
+        if i > 0 and self._ends[i - 1] == start:
+            start = self._starts[i - 1]
+            i -= 1
+            del self._starts[i], self._ends[i]
+        if i < len(self._starts) and self._starts[i] == end:
+            end = self._ends[i]
+            del self._starts[i], self._ends[i]
+        self._starts.insert(i, start)
+        self._ends.insert(i, end)
+
+    def fix(self, capacity: int) -> None:
+        """Stop growing at ``capacity`` (>= extent); the tail becomes free space."""
+        if capacity < self.extent:
+            raise AssertionError("capacity below the planned extent")
+        if capacity > self.extent:
+            self.release(self.extent, capacity)
+        self.extent = capacity
+        self.growable = False
+
+    def snapshot(self) -> tuple[bool, int, list[int], list[int]]:
+        return (self.growable, self.extent, list(self._starts), list(self._ends))
+
+    def restore(self, snap: tuple[bool, int, list[int], list[int]]) -> None:
+        self.growable, self.extent, starts, ends = snap
+        self._starts, self._ends = list(starts), list(ends)

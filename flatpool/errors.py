@@ -1,0 +1,73 @@
+"""The one exception hierarchy of flatpool.
+
+Every failing public call raises a subclass of :class:`FlatPoolError` and leaves every pool,
+tensor and parameter it touched exactly as it was before the call. Children that describe bad
+arguments also derive from the matching builtin (``ValueError``/``TypeError``) so callers that
+already catch those keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class FlatPoolError(Exception):
+    """Base class of every error flatpool raises on purpose."""
+
+
+class InvalidRequestError(FlatPoolError, ValueError):
+    """An argument has the right type but a value flatpool cannot accept."""
+
+
+class InvalidTypeError(FlatPoolError, TypeError):
+    """An argument has the wrong type (a string where a ``torch.dtype`` is needed, ...)."""
+
+
+class DeviceError(FlatPoolError, RuntimeError):
+    """A device is unknown, unavailable, or its backend failed to load."""
+
+
+class PoolExhaustedError(FlatPoolError, MemoryError):
+    """A request does not fit into the pool's free space."""
+
+    def __init__(self, message: str, *, requested: int, free: int, largest_free: int) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.free = free
+        self.largest_free = largest_free
+
+
+class SliceError(FlatPoolError, ValueError):
+    """A slice handle is used where it is not valid: freed, or of another pool."""
+
+
+class FreedSliceError(SliceError):
+    """The slice was freed (or relocated away); its handle may no longer be used."""
+
+
+class ForeignSliceError(SliceError):
+    """The slice belongs to another pool."""
+
+
+class AliasingError(FlatPoolError, ValueError):
+    """Tensors share memory where they must not. ``offenders`` lists every pair found."""
+
+    def __init__(self, message: str, offenders: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.offenders = tuple(offenders)
+
+
+class AdoptionError(FlatPoolError):
+    """An adoption could not be carried out; everything was rolled back."""
+
+
+class PinnedStorageError(AdoptionError):
+    """An original storage is still referenced by something the caller did not name.
+
+    ``holders`` maps a description of each pinned original to the holders a gc scan found.
+    The adoption was rolled back.
+    """
+
+    def __init__(self, message: str, holders: dict[str, tuple[str, ...]]) -> None:
+        super().__init__(message)
+        self.holders = holders

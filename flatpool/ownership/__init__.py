@@ -1,0 +1,1 @@
+"""Ownership transfer: adopt tensors into slices, prove the originals died, roll back on failure."""

@@ -1,0 +1,55 @@
+"""``Slice``: an immutable, typed handle on a byte range of one pool."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from attrs import define, field
+
+if TYPE_CHECKING:
+    from .pool import FlatPool
+
+
+@define(frozen=True)
+class Slice:
+    """A typed region ``[offset, offset + nbytes)`` of a pool's storage.
+
+    A slice holds no tensor: :meth:`tensor` derives a fresh view from the pool's *current*
+    storage each time, so a handle stays correct across :meth:`FlatPool.grow`/``compact``
+    (which hand out new handles) and never keeps an old storage alive. ``slice_id`` is unique
+    per pool for the pool's lifetime, so a stale handle to a freed and reused range is caught.
+    """
+
+    pool: FlatPool = field(repr=lambda p: repr(p.name))
+    slice_id: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the slice."""
+        return self.offset + self.nbytes
+
+    @property
+    def is_live(self) -> bool:
+        """``False`` once the slice was freed (or its pool relocated it under a new handle)."""
+        return self.pool.is_live(self)
+
+    def tensor(self) -> torch.Tensor:
+        """A view of the slice on the pool's storage (materializing the pool if needed)."""
+        return self.pool.view(self)
+
+    def bytes(self) -> torch.Tensor:
+        """The slice's bytes as a 1-D ``uint8`` view."""
+        return self.pool.view_bytes(self.offset, self.nbytes)

@@ -1,0 +1,1 @@
+"""Integration of flatpool with HSDP / FSDP2 fusion groups."""
