@@ -97,6 +97,9 @@ def check_no_aliasing(tensors: NamedTensors) -> None:
     tensor object given twice counts as aliasing: pass each tensor once.
     """
     items: list[tuple[str, torch.Tensor]]
+    if isinstance(tensors, torch.Tensor):  # iterable too: it would be checked row by row
+        raise InvalidTypeError("check_no_aliasing() needs a mapping or iterable of tensors, "
+                               "got a single tensor")
     if isinstance(tensors, Mapping):
         items = [(str(k), v) for k, v in tensors.items()]
     else:

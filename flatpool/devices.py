@@ -57,6 +57,10 @@ def resolve_device(device: DeviceLike) -> torch.device:
     pools made the same way compare equal.
     """
     if isinstance(device, str):
+        if device.split(":", 1)[0].strip() == "npu":
+            # torch knows the 'npu' type only once torch_npu registered it: load it first so a
+            # missing backend is reported with its import error, not as an unknown device.
+            _load_npu_backend()
         try:
             dev = torch.device(device)
         except RuntimeError as exc:

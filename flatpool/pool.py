@@ -62,7 +62,9 @@ def check_shape(shape: ShapeLike) -> tuple[int, ...]:
         raise InvalidTypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
     out: list[int] = []
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int):
+        if isinstance(d, bool):  # operator.index(True) == 1: a bool is not a dimension
+            raise InvalidTypeError(f"shape {shape!r} has a bool dimension {d!r}")
+        if not isinstance(d, int):
             try:
                 d = operator.index(d)
             except TypeError:
@@ -156,7 +158,8 @@ class FlatPool:
     @property
     def used_bytes(self) -> int:
         """Bytes inside live slices (alignment padding counts as free)."""
-        return sum(s.nbytes for s in self._live.values())
+        with self._lock:  # iterating _live while another thread allocates would raise
+            return sum(s.nbytes for s in self._live.values())
 
     @property
     def free_bytes(self) -> int:
@@ -283,7 +286,9 @@ class FlatPool:
             return buf
         with self._lock:
             if self._buffer is None:
-                capacity = align_up(self._alloc.extent, self.alignment)
+                extent = self._alloc.extent
+                # A fixed capacity is allocated as given; a planned extent is padded to alignment.
+                capacity = align_up(extent, self.alignment) if self._alloc.growable else extent
                 buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
                 self._alloc.fix(capacity)
                 self._buffer = buf

@@ -52,4 +52,5 @@ class Slice:
 
     def bytes(self) -> torch.Tensor:
         """The slice's bytes as a 1-D ``uint8`` view."""
+        self.pool.check_live(self)  # a freed range may already belong to another slice
         return self.pool.view_bytes(self.offset, self.nbytes)
