@@ -330,6 +330,7 @@ class FlatPool:
         ``torch.uint8`` requires every live slice to have it.
         """
         with self._lock:
+            self._materialized_buffer()  # first: materializing may pad the capacity
             dtypes = {s.dtype for s in self._live.values()}
             if dtype is None:
                 dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
