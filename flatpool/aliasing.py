@@ -34,6 +34,9 @@ class ByteRange:
         return self.start <= other.start and other.end <= self.end
 
     def intersects(self, other: ByteRange) -> bool:
+        """True when the ranges share a byte; an empty range shares none."""
+        if not self.nbytes or not other.nbytes:
+            return False
         return self.start < other.end and other.start < self.end
 
 
