@@ -29,10 +29,18 @@ from .errors import (
     PoolExhaustedError,
     SliceError,
 )
+from .ownership.faults import set_fault_hook
+from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, Holder, OnPinned
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
 from .slices import Slice
 
 __all__ = [
+    "AdoptSpec",
+    "AdoptedItem",
+    "AdoptionReport",
+    "Holder",
+    "OnPinned",
+    "set_fault_hook",
     "DEFAULT_ALIGNMENT",
     "AdoptionError",
     "AliasingError",

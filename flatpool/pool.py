@@ -32,7 +32,9 @@ from .errors import (
 from .slices import Slice
 
 if TYPE_CHECKING:
+    from .ownership.adopt import AdoptTargets
     from .ownership.registry import AdoptionRegistry
+    from .ownership.spec import AdoptionReport, OnPinned
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 
@@ -375,6 +377,29 @@ class FlatPool:
             else:
                 inside = rng.end <= slc.end
             return slc if inside else None
+
+    # -- ownership -------------------------------------------------------------------------
+    def adopt(
+        self,
+        targets: AdoptTargets,
+        *,
+        discover: bool = False,
+        on_pinned: OnPinned = "raise",
+    ) -> AdoptionReport:
+        """Move tensors' data into slices of this pool and prove the originals died.
+
+        ``targets`` is a tensor, an :class:`AdoptSpec`, or a sequence of them (one batch: one
+        copy, all-or-nothing). Every tensor object named (the tensor, a DTensor's local tensor,
+        ``AdoptSpec.views``) is rebound in place, so identity, ``requires_grad`` and optimizer
+        references survive; ``AdoptSpec.holders`` are given fresh pool tensors. With
+        ``discover=True`` a gc scan also finds every other Python tensor on the originals.
+        If an original is still referenced afterwards, ``on_pinned`` decides (see
+        :data:`OnPinned`); by default everything rolls back and
+        :class:`PinnedStorageError` names the holders.
+        """
+        from .ownership.adopt import adopt
+
+        return adopt(self, targets, discover=discover, on_pinned=on_pinned)
 
     # -- introspection -------------------------------------------------------------------
     def describe(self) -> str:

@@ -1,0 +1,445 @@
+"""``adopt``: move original storages into pool slices, rebind every view, prove release.
+
+One batch is one transaction: validate everything, plan and allocate slices, copy all bytes in
+one ``torch._foreach_copy_``, rebind every named tensor object, then prove that each original
+storage died. Any failure, including a pinned original in the default mode, rolls every tensor
+and the pool back to where they were.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from ..aliasing import ByteRange, byte_range, local_tensor
+from ..errors import (
+    AdoptionError,
+    AliasingError,
+    FlatPoolError,
+    InvalidRequestError,
+    InvalidTypeError,
+    PinnedStorageError,
+)
+from ..slices import Slice
+from .faults import checkpoint
+from .pins import name_pins, tensors_on_storage
+from .rebind import autograd_base, own_storage
+from .registry import Binding, Geometry
+from .spec import AdoptedItem, AdoptionReport, AdoptSpec, Holder, OnPinned
+from .transaction import InPlace, Replaced, Transaction, byte_view
+from .weak import upgrade
+
+if TYPE_CHECKING:
+    from ..pool import FlatPool
+
+Adoptable = Union[torch.Tensor, AdoptSpec]
+AdoptTargets = Union[Adoptable, Sequence[Adoptable]]
+
+
+class _Member:
+    """A tensor object to move: in place, or by replacing it at ``holder``."""
+
+    __slots__ = ("obj", "holder", "primary")
+
+    def __init__(self, obj: torch.Tensor, holder: Holder | None, primary: bool) -> None:
+        self.obj, self.holder, self.primary = obj, holder, primary
+
+
+class _Plan:
+    __slots__ = ("spec", "key", "extent", "shape", "dtype", "members", "slice", "allocated", "label")
+
+    def __init__(self, spec: AdoptSpec, key: int, extent: ByteRange, label: str) -> None:
+        self.spec, self.key, self.extent, self.label = spec, key, extent, label
+        self.shape: tuple[int, ...] = ()
+        self.dtype: torch.dtype = torch.uint8
+        self.members: list[_Member] = []
+        self.slice: Slice | None = spec.slice
+        self.allocated = False
+
+
+def _check_not_in_backward() -> None:
+    if torch._C._current_graph_task_id() != -1:
+        raise AdoptionError(
+            "cannot move storages while autograd's backward pass is running (called from a "
+            "backward hook?); adopt before forward or after backward and the optimizer step"
+        )
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    span = 1
+    for st, sz in dims:
+        if st < span:
+            return True
+        span = st * sz
+    return False
+
+
+def _normalize(targets: AdoptTargets) -> list[AdoptSpec]:
+    if isinstance(targets, (torch.Tensor, AdoptSpec)):
+        items: Sequence[Adoptable] = [targets]
+    elif isinstance(targets, (list, tuple)):
+        items = targets
+    else:
+        raise InvalidTypeError(
+            "adopt() takes a tensor, an AdoptSpec, or a sequence of them, got "
+            f"{type(targets).__name__}"
+        )
+    specs = [t if isinstance(t, AdoptSpec) else AdoptSpec(t) for t in items]
+    for s in specs:
+        if not isinstance(s.tensor, torch.Tensor):
+            raise InvalidTypeError(f"AdoptSpec.tensor must be a tensor, got {type(s.tensor).__name__}")
+    if not specs:
+        raise InvalidRequestError("adopt() was given nothing to adopt")
+    return specs
+
+
+def _label(t: torch.Tensor, i: int) -> str:
+    return f"#{i} {type(t).__name__}{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _validate_primary(pool: FlatPool, spec: AdoptSpec, i: int) -> torch.Tensor:
+    from ..pool import live_pools
+
+    inner = local_tensor(spec.tensor)
+    label = _label(spec.tensor, i)
+    with torch._C.DisableTorchFunctionSubclass():
+        if inner.is_meta:
+            raise InvalidRequestError(
+                f"{label} is a meta tensor and has no data to adopt; use "
+                "pool.materialize_into() to give it pool storage"
+            )
+        if inner.device != pool.device:
+            raise InvalidRequestError(
+                f"{label} is on {inner.device} but pool {pool.name!r} is on {pool.device}; move "
+                "it to the pool's device first or use a pool on its device"
+            )
+        if inner.numel() == 0:
+            raise InvalidRequestError(f"{label} is empty: zero-size tensors stay outside the pool")
+        if _self_overlapping(inner):
+            raise InvalidRequestError(
+                f"{label} overlaps itself (an expanded/broadcast view, strides "
+                f"{tuple(inner.stride())}); adopt the tensor it was expanded from"
+            )
+    for p in live_pools():
+        if p.owns(inner):
+            where = "this pool" if p is pool else f"pool {p.name!r}"
+            raise InvalidRequestError(
+                f"{label} already lives in {where}; use readopt() to bring moved members back"
+            )
+    return inner
+
+
+def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[_Member]:
+    """The objects behind ``obj`` that sit on storage ``key``: itself and/or its local tensor."""
+    out: list[_Member] = []
+    own = own_storage(obj)
+    if own is not None and int(own._cdata) == key:
+        out.append(_Member(obj, None, primary))
+    inner = getattr(obj, "_local_tensor", None)
+    if isinstance(inner, torch.Tensor) and inner is not obj:
+        s = own_storage(inner)
+        if s is not None and int(s._cdata) == key:
+            out.append(_Member(inner, Holder(obj, "_local_tensor"), primary))
+    return out
+
+
+def _discover(key: int, extent: ByteRange, known: set[int]) -> list[_Member]:
+    """Every Python-visible tensor on storage ``key`` inside ``extent``, with holders for views."""
+    found: list[_Member] = []
+    for t in tensors_on_storage(key, known):
+        if not extent.contains(byte_range(t)):
+            continue
+        holder: Holder | None = None
+        if autograd_base(t) is not None:
+            for ref in gc.get_referrers(t):
+                if isinstance(ref, dict):
+                    k = next(k for k, v in ref.items() if v is t)
+                    owner = next(
+                        (o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref),
+                        None,
+                    )
+                    holder = Holder(owner, k) if owner is not None else Holder(ref, k, item=True)
+                    break
+                if isinstance(ref, list):
+                    holder = Holder(ref, next(i for i, v in enumerate(ref) if v is t), item=True)
+                    break
+        found.append(_Member(t, holder, False))
+    return found
+
+
+def _plan(pool: FlatPool, specs: list[AdoptSpec], txn: Transaction, discover: bool) -> list[_Plan]:
+    plans: list[_Plan] = []
+    seen_primary: set[int] = set()
+    for i, spec in enumerate(specs):
+        inner = _validate_primary(pool, spec, i)
+        if id(inner) in seen_primary:
+            raise InvalidRequestError(f"{_label(spec.tensor, i)} was given twice; name it once")
+        seen_primary.add(id(inner))
+        storage = own_storage(inner)
+        assert storage is not None
+        key = txn.track(storage)
+        del storage
+        plan = _Plan(spec, key, byte_range(inner), _label(spec.tensor, i))
+        with torch._C.DisableTorchFunctionSubclass():
+            if inner.is_contiguous():
+                plan.shape, plan.dtype = tuple(inner.shape), inner.dtype
+            else:
+                plan.shape, plan.dtype = (plan.extent.nbytes // inner.element_size(),), inner.dtype
+        if spec.slice is not None:
+            pool.check_live(spec.slice)
+            if spec.slice.nbytes != plan.extent.nbytes or spec.slice.dtype != plan.dtype:
+                raise InvalidRequestError(
+                    f"{plan.label} needs {plan.extent.nbytes} bytes of {plan.dtype}; slice "
+                    f"{spec.slice.slice_id} has {spec.slice.nbytes} bytes of {spec.slice.dtype}"
+                )
+            if pool.registry.holds(spec.slice):
+                raise InvalidRequestError(
+                    f"slice {spec.slice.slice_id} already backs adopted tensors; use readopt()"
+                )
+        plans.append(plan)
+
+    # Primaries on one storage must not overlap, and no slice may be used twice.
+    by_key: dict[int, list[_Plan]] = {}
+    for p in plans:
+        by_key.setdefault(p.key, []).append(p)
+    for group in by_key.values():
+        group.sort(key=lambda p: p.extent.start)
+        for a, b in zip(group, group[1:]):
+            if a.extent.intersects(b.extent):
+                raise AliasingError(
+                    f"{a.label} and {b.label} share bytes of one storage; adopt one and pass the "
+                    "other in its AdoptSpec.views",
+                    [(a.label, b.label)],
+                )
+    given = [p.slice.slice_id for p in plans if p.slice is not None]
+    if len(given) != len(set(given)):
+        raise InvalidRequestError("two AdoptSpecs name the same target slice")
+
+    # Members: primary (and its local/wrapper), views, holders, discovered tensors.
+    for p in plans:
+        members = _expand(p.spec.tensor, p.key, True)
+        for v in p.spec.views:
+            members += _expand(v, p.key, False) or _foreign(v, p)
+        for h in p.spec.holders:
+            try:
+                value = h.get()
+            except (AttributeError, KeyError, IndexError, TypeError) as exc:
+                raise InvalidRequestError(f"holder {h.describe()} of {p.label}: {exc}") from exc
+            if not isinstance(value, torch.Tensor) or not _expand(value, p.key, False):
+                raise InvalidRequestError(
+                    f"holder {h.describe()} of {p.label} does not hold a tensor on its storage"
+                )
+            members += [_Member(m.obj, h if m.holder is None else m.holder, m.primary)
+                        for m in _expand(value, p.key, False)]
+        unique: dict[int, _Member] = {}
+        for m in members:
+            prev = unique.get(id(m.obj))
+            if prev is None or (prev.holder is None and m.holder is not None):
+                unique[id(m.obj)] = _Member(m.obj, m.holder or (prev.holder if prev else None),
+                                            m.primary or (prev.primary if prev else False))
+        if discover:
+            unique.update({id(m.obj): m for m in _discover(p.key, p.extent, set(unique))})
+        for m in unique.values():
+            if not p.extent.contains(byte_range(m.obj)):
+                raise InvalidRequestError(
+                    f"a view of {p.label} reaches bytes outside it ({byte_range(m.obj)} vs "
+                    f"{p.extent}); adopt the tensor it is a view of instead"
+                )
+        p.members = list(unique.values())
+    return plans
+
+
+def _foreign(v: torch.Tensor, p: _Plan) -> list[_Member]:
+    raise InvalidRequestError(f"a view given for {p.label} does not share its storage")
+
+
+def adopt(
+    pool: FlatPool,
+    targets: AdoptTargets,
+    *,
+    discover: bool = False,
+    on_pinned: OnPinned = "raise",
+) -> AdoptionReport:
+    """Move ``targets`` into ``pool``; see :meth:`FlatPool.adopt`."""
+    if on_pinned not in ("raise", "warn", "force"):
+        raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
+    if not isinstance(discover, bool):
+        raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
+    _check_not_in_backward()
+    specs = _normalize(targets)
+    with pool.lock:
+        txn = Transaction(pool)
+        try:
+            plans = _plan(pool, specs, txn, discover)
+            return _execute(pool, plans, txn, on_pinned)
+        except BaseException:
+            txn.rollback()
+            raise
+
+
+def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: OnPinned) -> AdoptionReport:
+    for p in plans:
+        if p.slice is None:
+            checkpoint("allocate")
+            p.slice = pool.allocate(p.shape, p.dtype)
+            p.allocated = True
+    target = pool.storage
+    checkpoint("copy")
+    dst = [byte_view(target, p.slice.offset, p.extent.nbytes) for p in plans if p.slice is not None]
+    src = [byte_view(txn.storages[p.key], p.extent.start, p.extent.nbytes) for p in plans]
+    with torch.no_grad():
+        torch._foreach_copy_(dst, src)
+    del dst, src
+
+    bindings = _rebind_all(plans, txn, target)
+    del target
+
+    pinned = _precheck(plans, txn)
+    if pinned and on_pinned == "force":
+        _force_rebind(pool, plans, txn, pinned, bindings)
+        pinned = _precheck(plans, txn)
+    if pinned and on_pinned == "raise":
+        raise PinnedStorageError(_pinned_message(pinned), pinned)
+    if pinned:
+        warnings.warn(_pinned_message(pinned), stacklevel=3)
+
+    for p in plans:
+        assert p.slice is not None
+        pool.registry.bind(p.slice, bindings[p.slice.slice_id])
+    _patch_specs(plans, txn)
+    labels = {p.key: p.label for p in plans}
+    for p in plans:
+        p.members = []  # drop our references to replaced tensors before the proof
+    expired = txn.commit_release()
+    late_keys = [k for k, dead in expired.items() if not dead and labels[k] not in pinned]
+    late: dict[str, tuple[str, ...]] = {}
+    if late_keys:
+        # Something we could not count (a Python reference to a tensor we replaced) kept an
+        # original alive. Undo first so the holders are back on the original and nameable.
+        if on_pinned == "raise":
+            txn.rollback()
+        for k in late_keys:
+            alive = upgrade(txn.weak[k])
+            if alive is not None:
+                late[labels[k]] = name_pins(alive, {id(txn.storages)})
+            del alive
+        if on_pinned == "raise":
+            raise PinnedStorageError(_pinned_message(late), late)
+        warnings.warn(_pinned_message(late), stacklevel=3)
+    return AdoptionReport(
+        tuple(
+            AdoptedItem(
+                slice=p.slice,
+                original_nbytes=txn.nbytes[p.key],
+                released=expired[p.key],
+                rebound=len(p.members),
+                pinned_by=pinned.get(p.label, late.get(p.label, ())),
+            )
+            for p in plans
+            if p.slice is not None
+        )
+    )
+
+
+def _rebind_all(
+    plans: list[_Plan], txn: Transaction, target: torch.UntypedStorage
+) -> dict[int, list[Binding]]:
+    """Move every member onto ``target``; a function of its own so its locals die with it."""
+    bindings: dict[int, list[Binding]] = {}
+    for p in plans:
+        assert p.slice is not None
+        out = bindings.setdefault(p.slice.slice_id, [])
+        for m in p.members:
+            with torch._C.DisableTorchFunctionSubclass():
+                rel = int(m.obj.storage_offset()) * m.obj.element_size() - p.extent.start
+                geometry = Geometry(rel, tuple(m.obj.shape), tuple(m.obj.stride()), m.obj.dtype)
+            new_offset = p.slice.offset + rel
+            if m.holder is not None and autograd_base(m.obj) is not None:
+                placed = txn.move_by_holder(m.holder, m.obj, p.key, target, new_offset)
+            else:
+                txn.move_in_place(m.obj, p.key, target, new_offset)
+                placed = m.obj
+            out.append(Binding.make(placed, geometry, m.holder, m.primary))
+    return bindings
+
+
+def _patch_specs(plans: list[_Plan], txn: Transaction) -> None:
+    """Point AdoptSpecs at the replacements of tensors they named, so they pin nothing."""
+    replaced = {id(r.old): r for r in txn.journal if isinstance(r, Replaced)}
+    if not replaced:
+        return
+    for p in plans:
+        spec = p.spec
+        rec = replaced.get(id(spec.tensor))
+        if rec is not None:
+            txn.patch(spec, "tensor", rec.new, rec)
+        if any(id(v) in replaced for v in spec.views):
+            views = tuple(replaced[id(v)].new if id(v) in replaced else v for v in spec.views)
+            undo = tuple(replaced.get(id(v), v) for v in spec.views)
+            txn.patch(spec, "views", views, undo)
+
+
+def _precheck(plans: list[_Plan], txn: Transaction) -> dict[str, tuple[str, ...]]:
+    """Originals something else still uses, each with the names of its holders."""
+    checkpoint("release")
+    pinned: dict[str, tuple[str, ...]] = {}
+    for key in {p.key for p in plans}:
+        based: list[str] = []
+        for rec in txn.journal:
+            if rec.key != key or not isinstance(rec, InPlace):
+                continue
+            base = autograd_base(rec.obj)
+            bs = own_storage(base) if base is not None else None
+            if bs is not None and int(bs._cdata) == key:
+                based.append(f"tensor {tuple(rec.obj.shape)} named in the adoption")
+        if based or txn.unaccounted_users(key):
+            label = next(p.label for p in plans if p.key == key)
+            skip = {id(txn.storages), id(txn.journal)}
+            skip.update(id(r) for r in txn.journal)
+            skip.update(id(getattr(r, "old", None)) for r in txn.journal)
+            pinned[label] = name_pins(txn.storages[key], skip, based)
+    return pinned
+
+
+def _force_rebind(
+    pool: FlatPool, plans: list[_Plan], txn: Transaction, pinned: dict[str, tuple[str, ...]],
+    bindings: dict[int, list[Binding]],
+) -> None:
+    """``on_pinned="force"``: also move every Python-visible tensor left on a pinned original."""
+    target = pool.storage
+    skip = {id(r.obj) for r in txn.journal if isinstance(r, InPlace)}
+    for p in plans:
+        if p.label not in pinned or p.slice is None:
+            continue
+        for m in _discover(p.key, p.extent, skip):
+            rel = byte_range(m.obj).start - p.extent.start
+            with torch._C.DisableTorchFunctionSubclass():
+                geometry = Geometry(
+                    int(m.obj.storage_offset()) * m.obj.element_size() - p.extent.start,
+                    tuple(m.obj.shape), tuple(m.obj.stride()), m.obj.dtype,
+                )
+            if m.holder is not None and autograd_base(m.obj) is not None:
+                placed = txn.move_by_holder(m.holder, m.obj, p.key, target, p.slice.offset + rel)
+            else:
+                txn.move_in_place(m.obj, p.key, target, p.slice.offset + geometry.byte_offset)
+                placed = m.obj
+            bindings[p.slice.slice_id].append(Binding.make(placed, geometry, m.holder, False))
+
+
+def _pinned_message(pinned: dict[str, tuple[str, ...]]) -> str:
+    lines = [f"{len(pinned)} original storage(s) are still referenced after rebinding:"]
+    for label, holders in pinned.items():
+        lines.append(f"  {label} is held by: " + "; ".join(holders))
+    lines.append(
+        "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
+        "references, or use on_pinned='warn'/'force'. Nothing was changed."
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["AdoptTargets", "Adoptable", "adopt", "FlatPoolError"]

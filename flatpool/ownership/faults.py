@@ -1,0 +1,24 @@
+"""Named points inside multi-step operations where tests inject failures.
+
+Production code calls :func:`checkpoint` at each step (allocate, copy, rebind, release, ...);
+it costs one global lookup. Tests install a hook that raises at the k-th call to prove every
+step rolls back cleanly (``KeyboardInterrupt`` included).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_hook: Callable[[str], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str], None] | None) -> None:
+    """Install (or clear with ``None``) a function called with each step's name."""
+    global _hook
+    _hook = hook
+
+
+def checkpoint(step: str) -> None:
+    hook = _hook
+    if hook is not None:
+        hook(step)

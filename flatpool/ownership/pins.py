@@ -1,0 +1,125 @@
+"""Name what keeps a storage alive: the Python holders a gc scan finds, or "C++ only".
+
+Used to explain a failed release proof. Naming is best effort and only runs on the error path
+(a full gc scan costs milliseconds per thousand objects); the proof itself never depends on it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .rebind import own_storage
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tensors_on_storage(key: int, exclude: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
+    """Every Python-visible tensor object whose own storage is the one with ``key``."""
+    found: list[torch.Tensor] = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and id(obj) not in exclude:
+            storage = own_storage(obj)
+            if storage is not None and int(storage._cdata) == key:
+                found.append(obj)
+    return found
+
+
+def _ours(obj: Any) -> bool:
+    return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
+    for owner in gc.get_referrers(d):
+        if id(owner) in skip or _ours(owner):
+            continue
+        if isinstance(owner, torch.nn.Module):
+            for attr in ("_parameters", "_buffers", "_modules"):
+                if owner.__dict__.get(attr) is d:
+                    return f"{type(owner).__name__}.{attr}"
+        if isinstance(owner, types.ModuleType):
+            return f"module {owner.__name__}"
+        if getattr(owner, "__dict__", None) is d:
+            return type(owner).__name__
+        if isinstance(owner, dict):
+            for k, v in owner.items():
+                if v is d:
+                    parent = _owner_of_dict(owner, skip | {id(d)})
+                    key = f"param{tuple(k.shape)}" if isinstance(k, torch.Tensor) else repr(k)
+                    return f"{parent or 'dict'}[{key}]"
+    return None
+
+
+def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
+    """Describe each Python object that references ``obj`` (attribute paths, keys, frames)."""
+    skip_ids = set(skip) | {id(obj)}
+    names: list[str] = []
+    for ref in gc.get_referrers(obj):
+        if id(ref) in skip_ids or _ours(ref):
+            continue
+        if isinstance(ref, dict):
+            keys = [k for k, v in ref.items() if v is obj]
+            owner = _owner_of_dict(ref, skip_ids | {id(ref)})
+            for k in keys:
+                if owner is not None and owner.endswith("._parameters"):
+                    names.append(f"{owner[: -len('._parameters')]}.{k} (parameter)")
+                elif owner is not None and owner.endswith("._buffers"):
+                    names.append(f"{owner[: -len('._buffers')]}.{k} (buffer)")
+                elif owner is not None and "." not in owner and "[" not in owner:
+                    names.append(f"{owner}.{k}" if isinstance(k, str) else f"{owner}[{k!r}]")
+                else:
+                    names.append(f"{owner or 'dict'}[{k!r}]")
+        elif isinstance(ref, (list, tuple)):
+            for idx, value in enumerate(ref):
+                if value is obj:
+                    names.append(f"{type(ref).__name__}[{idx}]")
+        elif isinstance(ref, types.FrameType):
+            local = "?"
+            for name, value in ref.f_locals.items():
+                if value is obj:
+                    local = name
+            names.append(
+                f"local variable {local!r} in {ref.f_code.co_name}() "
+                f"({os.path.basename(ref.f_code.co_filename)}:{ref.f_lineno})"
+            )
+        elif isinstance(ref, types.CellType):
+            owners = [
+                f for f in gc.get_referrers(ref)
+                if isinstance(f, types.FunctionType)
+                and not f.__code__.co_filename.startswith(_PACKAGE_DIR)
+            ]
+            for f in owners:
+                names.append(f"a closure variable of {f.__qualname__}()")
+        else:
+            names.append(f"a {type(ref).__name__} object")
+    return names
+
+
+def name_pins(
+    storage: torch.UntypedStorage,
+    skip: set[int],
+    based_views: Iterable[str] = (),
+) -> tuple[str, ...]:
+    """Explain what pins ``storage``, excluding objects whose ids are in ``skip``."""
+    reasons = [
+        f"{name}: an autograd view whose ._base still holds the original; pass its holder "
+        "(flatpool.Holder) so it can be replaced"
+        for name in based_views
+    ]
+    key = int(storage._cdata)
+    found = tensors_on_storage(key, skip)
+    skip = skip | {id(found)}
+    for t in found:
+        where = name_referrers(t, skip) or ["held only from C++ (autograd saved tensors, hooks)"]
+        desc = f"tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        reasons.extend(f"{w} ({desc})" for w in where)
+    storage_refs = name_referrers(storage, skip)
+    reasons.extend(f"{w} (the UntypedStorage object itself)" for w in storage_refs)
+    if not reasons:
+        reasons.append("held only from C++ (autograd saved tensors, hooks)")
+    return tuple(reasons)
