@@ -1,0 +1,83 @@
+"""flatpool's public API under ``mypy --strict``: sharding-style usage passes, misuse fails.
+
+The checked modules live in ``tests/typing_usage`` (never imported by pytest). Each
+``bad_usage_*.py`` marks its one deliberate misuse with ``# expect: [code]``; the test asserts
+mypy reports exactly those codes on exactly those lines. All files go through one mypy run
+(cold cache about 20 s) with a cache of its own under ``.mypy_cache/``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+USAGE = Path(__file__).resolve().parent / "typing_usage"
+GOOD = USAGE / "good_usage.py"
+BAD = sorted(USAGE.glob("bad_usage_*.py"))
+ERROR_LINE = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
+EXPECT = re.compile(r"#\s*expect:\s*\[(?P<code>[a-z-]+)\]")
+
+pytest.importorskip("mypy")
+
+
+@pytest.fixture(scope="module")
+def mypy_errors() -> dict[str, set[tuple[int, str]]]:
+    """Run mypy once over every usage file; map each file name to its (line, code) errors."""
+    files = [GOOD, *BAD]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--follow-imports=silent",  # judge the usage files; flatpool has its own CI run
+            "--cache-dir",
+            str(REPO / ".mypy_cache" / "typing-usage"),
+            "--no-color-output",
+            "--no-error-summary",
+            *(str(f.relative_to(REPO)) for f in files),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode in (0, 1), f"mypy crashed:\n{proc.stdout}\n{proc.stderr}"
+    errors: dict[str, set[tuple[int, str]]] = {f.name: set() for f in files}
+    for line in proc.stdout.splitlines():
+        m = ERROR_LINE.match(line.strip())
+        if m:
+            errors.setdefault(Path(m["path"]).name, set()).add((int(m["line"]), m["code"]))
+        elif ": error:" in line:
+            raise AssertionError(f"unparsed mypy error: {line}")
+    return errors
+
+
+def expected_errors(path: Path) -> set[tuple[int, str]]:
+    out = set()
+    for no, text in enumerate(path.read_text().splitlines(), start=1):
+        m = EXPECT.search(text)
+        if m:
+            out.add((no, m["code"]))
+    return out
+
+
+def test_usage_files_exist() -> None:
+    assert GOOD.is_file()
+    assert len(BAD) >= 3
+    for path in BAD:
+        assert len(expected_errors(path)) == 1, f"{path.name} must mark one misuse"
+
+
+def test_good_usage_passes(mypy_errors: dict[str, set[tuple[int, str]]]) -> None:
+    assert mypy_errors[GOOD.name] == set()
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_bad_usage_fails(path: Path, mypy_errors: dict[str, set[tuple[int, str]]]) -> None:
+    assert mypy_errors[path.name] == expected_errors(path)
