@@ -1,0 +1,138 @@
+"""Account for a group's shard storages: which are live, and which originals outlived a fusion.
+
+A fusion step is correct only if, afterwards, the members' data lives in the flat buffers and
+*nothing else*: the storages the shards had before must be dead. This module gives the two
+measurements the demo and the tests print and assert:
+
+* :func:`live_storages`: every distinct storage reachable from the members (padded data and its
+  autograd base, the local tensor and its base, a storage-sharing wrapper), with its bytes;
+* :class:`OriginalStorages`: weak references to the members' storages taken *before* fusion;
+  :meth:`OriginalStorages.stale` lists those still alive after it (C++ references included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from attrs import define
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .protocol import ShardedParam
+
+
+def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """``t``'s own storage (not unwrapped); ``None`` for meta tensors and storage-less wrappers.
+
+    torch's DTensor is a traceable wrapper subclass: it has no data of its own, and depending on
+    how it was built it answers with an empty or an invalid placeholder storage, counted as none.
+    A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage,
+    which is why the wrapper itself is looked at too.
+    """
+    wrapper: bool = is_traceable_wrapper_subclass(t)
+    if wrapper:
+        return None
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.is_meta:
+                return None
+            s = t.untyped_storage()
+            s.data_ptr()  # raises on a placeholder storage
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return s if s.nbytes() > 0 else None
+
+
+def member_tensors(p: ShardedParam) -> list[torch.Tensor]:
+    """Every tensor object through which member ``p`` can reach a shard storage."""
+    out: list[torch.Tensor] = []
+    todo: list[torch.Tensor] = [p._sharded_param_data, p.sharded_param]
+    local = getattr(p.sharded_param, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        todo.append(local)
+    seen: set[int] = set()
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append(t)
+        base = t._base
+        if isinstance(base, torch.Tensor):
+            todo.append(base)
+    return out
+
+
+@define(frozen=True)
+class LiveStorage:
+    """One distinct live storage reachable from a group."""
+
+    key: int
+    nbytes: int
+    kind: str
+    """``"flat"`` when it is one of the given flat buffers' storage, else ``"shard"``."""
+
+
+def live_storages(
+    params: Iterable[ShardedParam], flats: Sequence[torch.Tensor] = ()
+) -> list[LiveStorage]:
+    """Distinct storages reachable from ``params`` (and the ``flats``), largest first."""
+    flat_keys = set()
+    found: dict[int, torch.UntypedStorage] = {}
+    for f in flats:
+        s = own_storage(f)
+        if s is not None:
+            flat_keys.add(int(s._cdata))
+            found[int(s._cdata)] = s
+    for p in params:
+        for t in member_tensors(p):
+            s = own_storage(t)
+            if s is not None and s.nbytes() > 0:
+                found.setdefault(int(s._cdata), s)
+    rows = [
+        LiveStorage(k, s.nbytes(), "flat" if k in flat_keys else "shard") for k, s in found.items()
+    ]
+    return sorted(rows, key=lambda r: (r.kind, -r.nbytes))
+
+
+@define(frozen=True)
+class _Tracked:
+    name: str
+    ref: StorageWeakRef
+    nbytes: int
+
+
+class OriginalStorages:
+    """Weak references to members' shard storages, taken before a fusion step.
+
+    Holding one never keeps a storage alive; :meth:`stale` afterwards names the originals that
+    survived (each one is memory the fusion step failed to give back).
+    """
+
+    def __init__(self, params: Sequence[ShardedParam], names: Sequence[str] | None = None):
+        self._tracked: list[_Tracked] = []
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            name = names[i] if names is not None else f"[{i}]"
+            for t in member_tensors(p):
+                s = own_storage(t)
+                if s is None or s.nbytes() == 0 or int(s._cdata) in seen:
+                    continue
+                seen.add(int(s._cdata))
+                ref = StorageWeakRef(s)  # type: ignore[no-untyped-call]
+                self._tracked.append(_Tracked(name, ref, s.nbytes()))
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def stale(self) -> list[tuple[str, int]]:
+        """``(member name, bytes)`` for every tracked original that is still alive."""
+        return [(t.name, t.nbytes) for t in self._tracked if not t.ref.expired()]  # type: ignore[no-untyped-call]
+
+    @property
+    def stale_bytes(self) -> int:
+        return sum(n for _, n in self.stale())
+
+
+__all__ = ["LiveStorage", "OriginalStorages", "live_storages", "member_tensors", "own_storage"]

@@ -1,0 +1,221 @@
+"""``adopt_group``: the hook a fusion group calls to move its shards into one pool per dtype.
+
+HyperParallel's ``HSDPParamGroup._init_flat_param_buffer`` (comm fusion) copies every member's
+``_sharded_param_data`` into one flat buffer and rebases the member onto it. Done by hand, the
+old per-parameter storages survive whenever a holder is missed (the DTensor's local tensor, a
+storage-sharing wrapper, an autograd ``_base``) and the optimizer then updates memory the
+all-gather no longer reads. This module hands the move to :meth:`flatpool.FlatPool.adopt`, which
+rebinds every named holder, *proves* each original storage died, and rolls back otherwise.
+
+Layout: members are bucketed by the dtype of their padded data, in group order (the order the
+group's all-gather concatenates them), one pool per bucket, packed without gaps by default
+(``alignment=1``) so the flat buffer *is* the concatenation a group's split sizes describe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from attrs import define, evolve
+
+from flatpool import AdoptSpec, FlatPool, Holder, OnPinned, Slice, local_tensor
+from flatpool.devices import DeviceLike, resolve_device
+
+from .census import own_storage
+from .layout import Bucket, MemberLayout
+from .protocol import ShardedParam
+
+
+@define(frozen=True)
+class GroupBuffers:
+    """What :func:`adopt_group` did for one group.
+
+    ``skipped`` is ``None`` when the group's shards now live in ``buckets``' pools; otherwise it
+    says why nothing was touched (the same cases in which HyperParallel skips its flat buffer).
+    """
+
+    buckets: tuple[Bucket, ...] = ()
+    skipped: str | None = None
+    freed_bytes: int = 0
+    """Bytes of original shard storages proven released by the adoption."""
+
+    @property
+    def adopted(self) -> bool:
+        return self.skipped is None
+
+    def flats(self) -> list[torch.Tensor]:
+        """One 1-D tensor per bucket over its whole pool: zero-copy all-gather inputs."""
+        return [b.flat() for b in self.buckets]
+
+    def bucket(self, dtype: torch.dtype) -> Bucket:
+        for b in self.buckets:
+            if b.dtype == dtype:
+                return b
+        raise KeyError(f"no bucket of {dtype} (have {[str(b.dtype) for b in self.buckets]})")
+
+    def pools(self) -> list[FlatPool]:
+        return [b.pool for b in self.buckets]
+
+
+def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str | None:
+    """Why a group must not be fused now, or ``None``: HyperParallel's three skip cases."""
+    if not params:
+        return "empty group: nothing to fuse"
+    if world_size is not None and world_size <= 1:
+        return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
+    if any(p.offload_to_cpu for p in params):
+        return "CPU offload: shards stay on the host and are copied per parameter anyway"
+    meta = [i for i, p in enumerate(params) if p._sharded_param_data.is_meta]
+    if meta:
+        return (
+            f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
+            "to allocate them in the pool, or call adopt_group()/readopt_group() after to_empty()"
+        )
+    return None
+
+
+def layout_of(p: ShardedParam, index: int, offset: int) -> MemberLayout:
+    """Where member ``p`` goes, checking that its padded data is what the protocol says."""
+    data = p._sharded_param_data
+    padded = torch.Size(p.padded_sharded_param_size)
+    if data.dim() != 1 or data.numel() != math.prod(padded):
+        raise ValueError(
+            f"member {index}: _sharded_param_data must be 1-D with {math.prod(padded)} elements "
+            f"(padded size {tuple(padded)}), got shape {tuple(data.shape)}"
+        )
+    placement = getattr(p, "fsdp_placement", None)
+    shard_dim = int(getattr(placement, "dim", 0))
+    orig = getattr(p, "_orig_size", None)
+    orig_size = torch.Size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
+    return MemberLayout(
+        index=index,
+        offset=offset,
+        numel=data.numel(),
+        padded_size=padded,
+        sharded_size=torch.Size(p.sharded_size),
+        orig_size=orig_size,
+        shard_dim=shard_dim,
+    )
+
+
+def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
+    """How one member moves: the padded data is the primary; every other holder follows.
+
+    ``_sharded_param_data`` is always an autograd view on FSDP2, so it is *replaced* where the
+    member holds it. The local tensor is found through ``sharded_param`` (flatpool replaces it
+    when it is a view, else rebinds it in place) and a storage-sharing wrapper is rebound in
+    place, keeping the Parameter object the module and optimizer hold.
+    """
+    return AdoptSpec(
+        p._sharded_param_data,
+        views=(p.sharded_param,),
+        holders=(Holder(p, "_sharded_param_data"),),
+        slice=slc,
+    )
+
+
+def bucket_members(params: Sequence[ShardedParam]) -> dict[torch.dtype, list[int]]:
+    """Member indices per dtype of the padded data, first-seen dtype first, group order kept."""
+    out: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        out.setdefault(p._sharded_param_data.dtype, []).append(i)
+    return out
+
+
+def adopt_group(
+    params: Sequence[ShardedParam],
+    *,
+    device: DeviceLike | None = None,
+    world_size: int | None = None,
+    alignment: int = 1,
+    name: str = "group",
+    on_pinned: OnPinned = "raise",
+) -> GroupBuffers:
+    """Move a group's shards into one pool per dtype; return the flat buffers.
+
+    Returns without touching anything (``skipped`` set) for an empty group, ``world_size <= 1``,
+    CPU offload or meta shards. Otherwise all-or-nothing: if any member cannot be adopted (an
+    original is pinned by something not named here, a shard is on another device), every member
+    is left as it was and the error propagates.
+
+    Args:
+        params: the group's members, in all-gather order.
+        device: the pools' device; default the device of the first member's data.
+        world_size: the shard group's size, when known, to skip trivial groups.
+        alignment: byte alignment of slice starts; 1 (default) packs members without gaps so
+            the flat buffer matches the group's existing all-gather split sizes.
+        name: prefix of the pools' names (shown in errors and ``describe()``).
+        on_pinned: passed to :meth:`FlatPool.adopt`.
+    """
+    params = list(params)
+    reason = skip_reason(params, world_size)
+    if reason is not None:
+        return GroupBuffers(skipped=reason)
+    dev = resolve_device(device) if device is not None else params[0]._sharded_param_data.device
+    plans: list[tuple[torch.dtype, FlatPool, list[MemberLayout]]] = []
+    for dtype, indices in bucket_members(params).items():
+        pool = FlatPool(dev, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
+        layouts = []
+        for i in indices:
+            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
+            lay = layout_of(params[i], i, slc.offset // dtype.itemsize)
+            layouts.append(_with_slice(lay, slc))
+        plans.append((dtype, pool, layouts))
+
+    done: list[tuple[FlatPool, list[MemberLayout]]] = []
+    freed = 0
+    try:
+        for dtype, pool, layouts in plans:
+            specs = [adopt_spec(params[m.index], m.slice) for m in layouts]
+            report = pool.adopt(specs, on_pinned=on_pinned)
+            freed += report.freed_bytes
+            done.append((pool, layouts))
+    except BaseException:
+        for pool, layouts in done:
+            evict(pool, [params[m.index] for m in layouts], layouts)
+        raise
+    buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
+    return GroupBuffers(buckets=buckets, freed_bytes=freed)
+
+
+def _with_slice(m: MemberLayout, slc: Slice) -> MemberLayout:
+    return evolve(m, slice=slc)
+
+
+def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[MemberLayout]) -> None:
+    """Undo an adoption: give each member a private storage again (rollback of a later bucket).
+
+    The member's data is copied out of its slice into a fresh padded tensor; the padded data,
+    the local tensor and a storage-sharing wrapper are pointed at it, exactly as FSDP2 lays a
+    member out after ``fully_shard``.
+    """
+    for p, m in zip(params, layouts):
+        assert m.slice is not None
+        fresh = pool.view(m.slice).clone()
+        storage = fresh.untyped_storage()
+        p._sharded_param_data = fresh
+        local = local_tensor(p.sharded_param)
+        stride = _contiguous_strides(m.sharded_size)
+        new_local = torch.empty(0, dtype=fresh.dtype, device=fresh.device)
+        with torch.no_grad():
+            new_local.set_(storage, 0, tuple(m.sharded_size), stride)
+            if local is not p.sharded_param:
+                new_local.requires_grad_(local.requires_grad)
+                setattr(p.sharded_param, "_local_tensor", new_local)
+            if own_storage(p.sharded_param) is not None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    p.sharded_param.set_(storage, 0, tuple(m.sharded_size), stride)
+        pool.registry.unbind(m.slice)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+__all__ = ["GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict", "skip_reason"]

@@ -1,0 +1,55 @@
+"""Value types describing where a fusion group's shards live after adoption."""
+
+from __future__ import annotations
+
+import torch
+from attrs import define
+
+from flatpool import FlatPool, Slice
+
+
+@define(frozen=True)
+class MemberLayout:
+    """One member's place in its bucket's flat buffer.
+
+    ``offset`` and ``numel`` count elements of the bucket's dtype. ``padded_size`` is the
+    padded local shard (what ``_sharded_param_data`` holds), ``sharded_size`` the unpadded one,
+    ``orig_size`` the full (unsharded) parameter and ``shard_dim`` the dimension it is split on:
+    together they tell a fused all-gather how to cut its output back into parameters.
+    """
+
+    index: int
+    """Position of the member in the list given to ``adopt_group``."""
+    offset: int
+    numel: int
+    padded_size: torch.Size
+    sharded_size: torch.Size
+    orig_size: torch.Size
+    shard_dim: int
+    slice: Slice | None = None
+
+
+@define(frozen=True)
+class Bucket:
+    """The members of one dtype and the pool that holds their shards, in all-gather order."""
+
+    dtype: torch.dtype
+    pool: FlatPool
+    members: tuple[MemberLayout, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the flat buffer (``pool.capacity`` in elements of ``dtype``)."""
+        return self.pool.capacity // self.dtype.itemsize
+
+    def flat(self) -> torch.Tensor:
+        """The whole bucket as one 1-D tensor: the zero-copy all-gather input."""
+        return self.pool.flat(self.dtype)
+
+    @property
+    def split_sizes(self) -> list[int]:
+        """Per-member element counts; they sum to :attr:`numel` when packed without gaps."""
+        return [m.numel for m in self.members]
+
+
+__all__ = ["Bucket", "MemberLayout"]

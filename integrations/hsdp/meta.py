@@ -1,0 +1,80 @@
+"""Zero-copy materialization: give meta shards their storage directly in the pool.
+
+The usual deferred-init flow (build under ``torch.device("meta")``, ``fully_shard``,
+``to_empty``) allocates one storage per shard and a fusion step then copies them into a flat
+buffer: twice the memory at the peak, and a storage per shard to prove dead. Here the pool is
+planned from the meta shapes and allocated once, and each member's Parameter is *swapped*
+(``torch.utils.swap_tensors``, identity kept) for a DTensor whose local tensor already is its
+slice. Initialization (``reset_parameters()``, ``load_state_dict``) then writes in place; no
+other shard storage ever exists. FSDP2's lazy ``reset_sharded_param`` sees the padded data and
+the local tensor on one storage and leaves them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from attrs import evolve
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatpool import FlatPool
+from flatpool.devices import DeviceLike, resolve_device
+
+from .group import GroupBuffers, bucket_members, layout_of
+from .layout import Bucket, MemberLayout
+from .protocol import ShardedParam
+
+
+def materialize_group(
+    params: Sequence[ShardedParam],
+    *,
+    device: DeviceLike,
+    alignment: int = 1,
+    name: str = "group",
+) -> GroupBuffers:
+    """Allocate every meta member of a group straight into one pool per dtype.
+
+    Every member must still be on meta (torch DTensor parameters). The pools' memory is left
+    uninitialized, like ``to_empty``: initialize the module afterwards. Returns the same
+    :class:`GroupBuffers` as :func:`adopt_group`.
+    """
+    params = list(params)
+    if not params:
+        return GroupBuffers(skipped="empty group: nothing to fuse")
+    not_meta = [i for i, p in enumerate(params) if not p._sharded_param_data.is_meta]
+    if not_meta:
+        raise ValueError(
+            f"members {not_meta} are not on meta; use adopt_group() for materialized shards"
+        )
+    dev = resolve_device(device)
+    plans: list[tuple[torch.dtype, FlatPool, list[MemberLayout]]] = []
+    for dtype, indices in bucket_members(params).items():
+        pool = FlatPool(dev, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
+        layouts = []
+        for i in indices:
+            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
+            layouts.append(evolve(layout_of(params[i], i, slc.offset // dtype.itemsize), slice=slc))
+        pool.materialize()
+        plans.append((dtype, pool, layouts))
+    for _, pool, layouts in plans:
+        for m in layouts:
+            _install(params[m.index], pool, m)
+    return GroupBuffers(buckets=tuple(Bucket(d, pool, tuple(ls)) for d, pool, ls in plans))
+
+
+@torch.no_grad()
+def _install(p: ShardedParam, pool: FlatPool, m: MemberLayout) -> None:
+    assert m.slice is not None
+    old = p.sharded_param
+    if not isinstance(old, DTensor):
+        raise TypeError(f"member {m.index}: zero-copy materialization needs a torch DTensor")
+    local = pool.view_at(m.slice.offset, tuple(m.sharded_size), m.slice.dtype)
+    new_dt = DTensor(local, old._spec, requires_grad=old.requires_grad)  # type: ignore[no-untyped-call]
+    new = nn.Parameter(new_dt, requires_grad=old.requires_grad)
+    torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]
+    p._sharded_param_data = pool.view_at(m.slice.offset, (m.numel,), m.slice.dtype)
+
+
+__all__ = ["materialize_group"]
