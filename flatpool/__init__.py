@@ -29,12 +29,16 @@ from .errors import (
     PoolExhaustedError,
     SliceError,
 )
+from .ownership.census import Census, StorageRecord, census
 from .ownership.faults import set_fault_hook
 from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, Holder, OnPinned
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
 from .slices import Slice
 
 __all__ = [
+    "Census",
+    "StorageRecord",
+    "census",
     "AdoptSpec",
     "AdoptedItem",
     "AdoptionReport",

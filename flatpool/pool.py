@@ -33,6 +33,7 @@ from .slices import Slice
 
 if TYPE_CHECKING:
     from .ownership.adopt import AdoptTargets
+    from .ownership.meta import MetaTargets
     from .ownership.registry import AdoptionRegistry
     from .ownership.spec import AdoptionReport, OnPinned
 
@@ -400,6 +401,60 @@ class FlatPool:
         from .ownership.adopt import adopt
 
         return adopt(self, targets, discover=discover, on_pinned=on_pinned)
+
+    def readopt(self, *, on_pinned: OnPinned = "raise") -> AdoptionReport:
+        """Bring every adopted tensor that left the pool back into its slice (idempotent).
+
+        Use after a framework re-materialized on its own (``to_empty``, lazy init,
+        ``load_state_dict(assign=True)``): current values are copied into the existing slices
+        and the objects rebound, with the same release proof as :meth:`adopt`.
+        """
+        from .ownership.readopt import readopt
+
+        return readopt(self, on_pinned=on_pinned)
+
+    def moved(self) -> list[Slice]:
+        """Slices some of whose adopted tensors no longer sit in the pool."""
+        from .ownership.readopt import moved
+
+        seen: dict[int, Slice] = {}
+        for slc, _, _ in moved(self):
+            seen.setdefault(slc.slice_id, slc)
+        return list(seen.values())
+
+    def is_valid(self) -> bool:
+        """True when every adopted tensor still aliases its slice."""
+        return not self.moved()
+
+    def materialize_into(
+        self, targets: MetaTargets, slices: Sequence[Slice] | None = None
+    ) -> tuple[Slice, ...]:
+        """Give meta tensors/parameters pool storage in place (``swap_tensors``); see
+        :func:`flatpool.ownership.meta.materialize_into`."""
+        from .ownership.meta import materialize_into
+
+        return materialize_into(self, targets, slices)
+
+    def disown(self, slc: Slice) -> None:
+        """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
+        with self._lock:
+            self.check_live(slc)
+            if self._registry is not None:
+                self._registry.unbind(slc)
+
+    def grow(self, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
+        """Move to a storage of ``capacity`` bytes, keeping offsets and handles; every adopted
+        tensor is rebound and the old storage proven dead (or everything rolls back)."""
+        from .ownership.relocate import grow
+
+        grow(self, capacity, on_pinned=on_pinned)
+
+    def compact(self, *, on_pinned: OnPinned = "raise") -> dict[int, Slice]:
+        """Pack slices without free gaps into a right-sized storage; returns old slice id ->
+        new handle (old handles raise :class:`FreedSliceError`)."""
+        from .ownership.relocate import compact
+
+        return compact(self, on_pinned=on_pinned)
 
     # -- introspection -------------------------------------------------------------------
     def describe(self) -> str:

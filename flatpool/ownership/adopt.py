@@ -50,7 +50,10 @@ class _Member:
 
 
 class _Plan:
-    __slots__ = ("spec", "key", "extent", "shape", "dtype", "members", "slice", "allocated", "label")
+    __slots__ = (
+        "spec", "key", "extent", "shape", "dtype", "members", "slice", "allocated", "label",
+        "rebound",
+    )
 
     def __init__(self, spec: AdoptSpec, key: int, extent: ByteRange, label: str) -> None:
         self.spec, self.key, self.extent, self.label = spec, key, extent, label
@@ -59,6 +62,7 @@ class _Plan:
         self.members: list[_Member] = []
         self.slice: Slice | None = spec.slice
         self.allocated = False
+        self.rebound = 0
 
 
 def _check_not_in_backward() -> None:
@@ -314,6 +318,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
     _patch_specs(plans, txn)
     labels = {p.key: p.label for p in plans}
     for p in plans:
+        p.rebound = len(p.members)
         p.members = []  # drop our references to replaced tensors before the proof
     expired = txn.commit_release()
     late_keys = [k for k, dead in expired.items() if not dead and labels[k] not in pinned]
@@ -337,7 +342,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
                 slice=p.slice,
                 original_nbytes=txn.nbytes[p.key],
                 released=expired[p.key],
-                rebound=len(p.members),
+                rebound=p.rebound,
                 pinned_by=pinned.get(p.label, late.get(p.label, ())),
             )
             for p in plans

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import types
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,14 +20,19 @@ from .rebind import own_storage
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tensors_on_storage(key: int, exclude: set[int] = frozenset()) -> list[torch.Tensor]:  # type: ignore[assignment]
+def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tensor]:
     """Every Python-visible tensor object whose own storage is the one with ``key``."""
+    exclude = set(exclude)
     found: list[torch.Tensor] = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and id(obj) not in exclude:
-            storage = own_storage(obj)
-            if storage is not None and int(storage._cdata) == key:
-                found.append(obj)
+    with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        for obj in objects:
+            if isinstance(obj, torch.Tensor) and id(obj) not in exclude:
+                storage = own_storage(obj)
+                if storage is not None and int(storage._cdata) == key:
+                    found.append(obj)
+    del objects
     return found
 
 

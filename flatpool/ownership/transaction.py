@@ -100,6 +100,12 @@ class Transaction:
         self.journal.append(Replaced(holder, old, new, key, off, shape, stride))
         return new
 
+    def forget_buffer(self, key: int) -> None:
+        """Relocation: the snapshot must not pin the pool's old storage (tracked as ``key``)."""
+        snap = list(self._snapshot)
+        snap[4] = key
+        self._snapshot = tuple(snap)
+
     def patch(self, obj: object, field: str, value: object, undo: object) -> None:
         """Set a field of a frozen value (an AdoptSpec naming a replaced tensor), undoably.
 
@@ -194,6 +200,12 @@ class Transaction:
         for obj, field, undo in reversed(self.patches):
             object.__setattr__(obj, field, _resolve(undo))
         self.patches.clear()
+        buffer = self._snapshot[4]
+        if isinstance(buffer, int):  # relocation: rebuild the old buffer tensor
+            storage = self.storages[buffer]
+            self._snapshot = self._snapshot[:4] + (
+                byte_view(storage, 0, storage.nbytes()),
+            ) + self._snapshot[5:]
         _pool_restore(self.pool, self._snapshot)
 
 

@@ -1,0 +1,197 @@
+"""``census``: list the distinct live storages reachable from roots, and who references them.
+
+A storage outside every pool that holds the same bytes as a live slice is reported *stale*:
+the signature of a hand-rolled fusion that copied shards into a flat buffer but left the
+originals alive. Gradients and optimizer state are legitimate storages of their own and are
+never called stale.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from attrs import define
+
+from ..aliasing import local_tensor
+from ..devices import allocator_counters
+from ..pool import FlatPool, live_pools
+from .rebind import own_storage
+
+_LEGIT_ROLES = ("grad", "optimizer state")
+
+
+@define(frozen=True)
+class StorageRecord:
+    """One live storage: where it lives, how big, which pool slice(s), who references it."""
+
+    device: str
+    nbytes: int
+    pool: str | None
+    slices: tuple[int, ...]
+    referrers: tuple[str, ...]
+    roles: tuple[str, ...]
+    stale_of: str | None
+    """For a stale storage: the pool slice whose bytes it duplicates."""
+
+    @property
+    def stale(self) -> bool:
+        return self.stale_of is not None
+
+
+@define(frozen=True)
+class Census:
+    records: tuple[StorageRecord, ...]
+    allocator: dict[str, dict[str, int]]
+    """Per accelerator device: the caching allocator's allocated/reserved bytes."""
+
+    @property
+    def stale(self) -> tuple[StorageRecord, ...]:
+        return tuple(r for r in self.records if r.stale)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records if r.pool is not None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def render(self) -> str:
+        rows = [("device", "bytes", "pool/slices", "status", "referenced as")]
+        for r in sorted(self.records, key=lambda r: (r.pool is None, -r.nbytes)):
+            where = f"{r.pool}:{','.join(map(str, r.slices))}" if r.pool else "-"
+            status = f"STALE (copy of {r.stale_of})" if r.stale else (
+                "pool" if r.pool else ", ".join(sorted(set(r.roles))) or "other")
+            refs = ", ".join(r.referrers[:3]) + (f" (+{len(r.referrers) - 3})" if len(r.referrers) > 3 else "")
+            rows.append((r.device, str(r.nbytes), where, status, refs))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(
+            f"{len(self.records)} storage(s), {self.total_bytes} bytes; in pools "
+            f"{self.pool_bytes} bytes; stale {sum(r.nbytes for r in self.stale)} bytes "
+            f"in {len(self.stale)} storage(s)"
+        )
+        for dev, counters in self.allocator.items():
+            lines.append(f"{dev} allocator: allocated {counters['allocated']} B, "
+                         f"reserved {counters['reserved']} B")
+        return "\n".join(lines)
+
+
+def _walk(root: Any, name: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name, role, tensor) for the tensors a root references."""
+    if isinstance(root, torch.nn.Module):
+        for n, p in root.named_parameters(remove_duplicate=False):
+            yield f"{name}{n}", "parameter", p
+            if p.grad is not None:
+                yield f"{name}{n}.grad", "grad", p.grad
+        for n, b in root.named_buffers(remove_duplicate=False):
+            yield f"{name}{n}", "buffer", b
+    elif isinstance(root, torch.optim.Optimizer):
+        index = {id(p): f"{name}param[{g}][{i}]" for g, group in enumerate(root.param_groups)
+                 for i, p in enumerate(group["params"])}
+        for group in root.param_groups:
+            for param in group["params"]:
+                yield index[id(param)], "parameter", param
+        for key, state in root.state.items():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    yield f"{index.get(id(key), name + 'state')}.{k}", "optimizer state", v
+    elif isinstance(root, torch.Tensor):
+        yield name.rstrip(".") or "tensor", "tensor", root
+    elif isinstance(root, dict):
+        for k, v in root.items():
+            yield from _walk(v, f"{name}{k}.")
+    elif isinstance(root, (list, tuple)):
+        for i, v in enumerate(root):
+            yield from _walk(v, f"{name}{i}.")
+    else:
+        for k, v in getattr(root, "__dict__", {}).items():
+            if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, dict, list, tuple)):
+                yield from _walk(v, f"{name}{type(root).__name__}.{k}.")
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    return own_storage(local_tensor(t))
+
+
+def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
+    """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
+    lists, objects), or from every tensor in the process when no root is given."""
+    found: list[tuple[str, str, torch.Tensor]] = []
+    if roots:
+        for i, root in enumerate(roots):
+            found.extend(_walk(root, "" if len(roots) == 1 else f"root{i}."))
+    else:
+        with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    found.append((f"{type(obj).__name__}{tuple(obj.shape)}", "tensor", obj))
+    pool_list = list(pools) if pools is not None else live_pools()
+    pool_keys = {int(p.storage._cdata): p for p in pool_list if p.is_materialized}
+
+    groups: dict[int, dict[str, Any]] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for name, role, t in found:
+        s = _storage(t)
+        if s is None:
+            continue
+        key = int(s._cdata)
+        storages.setdefault(key, s)
+        g = groups.setdefault(key, {"names": [], "roles": [], "tensors": []})
+        if name not in g["names"]:
+            g["names"].append(name)
+            g["roles"].append(role)
+            g["tensors"].append(local_tensor(t))
+
+    # Slices by byte size, for the stale check.
+    by_size: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for p in pool_list:
+        if p.is_materialized:
+            for slc in p.slices():
+                by_size.setdefault(slc.nbytes, []).append((f"{p.name}:{slc.slice_id}", slc.bytes()))
+
+    records: list[StorageRecord] = []
+    for key, g in groups.items():
+        s = storages[key]
+        pool = pool_keys.get(key)
+        slices: tuple[int, ...] = ()
+        stale_of: str | None = None
+        if pool is not None:
+            slices = tuple(sorted({sl.slice_id for t in g["tensors"]
+                                   if (sl := pool.slice_of(t)) is not None}))
+        elif any(r not in _LEGIT_ROLES for r in g["roles"]):
+            stale_of = _duplicate_of(g["tensors"], g["roles"], by_size)
+        records.append(StorageRecord(
+            device=str(s.device), nbytes=s.nbytes(), pool=pool.name if pool else None,
+            slices=slices, referrers=tuple(g["names"]), roles=tuple(g["roles"]), stale_of=stale_of,
+        ))
+    allocator: dict[str, dict[str, int]] = {}
+    for dev in {torch.device(r.device) for r in records} | {p.device for p in pool_list}:
+        counters = allocator_counters(dev)
+        if counters is not None:
+            allocator[str(dev)] = counters
+    return Census(tuple(records), allocator)
+
+
+def _duplicate_of(
+    tensors: list[torch.Tensor], roles: list[str],
+    by_size: dict[int, list[tuple[str, torch.Tensor]]],
+) -> str | None:
+    for t, role in zip(tensors, roles):
+        if role in _LEGIT_ROLES or t.is_meta:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            nbytes = t.numel() * t.element_size()
+            candidates = by_size.get(nbytes)
+            if not candidates or not t.is_contiguous():
+                continue
+            raw = t.reshape(-1).view(torch.uint8)
+            for label, slice_bytes in candidates:
+                if slice_bytes.device == raw.device and torch.equal(slice_bytes, raw):
+                    return label
+    return None
