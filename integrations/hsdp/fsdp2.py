@@ -6,7 +6,9 @@ FSDP2 rebinds a member's storage in two places, both through ``FSDPParam.reset_s
 and does nothing); ``to_empty`` and ``load_state_dict(assign=True)`` install new storages. So the
 layer re-validates (and re-adopts what moved) at the two points that matter:
 
-* after ``load_state_dict`` (a post-hook on the root, which runs after FSDP2's own), and
+* after ``load_state_dict`` (a post-hook on the root, which runs after FSDP2's own; with
+  ``assign=True`` the caller's state dict pins the new storages until the call returns, so
+  that case is left to the next point), and
 * before the first all-gather of every forward (a forward pre-hook on the root, prepended so it
   runs before FSDP2's lazy init), which also catches ``to_empty`` and groups that were still
   on meta when :func:`fuse_fully_sharded` was called.
@@ -22,6 +24,8 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 from torch.utils.hooks import RemovableHandle
+
+from flatpool import PinnedStorageError
 
 from .group import GroupBuffers, adopt_group
 from .meta import materialize_group
@@ -70,6 +74,8 @@ class FusedModule:
         self.readoptions = 0
         """How many times a moved member was brought back (for tests and logs)."""
         self._handles: list[RemovableHandle] = []
+        self.deferred = 0
+        """Re-adoptions put off from ``load_state_dict`` to the next forward (pinned then)."""
 
     def _adopt(self, i: int, materialize: bool = False) -> None:
         g = self.groups[i]
@@ -109,8 +115,14 @@ class FusedModule:
                 self.revalidate()
 
         def post_load(*_: Any) -> None:
+            # With ``assign=True`` the caller's state dict still holds the tensors FSDP2 just
+            # installed until ``load_state_dict`` returns: re-adoption would find them pinned.
+            # flatpool rolls back cleanly, and the pre-forward hook re-adopts once they are gone.
             with torch.no_grad():
-                self.revalidate()
+                try:
+                    self.revalidate()
+                except PinnedStorageError:
+                    self.deferred += 1
 
         self._handles.append(self.module.register_forward_pre_hook(pre_forward, prepend=True))
         self._handles.append(self.module.register_load_state_dict_post_hook(post_load))  # type: ignore[no-untyped-call]
