@@ -35,13 +35,17 @@ if TYPE_CHECKING:
     from .ownership.adopt import AdoptTargets
     from .ownership.meta import MetaTargets
     from .ownership.registry import AdoptionRegistry
-    from .ownership.spec import AdoptionReport, OnPinned
+    from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
 kernels want for their buffers, and a multiple of every dtype's element size."""
+
+MAX_BYTES = 1 << 62
+"""Largest pool extent accepted: torch sizes are int64, and planning beyond this can never be
+materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 _pool_ids = itertools.count()
@@ -128,6 +132,8 @@ class FlatPool:
                 raise InvalidTypeError(f"capacity must be an int or None, got {capacity!r}")
             if capacity < 0:
                 raise InvalidRequestError(f"capacity must be >= 0 bytes, got {capacity}")
+            if capacity > MAX_BYTES:
+                raise InvalidRequestError(f"capacity {capacity} exceeds {MAX_BYTES} bytes")
         if name is not None and not isinstance(name, str):
             raise InvalidTypeError(f"name must be a str or None, got {name!r}")
         self.device: torch.device = resolve_device(device)
@@ -221,6 +227,11 @@ class FlatPool:
         with self._lock:
             align = self.slice_alignment(dt)
             start = self._alloc.find(nbytes, align)
+            if start is not None and start + nbytes > MAX_BYTES - self.alignment:
+                raise InvalidRequestError(
+                    f"shape {dims} of {dt} ({nbytes} bytes) at offset {start} would take pool "
+                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address"
+                )
             if start is None:
                 raise PoolExhaustedError(
                     f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
@@ -292,7 +303,7 @@ class FlatPool:
                 extent = self._alloc.extent
                 # A fixed capacity is allocated as given; a planned extent is padded to alignment.
                 capacity = align_up(extent, self.alignment) if self._alloc.growable else extent
-                buf = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                buf = empty_storage_tensor(capacity, self.device, self.name)
                 self._alloc.fix(capacity)
                 self._buffer = buf
             return self._buffer
@@ -402,16 +413,20 @@ class FlatPool:
 
         return adopt(self, targets, discover=discover, on_pinned=on_pinned)
 
-    def readopt(self, *, on_pinned: OnPinned = "raise") -> AdoptionReport:
+    def readopt(
+        self, specs: Sequence[AdoptSpec] | None = None, *, on_pinned: OnPinned = "raise"
+    ) -> AdoptionReport:
         """Bring every adopted tensor that left the pool back into its slice (idempotent).
 
         Use after a framework re-materialized on its own (``to_empty``, lazy init,
-        ``load_state_dict(assign=True)``): current values are copied into the existing slices
-        and the objects rebound, with the same release proof as :meth:`adopt`.
+        ``load_state_dict``): current values are copied into the existing slices and the
+        objects rebound, with the same release proof as :meth:`adopt`. Pass ``specs`` (each
+        with its ``slice``) to name the current holders explicitly; they replace the slices'
+        recorded bindings.
         """
         from .ownership.readopt import readopt
 
-        return readopt(self, on_pinned=on_pinned)
+        return readopt(self, specs, on_pinned=on_pinned)
 
     def moved(self) -> list[Slice]:
         """Slices some of whose adopted tensors no longer sit in the pool."""
@@ -491,6 +506,17 @@ class FlatPool:
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"
             )
             return "\n".join(lines)
+
+
+def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
+    """``capacity`` uninitialized bytes on ``device``; a failed allocation is a typed error."""
+    try:
+        return torch.empty(capacity, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise PoolExhaustedError(
+            f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
+            requested=capacity, free=0, largest_free=0,
+        ) from exc
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ and the pool back to where they were.
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
@@ -106,7 +107,9 @@ def _label(t: torch.Tensor, i: int) -> str:
     return f"#{i} {type(t).__name__}{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
-def _validate_primary(pool: FlatPool, spec: AdoptSpec, i: int) -> torch.Tensor:
+def _validate_primary(
+    pool: FlatPool, spec: AdoptSpec, i: int, pools: list[FlatPool] | None = None
+) -> torch.Tensor:
     from ..pool import live_pools
 
     inner = local_tensor(spec.tensor)
@@ -124,12 +127,26 @@ def _validate_primary(pool: FlatPool, spec: AdoptSpec, i: int) -> torch.Tensor:
             )
         if inner.numel() == 0:
             raise InvalidRequestError(f"{label} is empty: zero-size tensors stay outside the pool")
+        if inner.is_inference():
+            raise InvalidRequestError(
+                f"{label} is an inference tensor (made under torch.inference_mode()); it cannot "
+                "be rebound in place: adopt a clone() made outside inference mode"
+            )
         if _self_overlapping(inner):
             raise InvalidRequestError(
                 f"{label} overlaps itself (an expanded/broadcast view, strides "
                 f"{tuple(inner.stride())}); adopt the tensor it was expanded from"
             )
-    for p in live_pools():
+    if inner is not spec.tensor:
+        wrapper, own = own_storage(spec.tensor), own_storage(inner)
+        if wrapper is not None and own is not None and int(wrapper._cdata) != int(own._cdata):
+            raise InvalidRequestError(
+                f"{label} has a storage of its own that is not its _local_tensor's: the wrapper "
+                "does not view its shard, and adopting the local tensor would leave the wrapper "
+                "reading other memory; rebuild the wrapper around its local tensor"
+            )
+        del wrapper, own
+    for p in live_pools() if pools is None else pools:
         if p.owns(inner):
             where = "this pool" if p is pool else f"pool {p.name!r}"
             raise InvalidRequestError(
@@ -176,11 +193,16 @@ def _discover(key: int, extent: ByteRange, known: set[int]) -> list[_Member]:
     return found
 
 
-def _plan(pool: FlatPool, specs: list[AdoptSpec], txn: Transaction, discover: bool) -> list[_Plan]:
+def _plan(
+    pool: FlatPool, specs: list[AdoptSpec], txn: Transaction, discover: bool, into_bound: bool
+) -> list[_Plan]:
+    from ..pool import live_pools
+
     plans: list[_Plan] = []
     seen_primary: set[int] = set()
+    pools = [p for p in live_pools() if p.is_materialized]  # only these can own a tensor
     for i, spec in enumerate(specs):
-        inner = _validate_primary(pool, spec, i)
+        inner = _validate_primary(pool, spec, i, pools)
         if id(inner) in seen_primary:
             raise InvalidRequestError(f"{_label(spec.tensor, i)} was given twice; name it once")
         seen_primary.add(id(inner))
@@ -201,7 +223,7 @@ def _plan(pool: FlatPool, specs: list[AdoptSpec], txn: Transaction, discover: bo
                     f"{plan.label} needs {plan.extent.nbytes} bytes of {plan.dtype}; slice "
                     f"{spec.slice.slice_id} has {spec.slice.nbytes} bytes of {spec.slice.dtype}"
                 )
-            if pool.registry.holds(spec.slice):
+            if not into_bound and pool.registry.holds(spec.slice):
                 raise InvalidRequestError(
                     f"slice {spec.slice.slice_id} already backs adopted tensors; use readopt()"
                 )
@@ -268,22 +290,40 @@ def adopt(
     *,
     discover: bool = False,
     on_pinned: OnPinned = "raise",
+    into_bound: bool = False,
 ) -> AdoptionReport:
-    """Move ``targets`` into ``pool``; see :meth:`FlatPool.adopt`."""
+    """Move ``targets`` into ``pool``; see :meth:`FlatPool.adopt`.
+
+    ``into_bound`` lets specs name slices that already have bindings, which the adoption then
+    replaces (re-adoption with explicit specs, :meth:`FlatPool.readopt`).
+    """
     if on_pinned not in ("raise", "warn", "force"):
         raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
     if not isinstance(discover, bool):
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     _check_not_in_backward()
     specs = _normalize(targets)
-    with pool.lock:
-        txn = Transaction(pool)
-        try:
-            plans = _plan(pool, specs, txn, discover)
-            return _execute(pool, plans, txn, on_pinned)
-        except BaseException:
-            txn.rollback()
-            raise
+    # A batch creates a few Python objects per tensor (storages, views, records, weak
+    # references); with thousands of tensors the growing heap triggers full gc passes that
+    # cost more than the move itself. Nothing here relies on the cycle collector (the proof
+    # is by reference counts), so it is paused for the batch.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with pool.lock:
+            txn = Transaction(pool)
+            plans: list[_Plan] = []
+            try:
+                plans = _plan(pool, specs, txn, discover, into_bound)
+                return _execute(pool, plans, txn, on_pinned)
+            except BaseException:
+                txn.rollback()
+                for p in plans:  # the traceback keeps these frames: let them pin nothing
+                    p.members = []
+                raise
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: OnPinned) -> AdoptionReport:
@@ -292,25 +332,32 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
             checkpoint("allocate")
             p.slice = pool.allocate(p.shape, p.dtype)
             p.allocated = True
-    target = pool.storage
+    flat = pool._materialized_buffer()  # the pool's bytes as one 1-D uint8 tensor
+    target = flat.untyped_storage()
     checkpoint("copy")
-    dst = [byte_view(target, p.slice.offset, p.extent.nbytes) for p in plans if p.slice is not None]
+    dst = [flat.narrow(0, p.slice.offset, p.extent.nbytes) for p in plans if p.slice is not None]
+    del flat
+    for p, view in zip(plans, dst):
+        if not p.allocated:  # an existing slice: a rollback must give it its old bytes back
+            txn.save_bytes(view)
     src = [byte_view(txn.storages[p.key], p.extent.start, p.extent.nbytes) for p in plans]
-    with torch.no_grad():
-        torch._foreach_copy_(dst, src)
+    _copy_all(dst, src)
     del dst, src
 
     bindings = _rebind_all(plans, txn, target)
     del target
 
     pinned = _precheck(plans, txn)
+    if pinned:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
+        gc.collect()
+        pinned = _precheck(plans, txn)
     if pinned and on_pinned == "force":
         _force_rebind(pool, plans, txn, pinned, bindings)
         pinned = _precheck(plans, txn)
     if pinned and on_pinned == "raise":
         raise PinnedStorageError(_pinned_message(pinned), pinned)
     if pinned:
-        warnings.warn(_pinned_message(pinned), stacklevel=3)
+        warnings.warn(_pinned_message(pinned, kept=True), stacklevel=3)
 
     for p in plans:
         assert p.slice is not None
@@ -321,6 +368,9 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
         p.rebound = len(p.members)
         p.members = []  # drop our references to replaced tensors before the proof
     expired = txn.commit_release()
+    if not all(expired.values()):  # as above: cyclic garbage is no pin
+        gc.collect()
+        expired = {k: w.expired() for k, w in txn.weak.items()}
     late_keys = [k for k, dead in expired.items() if not dead and labels[k] not in pinned]
     late: dict[str, tuple[str, ...]] = {}
     if late_keys:
@@ -335,7 +385,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
             del alive
         if on_pinned == "raise":
             raise PinnedStorageError(_pinned_message(late), late)
-        warnings.warn(_pinned_message(late), stacklevel=3)
+        warnings.warn(_pinned_message(late, kept=True), stacklevel=3)
     return AdoptionReport(
         tuple(
             AdoptedItem(
@@ -349,6 +399,51 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
             if p.slice is not None
         )
     )
+
+
+_SMALL_COPY = 64 << 10
+"""Byte views below this are copied serially by ``copy_`` (torch parallelizes a single copy
+only above its grain size of 32768 elements); :func:`_copy_all` spreads them over threads."""
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i``: one ``_foreach_copy_``, and on CPU the small
+    copies split over ``torch.get_num_threads()`` Python threads (the op releases the GIL).
+
+    Thousands of small copies into a fresh pool are bound by first-touch page faults taken one
+    at a time; threads take them in parallel, as a single large ``copy_`` does.
+    """
+    workers = torch.get_num_threads() if dst and dst[0].device.type == "cpu" else 1
+    small = [i for i, d in enumerate(dst) if d.nbytes < _SMALL_COPY] if workers > 1 else []
+    if len(small) < 4 * workers:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+        return
+    large = sorted(set(range(len(dst))) - set(small))
+    chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    if large:
+        chunks.append(([dst[i] for i in large], [src[i] for i in large]))
+    per = -(-len(small) // workers)
+    for k in range(0, len(small), per):
+        part = small[k : k + per]
+        chunks.append(([dst[i] for i in part], [src[i] for i in part]))
+    errors: list[BaseException] = []
+
+    def run(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                torch._foreach_copy_(d, s)
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=c, daemon=True) for c in chunks[1:]]
+    for t in threads:
+        t.start()
+    run(*chunks[0])
+    for t in threads:
+        t.join()  # every copy has finished before anything (a rollback) touches the bytes
+    if errors:
+        raise errors[0]
 
 
 def _rebind_all(
@@ -393,16 +488,20 @@ def _precheck(plans: list[_Plan], txn: Transaction) -> dict[str, tuple[str, ...]
     """Originals something else still uses, each with the names of its holders."""
     checkpoint("release")
     pinned: dict[str, tuple[str, ...]] = {}
+    by_key: dict[int, list[InPlace | Replaced]] = {}  # one pass over the journal, not one per key
+    for rec in txn.journal:
+        by_key.setdefault(rec.key, []).append(rec)
     for key in {p.key for p in plans}:
         based: list[str] = []
-        for rec in txn.journal:
-            if rec.key != key or not isinstance(rec, InPlace):
+        records = by_key.get(key, [])
+        for rec in records:
+            if not isinstance(rec, InPlace):
                 continue
             base = autograd_base(rec.obj)
             bs = own_storage(base) if base is not None else None
             if bs is not None and int(bs._cdata) == key:
                 based.append(f"tensor {tuple(rec.obj.shape)} named in the adoption")
-        if based or txn.unaccounted_users(key):
+        if based or txn.unaccounted_users(key, records):
             label = next(p.label for p in plans if p.key == key)
             skip = {id(txn.storages), id(txn.journal)}
             skip.update(id(r) for r in txn.journal)
@@ -436,10 +535,16 @@ def _force_rebind(
             bindings[p.slice.slice_id].append(Binding.make(placed, geometry, m.holder, False))
 
 
-def _pinned_message(pinned: dict[str, tuple[str, ...]]) -> str:
+def _pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) -> str:
     lines = [f"{len(pinned)} original storage(s) are still referenced after rebinding:"]
     for label, holders in pinned.items():
         lines.append(f"  {label} is held by: " + "; ".join(holders))
+    if kept:  # on_pinned="warn"/"force": the move stands, the originals live on
+        lines.append(
+            "The move was kept (on_pinned='warn'/'force'); each original is freed when its "
+            "holders drop it."
+        )
+        return "\n".join(lines)
     lines.append(
         "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
         "references, or use on_pinned='warn'/'force'. Nothing was changed."

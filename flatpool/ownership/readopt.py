@@ -9,6 +9,7 @@ slice and rebinds, with the same release proof and rollback as :func:`adopt`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,12 +17,12 @@ import torch
 from ..aliasing import storage_key
 from ..errors import InvalidRequestError, PinnedStorageError
 from ..slices import Slice
-from .adopt import _check_not_in_backward, _pinned_message
+from .adopt import _check_not_in_backward, _pinned_message, adopt
 from .faults import checkpoint
 from .pins import name_pins
 from .rebind import autograd_base, own_storage
 from .registry import Binding
-from .spec import AdoptedItem, AdoptionReport, OnPinned
+from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
 from .transaction import Transaction
 
 if TYPE_CHECKING:
@@ -62,10 +63,31 @@ def moved(pool: FlatPool) -> list[tuple[Slice, Binding, torch.Tensor]]:
     return out
 
 
-def readopt(pool: FlatPool, *, on_pinned: OnPinned = "raise") -> AdoptionReport:
-    """Bring every moved binding of ``pool`` back into its slice; a no-op when nothing moved."""
+def readopt(
+    pool: FlatPool,
+    specs: Sequence[AdoptSpec] | None = None,
+    *,
+    on_pinned: OnPinned = "raise",
+) -> AdoptionReport:
+    """Bring every moved binding of ``pool`` back into its slice; a no-op when nothing moved.
+
+    With ``specs`` (each naming its ``slice``), adopt exactly those into their existing slices
+    instead, replacing the slices' bindings: for callers that know the current holders better
+    than the registry, e.g. after ``load_state_dict(assign=True)`` installed new Parameter
+    objects that no recorded holder points to.
+    """
     if on_pinned not in ("raise", "warn", "force"):
         raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
+    if specs is not None:
+        specs = list(specs)
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, AdoptSpec) or spec.slice is None:
+                raise InvalidRequestError(
+                    f"readopt() spec #{i} must be an AdoptSpec naming the slice to re-adopt into"
+                )
+        if not specs:
+            return AdoptionReport(())
+        return adopt(pool, specs, on_pinned=on_pinned, into_bound=True)
     _check_not_in_backward()
     with pool.lock:
         todo = moved(pool)
@@ -109,6 +131,7 @@ def _readopt(
         keys.setdefault(key, []).append(slc.slice_id)
         checkpoint("copy")
         dst = pool.view_at(slc.offset + g.byte_offset, g.shape, g.dtype, g.stride)
+        txn.save_bytes(dst)  # a rollback must give the slice its old bytes back
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             dst.copy_(obj)
         del dst
@@ -133,7 +156,7 @@ def _readopt(
     if pinned and on_pinned == "raise":
         raise PinnedStorageError(_pinned_message(pinned), pinned)
     if pinned:
-        warnings.warn(_pinned_message(pinned), stacklevel=3)
+        warnings.warn(_pinned_message(pinned, kept=True), stacklevel=3)
     for slice_id, bindings in pool.registry.items():
         pool.registry.bind(pool._live[slice_id], [replaced.get(id(b), b) for b in bindings])
     nbytes = dict(txn.nbytes)

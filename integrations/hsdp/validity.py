@@ -83,17 +83,9 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
         stale = [m for m in b.members if member_problems(params[m.index], m, b.pool)]
         if not stale:
             continue
-        # flatpool's registry knows where each member's holders are (the FSDP param's
-        # ``_sharded_param_data``, the DTensor's ``_local_tensor``) and finds replacements there.
-        b.pool.readopt()
-        still = [m for m in stale if member_problems(params[m.index], m, b.pool)]
-        if still:
-            # A holder the registry could not follow (e.g. a new Parameter object installed by
-            # ``load_state_dict(assign=True)``): adopt those members afresh into their slices.
-            for m in still:
-                assert m.slice is not None
-                b.pool.registry.unbind(m.slice)
-            b.pool.adopt([adopt_spec(params[m.index], m.slice) for m in still])
+        # The member knows its holders *now* (FSDP2 may have installed a new Parameter object,
+        # e.g. load_state_dict(assign=True)), so name them explicitly for the existing slices.
+        b.pool.readopt([adopt_spec(params[m.index], m.slice) for m in stale])
         moved += len(stale)
     return moved
 

@@ -195,8 +195,12 @@ def load_state_dict_case(mesh: DeviceMesh, assign: bool) -> None:
     assert fused is not None
     if assign:  # fresh tensors the caller drops: FSDP2 installs them, the layer re-adopts
         model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
-        assert fused.deferred == 1 and not fused.is_valid(), "expected a deferred re-adoption"
-        fused.revalidate()  # what the pre-forward hook does
+        # Where FSDP2 kept the caller's tensor as the local shard (unpadded ranks), the
+        # caller's dict pins it until the call returns and re-adoption is deferred; where it
+        # re-padded into a fresh tensor, the post-load hook re-adopts at once.
+        if not fused.is_valid():
+            assert fused.deferred == 1, "invalid pool without a deferred re-adoption"
+            fused.revalidate()  # what the pre-forward hook does
     else:
         model.load_state_dict(sd)
     assert fused.is_valid(), "pool not valid after load_state_dict"

@@ -42,11 +42,7 @@ def test_every_scenario_ran(results: list[dict[str, str | None]]) -> None:
         assert sorted(per_rank) == sorted(SCENARIOS)
 
 
-KNOWN = {
-    "load_state_dict-assign": "after load_state_dict(assign=True) the storages FSDP2 installs "
-    "stay referenced (an old DTensor object and C++-only holders named by flatpool's pin "
-    "report), so re-adoption is refused and rolled back; under investigation",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
