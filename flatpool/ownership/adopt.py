@@ -381,7 +381,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
         for k in late_keys:
             alive = upgrade(txn.weak[k])
             if alive is not None:
-                late[labels[k]] = name_pins(alive, {id(txn.storages)})
+                late[labels[k]] = name_pins(alive, txn.own_ids())
             del alive
         if on_pinned == "raise":
             raise PinnedStorageError(_pinned_message(late), late)
@@ -503,10 +503,7 @@ def _precheck(plans: list[_Plan], txn: Transaction) -> dict[str, tuple[str, ...]
                 based.append(f"tensor {tuple(rec.obj.shape)} named in the adoption")
         if based or txn.unaccounted_users(key, records):
             label = next(p.label for p in plans if p.key == key)
-            skip = {id(txn.storages), id(txn.journal)}
-            skip.update(id(r) for r in txn.journal)
-            skip.update(id(getattr(r, "old", None)) for r in txn.journal)
-            pinned[label] = name_pins(txn.storages[key], skip, based)
+            pinned[label] = name_pins(txn.storages[key], txn.own_ids(), based)
     return pinned
 
 

@@ -146,13 +146,14 @@ def _readopt(
         else:
             txn.move_in_place(obj, key, target, new_offset)
             replaced[id(b)] = Binding.make(obj, b.geometry, holder, b.primary)
-    del target, obj, todo
+    todo.clear()  # the caller's list too: its (slice, binding, tensor) rows would pin
+    del target, obj
     checkpoint("release")
     pinned: dict[str, tuple[str, ...]] = {}
     for key, slice_ids in keys.items():
         if txn.unaccounted_users(key):
             label = f"the storage re-adopted into slice(s) {sorted(set(slice_ids))}"
-            pinned[label] = name_pins(txn.storages[key], {id(txn.storages), id(txn.journal)})
+            pinned[label] = name_pins(txn.storages[key], txn.own_ids())
     if pinned and on_pinned == "raise":
         raise PinnedStorageError(_pinned_message(pinned), pinned)
     if pinned:

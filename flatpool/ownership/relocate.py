@@ -15,6 +15,7 @@ import torch
 
 from ..allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError, PinnedStorageError
+from ..pool import MAX_BYTES, empty_storage_tensor
 from ..slices import Slice
 from .adopt import _check_not_in_backward, _pinned_message
 from .faults import checkpoint
@@ -33,6 +34,8 @@ def grow(pool: FlatPool, capacity: int, *, on_pinned: OnPinned = "raise") -> Non
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise InvalidTypeError(f"capacity must be an int, got {capacity!r}")
     with pool.lock:
+        if capacity > MAX_BYTES:
+            raise InvalidRequestError(f"grow() to {capacity} bytes exceeds {MAX_BYTES} bytes")
         if capacity < pool.capacity:
             raise InvalidRequestError(
                 f"grow() cannot shrink pool {pool.name!r} from {pool.capacity} to {capacity} "
@@ -83,7 +86,7 @@ def _relocate(
             return mapping
 
         checkpoint("allocate")
-        new_buffer = torch.empty(capacity, dtype=torch.uint8, device=pool.device)
+        new_buffer = empty_storage_tensor(capacity, pool.device, pool.name)
         old_key = txn.track(old_buffer.untyped_storage())
         txn.forget_buffer(old_key)
         del old_buffer
@@ -104,13 +107,11 @@ def _relocate(
         checkpoint("release")
         if txn.unaccounted_users(old_key):
             pinned = {
-                f"pool {pool.name!r}'s old storage": name_pins(
-                    txn.storages[old_key], {id(txn.storages), id(txn.journal)}
-                )
+                f"pool {pool.name!r}'s old storage": name_pins(txn.storages[old_key], txn.own_ids())
             }
             if on_pinned == "raise":
                 raise PinnedStorageError(_pinned_message(pinned), pinned)
-            warnings.warn(_pinned_message(pinned), stacklevel=3)
+            warnings.warn(_pinned_message(pinned, kept=True), stacklevel=3)
         txn.commit_release()
         return mapping
     except BaseException:

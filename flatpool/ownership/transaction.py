@@ -10,6 +10,8 @@ back (onto the original if it is alive, onto a fresh copy of its bytes if it die
 from __future__ import annotations
 
 import sys
+import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +42,7 @@ class InPlace:
 class Replaced:
     """``holder`` held ``old`` (on storage ``key``) and now holds ``new``."""
 
-    __slots__ = ("holder", "old", "new", "key", "byte_offset", "shape", "stride")
+    __slots__ = ("holder", "old", "old_ref", "new", "key", "byte_offset", "shape", "stride")
 
     def __init__(
         self, holder: Holder, old: torch.Tensor, new: torch.Tensor, key: int, byte_offset: int,
@@ -48,6 +50,7 @@ class Replaced:
     ) -> None:
         self.holder, self.new = holder, new
         self.old: torch.Tensor | None = old
+        self.old_ref: weakref.ref[torch.Tensor] | None = None  # set when ``old`` is dropped
         self.key, self.byte_offset, self.shape, self.stride = key, byte_offset, shape, stride
 
 
@@ -66,6 +69,7 @@ class Transaction:
         self.journal: list[InPlace | Replaced] = []
         self.weak: dict[int, StorageRef] = {}
         self.patches: list[tuple[object, str, object]] = []
+        self.overwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
         self._snapshot = _pool_snapshot(pool)
 
     # -- originals -------------------------------------------------------------------------
@@ -100,6 +104,10 @@ class Transaction:
         self.journal.append(Replaced(holder, old, new, key, off, shape, stride))
         return new
 
+    def save_bytes(self, view: torch.Tensor) -> None:
+        """Keep a copy of pool bytes about to be overwritten (an existing slice), for rollback."""
+        self.overwritten.append((view, view.detach().clone()))
+
     def forget_buffer(self, key: int) -> None:
         """Relocation: the snapshot must not pin the pool's old storage (tracked as ``key``)."""
         snap = list(self._snapshot)
@@ -115,18 +123,33 @@ class Transaction:
         self.patches.append((obj, field, undo))
         object.__setattr__(obj, field, value)
 
+    def own_ids(self) -> set[int]:
+        """Ids of the objects this transaction holds, for pin scans to skip."""
+        ids = {id(self.storages), id(self.journal), id(self.patches)}
+        for rec in self.journal:
+            ids.add(id(rec))
+            if isinstance(rec, Replaced) and rec.old is not None:
+                ids.add(id(rec.old))
+        ids.update(id(p) for p in self.patches)
+        return ids
+
     # -- release proof ---------------------------------------------------------------------
-    def unaccounted_users(self, key: int) -> int:
+    def unaccounted_users(
+        self, key: int, records: Sequence[InPlace | Replaced] | None = None
+    ) -> int:
         """Users of original ``key`` beyond what this transaction itself holds (before commit).
 
         C++ users (TensorImpls, counted by ``_storage_Use_Count``) minus the storage object
         and the replaced tensors the journal keeps for rollback, plus Python references to the
         storage object other than ours. Python references to a journaled tensor are invisible
         here; the weak-reference proof after commit catches those.
+
+        ``records``: the journal records of ``key`` when the caller already grouped them (a
+        batch checking every key would otherwise scan the whole journal once per key).
         """
         storage = self.storages[key]
         known: dict[int, torch.Tensor] = {}
-        for rec in self.journal:
+        for rec in self.journal if records is None else records:
             if isinstance(rec, Replaced) and rec.key == key and rec.old is not None:
                 known[id(rec.old)] = rec.old
                 base = autograd_base(rec.old)
@@ -148,7 +171,10 @@ class Transaction:
         checkpoint("release")
         self.weak = {k: weak_storage(s) for k, s in self.storages.items()}
         for rec in self.journal:
-            if isinstance(rec, Replaced):
+            if isinstance(rec, Replaced) and rec.old is not None:
+                # If whoever else holds the old object pins the original, a rollback hands the
+                # holder that same object back (not a look-alike).
+                rec.old_ref = weakref.ref(rec.old)
                 rec.old = None
         self.storages.clear()
         return {k: w.expired() for k, w in self.weak.items()}
@@ -193,6 +219,8 @@ class Transaction:
                 set_storage(rec.obj, storage, rec.byte_offset, rec.shape, rec.stride)
             else:
                 old = rec.old
+                if old is None and rec.old_ref is not None:
+                    old = rec.old_ref()
                 if old is None:
                     old = fresh_tensor_like(rec.new, storage, rec.byte_offset, rec.shape, rec.stride)
                 rec.holder.set(old)
@@ -200,6 +228,10 @@ class Transaction:
         for obj, field, undo in reversed(self.patches):
             object.__setattr__(obj, field, _resolve(undo))
         self.patches.clear()
+        with torch.no_grad():
+            for view, before in reversed(self.overwritten):
+                view.copy_(before)
+        self.overwritten.clear()
         buffer = self._snapshot[4]
         if isinstance(buffer, int):  # relocation: rebuild the old buffer tensor
             storage = self.storages[buffer]
@@ -207,6 +239,9 @@ class Transaction:
                 byte_view(storage, 0, storage.nbytes()),
             ) + self._snapshot[5:]
         _pool_restore(self.pool, self._snapshot)
+        # Done: drop the originals, or an exception traceback holding this transaction (a
+        # PinnedStorageError the caller keeps) would pin them and fail the next attempt.
+        self.storages.clear()
 
 
 def _resolve(undo: object) -> object:
