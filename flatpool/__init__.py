@@ -12,6 +12,7 @@ from .aliasing import (
     check_no_aliasing,
     local_tensor,
     overlaps,
+    own_storage,
     same_storage,
     storage_of,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "live_pools",
     "local_tensor",
     "overlaps",
+    "own_storage",
     "resolve_device",
     "same_storage",
     "storage_of",

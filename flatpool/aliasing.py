@@ -13,6 +13,7 @@ from typing import Union
 
 import torch
 from attrs import define
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import AliasingError, InvalidTypeError
 
@@ -48,6 +49,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if isinstance(inner, torch.Tensor) and inner is not t:
         return local_tensor(inner)
     return t
+
+
+def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors and storage-less wrappers.
+
+    torch's DTensor is a traceable wrapper subclass with no data of its own; depending on how it
+    was built it answers with an empty or an invalid placeholder storage, counted here as none.
+    A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage and
+    so has one.
+    """
+    wrapper: bool = is_traceable_wrapper_subclass(t)  # a TypeGuard mypy over-narrows on
+    if wrapper:
+        return None
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.is_meta:
+                return None
+            storage = t.untyped_storage()
+            storage.data_ptr()  # raises on a placeholder storage
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage if storage.nbytes() > 0 else None
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:

@@ -12,18 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..aliasing import own_storage
 from ..errors import AdoptionError
 
-
-def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """``t``'s own storage without unwrapping; ``None`` for wrappers that have none (DTensor)."""
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            if t.is_meta:
-                return None
-            return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
+__all__ = ["autograd_base", "fresh_tensor_like", "own_storage", "set_storage", "version_of"]
 
 
 def version_of(t: torch.Tensor) -> int:

@@ -17,31 +17,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from flatpool import own_storage
 
 from .protocol import ShardedParam
-
-
-def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """``t``'s own storage (not unwrapped); ``None`` for meta tensors and storage-less wrappers.
-
-    torch's DTensor is a traceable wrapper subclass: it has no data of its own, and depending on
-    how it was built it answers with an empty or an invalid placeholder storage, counted as none.
-    A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage,
-    which is why the wrapper itself is looked at too.
-    """
-    wrapper: bool = is_traceable_wrapper_subclass(t)
-    if wrapper:
-        return None
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            if t.is_meta:
-                return None
-            s = t.untyped_storage()
-            s.data_ptr()  # raises on a placeholder storage
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    return s if s.nbytes() > 0 else None
 
 
 def member_tensors(p: ShardedParam) -> list[torch.Tensor]:

@@ -20,10 +20,9 @@ from collections.abc import Sequence
 import torch
 from attrs import define, evolve
 
-from flatpool import AdoptSpec, FlatPool, Holder, OnPinned, Slice, local_tensor
+from flatpool import AdoptSpec, FlatPool, Holder, OnPinned, Slice, local_tensor, own_storage
 from flatpool.devices import DeviceLike, resolve_device
 
-from .census import own_storage
 from .layout import Bucket, MemberLayout
 from .protocol import ShardedParam
 

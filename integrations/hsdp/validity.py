@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from flatpool import FlatPool, byte_range, local_tensor, storage_of
+from flatpool import FlatPool, byte_range, local_tensor, own_storage, storage_of
 
-from .census import own_storage
 from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout
 from .protocol import ShardedParam
