@@ -172,12 +172,15 @@ def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[_Member]:
 def _discover(key: int, extent: ByteRange, known: set[int]) -> list[_Member]:
     """Every Python-visible tensor on storage ``key`` inside ``extent``, with holders for views."""
     found: list[_Member] = []
-    for t in tensors_on_storage(key, known):
+    candidates = tensors_on_storage(key, known)
+    for t in candidates:
         if not extent.contains(byte_range(t)):
             continue
         holder: Holder | None = None
         if autograd_base(t) is not None:
             for ref in gc.get_referrers(t):
+                if ref is candidates:  # our own list, not the holder to replace it in
+                    continue
                 if isinstance(ref, dict):
                     k = next(k for k, v in ref.items() if v is t)
                     owner = next(
@@ -401,9 +404,11 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
     )
 
 
-_SMALL_COPY = 64 << 10
-"""Byte views below this are copied serially by ``copy_`` (torch parallelizes a single copy
-only above its grain size of 32768 elements); :func:`_copy_all` spreads them over threads."""
+_SMALL_COPY = 4 << 20
+"""Copies below this are spread over threads by :func:`_copy_all`. A ``copy_`` below torch's
+grain size (32768 elements) runs serially, and one above it opens a parallel region per
+tensor, which stalls whenever another process holds a core; large copies keep their own
+intra-op parallelism."""
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

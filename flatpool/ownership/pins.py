@@ -7,7 +7,9 @@ Used to explain a failed release proof. Naming is best effort and only runs on t
 from __future__ import annotations
 
 import gc
+import inspect
 import os
+import sys
 import types
 import warnings
 from collections.abc import Iterable
@@ -40,6 +42,21 @@ def _ours(obj: Any) -> bool:
     return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
+def _frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
+    """A frame's locals, without leaving a snapshot behind.
+
+    Before Python 3.13 ``frame.f_locals`` of a function frame fills a dict cached on the frame;
+    it keeps every value alive until the frame ends, even ones the function ``del``s later,
+    which would itself pin the storages being named. Clear that cache after reading it (the
+    fast locals stay authoritative; the next ``locals()`` call rebuilds it).
+    """
+    snapshot = frame.f_locals
+    items = list(snapshot.items())
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        snapshot.clear()
+    return items
+
+
 def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
     for owner in gc.get_referrers(d):
         if id(owner) in skip or _ours(owner):
@@ -55,9 +72,21 @@ def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
         if isinstance(owner, dict):
             for k, v in owner.items():
                 if v is d:
+                    obj = next(  # the object whose attribute dict this is: "Type.attr"
+                        (o for o in gc.get_referrers(owner)
+                         if not isinstance(o, type) and getattr(o, "__dict__", None) is owner),
+                        None,
+                    )
+                    if obj is not None and isinstance(k, str):
+                        return f"{type(obj).__name__}.{k}"
                     parent = _owner_of_dict(owner, skip | {id(d)})
                     key = f"param{tuple(k.shape)}" if isinstance(k, torch.Tensor) else repr(k)
                     return f"{parent or 'dict'}[{key}]"
+        attrs = getattr(owner, "__dict__", None)  # an attribute of an object (inline values)
+        if isinstance(attrs, dict) and not isinstance(owner, type):
+            for k, v in attrs.items():
+                if v is d:
+                    return f"{type(owner).__name__}.{k}"
     return None
 
 
@@ -65,6 +94,7 @@ def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
     """Describe each Python object that references ``obj`` (attribute paths, keys, frames)."""
     skip_ids = set(skip) | {id(obj)}
     names: list[str] = []
+    seen_frames: set[int] = set()
     for ref in gc.get_referrers(obj):
         if id(ref) in skip_ids or _ours(ref):
             continue
@@ -85,8 +115,9 @@ def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
                 if value is obj:
                     names.append(f"{type(ref).__name__}[{idx}]")
         elif isinstance(ref, types.FrameType):
+            seen_frames.add(id(ref))
             local = "?"
-            for name, value in ref.f_locals.items():
+            for name, value in _frame_locals(ref):
                 if value is obj:
                     local = name
             names.append(
@@ -101,8 +132,24 @@ def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
             ]
             for f in owners:
                 names.append(f"a closure variable of {f.__qualname__}()")
+        elif isinstance(getattr(ref, "__dict__", None), dict) and any(
+            v is obj for v in vars(ref).values()
+        ):  # an instance whose attributes live inline (no dict object for gc to report)
+            names.extend(f"{type(ref).__name__}.{k}" for k, v in vars(ref).items() if v is obj)
         else:
             names.append(f"a {type(ref).__name__} object")
+    # Locals of running frames are invisible to gc.get_referrers (Python >= 3.11): walk the stack.
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if id(frame) not in seen_frames and not _ours(frame):
+            for name, value in _frame_locals(frame):
+                if value is obj:
+                    names.append(
+                        f"local variable {name!r} in {frame.f_code.co_name}() "
+                        f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+                    )
+        frame = frame.f_back
+    del frame
     return names
 
 

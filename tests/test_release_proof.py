@@ -1,0 +1,321 @@
+"""Release proof: a pinned original is refused (named, rolled back), warned about, or forced.
+
+The proof is a weak reference to each original storage, which also sees C++ holders
+(autograd's saved tensors). These tests pin originals in every way the ownership issue lists
+and check that the error names the holder and that the rollback leaves everything as before.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from flatpool import AdoptSpec, FlatPool, Holder, PinnedStorageError, set_fault_hook, storage_of
+
+CAP = 1 << 16
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_hook() -> Iterator[None]:
+    yield
+    set_fault_hook(None)
+
+
+def key(t: torch.Tensor) -> int:
+    return int(storage_of(t)._cdata)
+
+
+def weak(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(storage_of(t))
+
+
+class Box:
+    pass
+
+
+class State:
+    """Everything a rollback must restore, for a list of tensors and a pool."""
+
+    def __init__(self, pool: FlatPool, tensors: list[torch.Tensor]) -> None:
+        self.describe = pool.describe()
+        self.slices = pool.slices()
+        self.ids = [id(t) for t in tensors]
+        self.keys = [key(t) for t in tensors]
+        self.values = [t.detach().clone() for t in tensors]
+        self.geometry = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
+
+    def check(self, pool: FlatPool, tensors: list[torch.Tensor], *, keys: bool = True) -> None:
+        now = State(pool, tensors)
+        assert now.describe == self.describe and now.slices == self.slices
+        assert now.ids == self.ids and now.geometry == self.geometry
+        if keys:
+            assert now.keys == self.keys
+        assert all(torch.equal(a, b) for a, b in zip(now.values, self.values))
+        assert not any(pool.owns(t) for t in tensors)
+
+
+def _raises_pinned(pool: FlatPool, targets: Any, **kw: Any) -> PinnedStorageError:
+    with pytest.raises(PinnedStorageError) as info:
+        pool.adopt(targets, **kw)
+    return info.value
+
+
+# -- naming and rollback (default on_pinned="raise") ------------------------------------------
+def test_hidden_extra_view_in_a_local_variable() -> None:
+    pool = FlatPool(capacity=CAP)
+    pool.adopt(torch.randn(4))
+    t = torch.randn(6)
+    hidden = t.detach()
+    state = State(pool, [t, hidden])
+    err = _raises_pinned(pool, t)
+    assert "local variable 'hidden'" in str(err)
+    assert "test_hidden_extra_view_in_a_local_variable" in str(err)
+    assert list(err.holders) == ["#0 Tensor(6,) float32"]
+    state.check(pool, [t, hidden])
+    del hidden
+    assert pool.adopt(t).all_released
+
+
+def test_reference_in_a_dict() -> None:
+    pool = FlatPool(capacity=CAP)
+    t = torch.randn(3, 2)
+    cache = {"stash": t.detach()}
+    state = State(pool, [t, cache["stash"]])
+    err = _raises_pinned(pool, t)
+    assert "['stash']" in str(err)
+    state.check(pool, [t, cache["stash"]])
+
+
+def test_reference_in_a_list() -> None:
+    pool = FlatPool(capacity=CAP)
+    t = torch.randn(5)
+    keep = [torch.randn(1), t[1:3].detach()]
+    err = _raises_pinned(pool, t)
+    assert "list[1]" in str(err)
+    assert not pool.owns(t) and pool.slices() == () and keep
+
+
+def test_module_attribute_and_shared_parameter_are_named() -> None:
+    pool = FlatPool(capacity=CAP)
+    model = torch.nn.Linear(3, 2)
+    model.stash = model.weight.detach()  # type: ignore[assignment]
+    state = State(pool, [model.weight, model.bias])
+    err = _raises_pinned(pool, [model.weight, model.bias])
+    assert "Linear.stash" in str(err)
+    state.check(pool, [model.weight, model.bias])
+    del model.stash
+    # A second module sharing the storage through its own Parameter object.
+    other = torch.nn.Linear(3, 2)
+    other.weight = torch.nn.Parameter(model.weight.detach())
+    err = _raises_pinned(pool, model.weight)
+    assert "Linear.weight (parameter)" in str(err)
+    state.check(pool, [model.weight, model.bias])
+    # Naming the second parameter as a view adopts both.
+    report = pool.adopt(AdoptSpec(model.weight, views=[other.weight]))
+    assert report.all_released and pool.owns(other.weight)
+
+
+def test_optimizer_state_key_is_named() -> None:
+    pool = FlatPool(capacity=CAP)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["snapshot"] = model.weight.detach()
+    err = _raises_pinned(pool, model.weight)
+    msg = str(err)
+    assert "SGD.state[param(1, 4)]['snapshot']" in msg, msg
+    assert not pool.owns(model.weight)
+
+
+def test_autograd_graph_holding_the_original_is_cpp_only() -> None:
+    pool = FlatPool(capacity=CAP)
+    w = torch.randn(6)
+    a = torch.randn(3, requires_grad=True)
+    loss = (a * w[:3]).sum()  # the graph saved the view w[:3]; nothing in Python holds it
+    state = State(pool, [w])
+    err = _raises_pinned(pool, w)
+    assert "held only from C++ (autograd saved tensors, hooks)" in str(err)
+    state.check(pool, [w])
+    loss.backward()
+    assert a.grad is not None and torch.equal(a.grad, w[:3])
+
+
+def test_autograd_view_named_but_without_holder() -> None:
+    """FSDP2's local tensor after to_empty: a narrow of padded data nothing else references.
+    ``set_`` moves the view, but its ``_base`` (the padded tensor) keeps the original alive."""
+    pool = FlatPool(capacity=CAP)
+    param = Box()
+    param.local = torch.randn(8).narrow(0, 0, 6)  # type: ignore[attr-defined]
+    local = param.local  # type: ignore[attr-defined]
+    state = State(pool, [local])
+    err = _raises_pinned(pool, local)
+    assert "._base still holds the original" in str(err) and "flatpool.Holder" in str(err)
+    state.check(pool, [local])
+    assert local._base is not None and local._base.shape == (8,)
+    ref = StorageWeakRef(storage_of(local._base))
+    del local, err  # a kept traceback keeps the caller's frames (and their tensors) alive
+    report = pool.adopt(AdoptSpec(param.local, holders=[Holder(param, "local")]))  # type: ignore[attr-defined]
+    assert report.all_released and ref.expired() and report.items[0].original_nbytes == 32
+    assert param.local._base is None and pool.owns(param.local)  # type: ignore[attr-defined]
+    assert torch.equal(param.local, state.values[0])  # type: ignore[attr-defined]
+
+
+def test_a_kept_error_does_not_pin_the_retry() -> None:
+    """Regression: the traceback of a kept PinnedStorageError held the transaction, whose map of
+    originals pinned every original, so the retry failed on "the UntypedStorage object"."""
+    pool = FlatPool(capacity=CAP)
+    t = torch.randn(6)
+    hidden = t.detach()
+    err = _raises_pinned(pool, t)
+    del hidden
+    assert err.__traceback__ is not None
+    assert pool.adopt(t).all_released
+
+
+def test_a_pinned_original_rolls_back_the_whole_batch() -> None:
+    pool = FlatPool(capacity=CAP)
+    clean = [torch.randn(4), torch.randn(2, 2)]
+    pinned = torch.randn(3)
+    d = {"p": pinned.detach()}
+    batch = [clean[0], pinned, clean[1]]
+    state = State(pool, batch)
+    err = _raises_pinned(pool, batch)
+    assert list(err.holders) == ["#1 Tensor(3,) float32"]
+    state.check(pool, batch)
+    assert d
+
+
+def test_late_detected_pin_rebuilds_a_dead_original_from_the_pool() -> None:
+    """A Python reference to a view that adoption *replaced* is only seen by the weak-reference
+    proof after commit, when the other originals of the batch already died. The rollback then
+    rebuilds each dead original from the pool's bytes: identity and values come back."""
+    pool = FlatPool(capacity=CAP)
+    a = torch.randn(5)
+    a_before, a_id = a.clone(), id(a)
+    a_ref = weak(a)
+    base = torch.randn(8)
+    box = Box()
+    box.v = base.narrow(0, 1, 4)  # type: ignore[attr-defined]
+    also = box.v  # type: ignore[attr-defined]  # the same view object, held a second time
+    base_key = key(base)
+    err = _raises_pinned(pool, [a, AdoptSpec(base, holders=[Holder(box, "v")])])
+    assert "local variable 'also'" in str(err)
+    del err
+    assert a_ref.expired()  # a's original really died before the pin was found ...
+    assert id(a) == a_id and torch.equal(a, a_before) and not pool.owns(a)  # ... and is rebuilt
+    assert storage_of(a).nbytes() == 20
+    assert key(base) == base_key and box.v is also and also._base is base  # type: ignore[attr-defined]
+    assert pool.slices() == () and pool.registry.bindings(pool.allocate(1, torch.uint8)) == ()
+    del also
+
+
+# -- on_pinned="warn" --------------------------------------------------------------------------
+def test_warn_keeps_the_adoption_and_reports_the_pin() -> None:
+    pool = FlatPool(capacity=CAP)
+    t = torch.randn(4)
+    cache = {"stash": t.detach()}
+    before = t.clone()
+    ref = weak(t)
+    with pytest.warns(UserWarning, match=r"\['stash'\]") as rec:
+        report = pool.adopt(t, on_pinned="warn")
+    assert "Nothing was changed" not in str(rec[0].message)
+    item = report.items[0]
+    assert not item.released and item.freed_bytes == 0 and not report.all_released
+    assert any("['stash']" in p for p in item.pinned_by)
+    assert pool.owns(t) and torch.equal(t, before) and not pool.owns(cache["stash"])
+    assert not ref.expired()
+    del cache
+    gc.collect()
+    assert ref.expired()
+
+
+# -- on_pinned="force" -------------------------------------------------------------------------
+def test_force_rebinds_python_visible_holders() -> None:
+    pool = FlatPool(capacity=CAP)
+    t = torch.randn(6)
+    cache = {"alias": t.detach(), "view": t[2:4]}  # a base-less alias and an autograd view
+    values = {k: v.clone() for k, v in cache.items()}
+    ref = weak(t)
+    report = pool.adopt(t, on_pinned="force")
+    assert report.all_released and ref.expired()
+    for k, v in cache.items():
+        assert pool.owns(v) and torch.equal(v, values[k])
+    t[2] = 9.0
+    assert cache["alias"][2] == 9.0 and cache["view"][0] == 9.0
+
+
+def test_force_never_frees_memory_in_use() -> None:
+    """A C++ holder cannot be rebound: force warns, keeps the original whole (never
+    ``resize_(0)``), so reading it later (backward) works and sees the old values."""
+    pool = FlatPool(capacity=CAP)
+    w = torch.randn(2, 3)
+    w_before = w.clone()
+    x = torch.randn(4, 3, requires_grad=True)
+    loss = torch.nn.functional.linear(x, w).sum()  # saves w.t(), made in C++ only
+    nbytes = storage_of(w).nbytes()
+    ref = weak(w)
+    with pytest.warns(UserWarning, match="held only from C"):
+        report = pool.adopt(w, on_pinned="force")
+    assert not report.all_released and not ref.expired() and pool.owns(w)
+    alive = ref.expired() is False and storage_of(w) is not None
+    assert alive
+    loss.backward()  # reads the saved original: no segfault, right values
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(4, 2) @ w_before)
+    assert pool.owns(w) and torch.equal(w, w_before)
+    assert nbytes == 24
+    del loss
+    gc.collect()
+    assert ref.expired()
+
+
+def test_force_in_a_batch_with_clean_items() -> None:
+    pool = FlatPool(capacity=CAP)
+    clean, pinned = torch.randn(3), torch.randn(4)
+    box = Box()
+    box.alias = pinned.detach()  # type: ignore[attr-defined]
+    report = pool.adopt([clean, pinned], on_pinned="force")
+    assert report.all_released
+    assert pool.owns(clean) and pool.owns(pinned) and pool.owns(box.alias)  # type: ignore[attr-defined]
+    # The forced tensor is bound: relocation moves it too.
+    pool.grow(pool.capacity * 2)
+    assert pool.owns(box.alias) and pool.is_valid()  # type: ignore[attr-defined]
+
+
+def test_force_reaches_a_saved_tensor_python_has_seen() -> None:
+    """Once Python has touched a saved tensor its object is kept with it and a gc scan finds
+    it: force then rebinds even that, and the original is released."""
+    pool = FlatPool(capacity=CAP)
+    w = torch.randn(6)
+    a = torch.randn(3, requires_grad=True)
+    loss = (a * w[:3]).sum()
+    assert loss.grad_fn is not None
+    saved = loss.grad_fn.next_functions[0][0]._saved_other  # type: ignore[union-attr]
+    del saved
+    ref = weak(w)
+    report = pool.adopt(w, on_pinned="force")
+    assert report.all_released and ref.expired()
+    loss.backward()
+    assert a.grad is not None and torch.equal(a.grad, w[:3])
+
+
+# -- the counting ------------------------------------------------------------------------------
+def test_report_counts_bytes_and_rebinds() -> None:
+    pool = FlatPool(capacity=CAP)
+    big = torch.randn(100)
+    views = [big.detach(), big.detach()]
+    small = torch.randn(3, dtype=torch.float64)
+    report = pool.adopt([AdoptSpec(big, views=views), small])
+    assert [i.original_nbytes for i in report.items] == [400, 24]
+    assert [i.rebound for i in report.items] == [3, 1]
+    assert report.freed_bytes == 424 and report.all_released
+    # An original bigger than the adopted window counts its full storage.
+    whole = torch.randn(10)
+    window = torch.empty(0).set_(whole.untyped_storage(), 2, (4,), (1,))
+    del whole
+    r2 = pool.adopt(window)
+    assert r2.items[0].original_nbytes == 40 and r2.items[0].released
+    assert r2.slices[0].nbytes == 16
