@@ -50,11 +50,13 @@ materialized (sizes that overflow are refused when planned, not at materializati
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 _pool_ids = itertools.count()
 _all_pools: weakref.WeakSet[FlatPool] = weakref.WeakSet()
+_all_pools_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
 
 
 def live_pools() -> list[FlatPool]:
     """Every pool object still alive in this process."""
-    return list(_all_pools)
+    with _all_pools_lock:
+        return list(_all_pools)
 
 
 def check_shape(shape: ShapeLike) -> tuple[int, ...]:
@@ -147,7 +149,8 @@ class FlatPool:
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry: AdoptionRegistry | None = None
-        _all_pools.add(self)
+        with _all_pools_lock:
+            _all_pools.add(self)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -264,6 +267,8 @@ class FlatPool:
                 )
             self._remove(slc)
             self._alloc.release(slc.offset, slc.end)
+            if self._registry is not None:  # bindings whose tensors died: a later readopt()
+                self._registry.unbind(slc)  # would look the freed slice up
 
     def check_live(self, slc: Slice) -> None:
         if not isinstance(slc, Slice):

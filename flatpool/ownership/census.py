@@ -152,8 +152,11 @@ def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
     by_size: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for p in pool_list:
         if p.is_materialized:
-            for slc in p.slices():
-                by_size.setdefault(slc.nbytes, []).append((f"{p.name}:{slc.slice_id}", slc.bytes()))
+            with p.lock:  # another thread may free a listed slice before we view its bytes
+                for slc in p.slices():
+                    by_size.setdefault(slc.nbytes, []).append(
+                        (f"{p.name}:{slc.slice_id}", slc.bytes())
+                    )
 
     records: list[StorageRecord] = []
     for key, g in groups.items():

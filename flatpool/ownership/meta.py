@@ -107,6 +107,9 @@ def materialize_into(
                         f"cannot swap {type(t).__name__}{tuple(t.shape)} in place: {exc}"
                     ) from exc
                 swapped.append((t, new))
+            # Bind only once every swap succeeded: a binding's weakref would make the swap
+            # back in a rollback fail ("Cannot swap t1 because it has weakref").
+            for t, local, slc in zip(items, locals_, planned):
                 g = Geometry(0, slc.shape, tuple(local.stride()), slc.dtype)
                 if _is_dtensor(t):
                     inner = t._local_tensor  # type: ignore[attr-defined]

@@ -70,7 +70,7 @@ class Transaction:
         self.weak: dict[int, StorageRef] = {}
         self.patches: list[tuple[object, str, object]] = []
         self.overwritten: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
-        self._snapshot = _pool_snapshot(pool)
+        self._snapshot: tuple[Any, ...] | None = _pool_snapshot(pool)
 
     # -- originals -------------------------------------------------------------------------
     def track(self, storage: torch.UntypedStorage) -> int:
@@ -110,6 +110,7 @@ class Transaction:
 
     def forget_buffer(self, key: int) -> None:
         """Relocation: the snapshot must not pin the pool's old storage (tracked as ``key``)."""
+        assert self._snapshot is not None
         snap = list(self._snapshot)
         snap[4] = key
         self._snapshot = tuple(snap)
@@ -209,8 +210,10 @@ class Transaction:
     def rollback(self) -> None:
         """Put every tensor, holder and the pool back as they were before the transaction.
 
-        Idempotent: a second call finds an empty journal and restores the same snapshot.
+        Idempotent: a second call finds nothing left to undo.
         """
+        if self._snapshot is None:
+            return
         if self.weak and self.journal:
             self._recover_storages()
         for rec in reversed(self.journal):
@@ -242,6 +245,9 @@ class Transaction:
         # Done: drop the originals, or an exception traceback holding this transaction (a
         # PinnedStorageError the caller keeps) would pin them and fail the next attempt.
         self.storages.clear()
+        # Nor may the snapshot pin the pool's storage: a grow() or compact() in the caller's
+        # except block (what PoolExhaustedError suggests) would find it pinned.
+        self._snapshot = None
 
 
 def _resolve(undo: object) -> object:

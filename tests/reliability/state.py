@@ -1,0 +1,177 @@
+"""Full-state snapshots for the reliability tests: pools, slices, registries and tensors.
+
+A snapshot never keeps a storage alive (that would change what a release proof sees): storage
+identity is recorded as the StorageImpl address plus a weak reference, so "same storage after"
+means "same address and the first one never died".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from flatpool import FlatPool, Slice
+from flatpool.aliasing import local_tensor
+
+
+def storage_ident(t: torch.Tensor) -> tuple[int, Any] | None:
+    with torch._C.DisableTorchFunctionSubclass():
+        if t.is_meta:
+            return None
+        s = t.untyped_storage()
+    return int(s._cdata), StorageWeakRef(s)
+
+
+class TensorState:
+    """One tensor object: identity, storage identity, geometry, values, autograd flags."""
+
+    def __init__(self, name: str, t: torch.Tensor) -> None:
+        self.name, self.obj_id, self.type = name, id(t), type(t)
+        self.ident = storage_ident(t)
+        with torch._C.DisableTorchFunctionSubclass():
+            self.geometry = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
+            self.requires_grad = t.requires_grad
+            self.values = None if t.is_meta else t.detach().clone()
+
+    def diff(self, t: torch.Tensor) -> list[str]:
+        now = TensorState(self.name, t)
+        out: list[str] = []
+        if now.obj_id != self.obj_id:
+            out.append(f"{self.name}: a different object")
+        if now.type is not self.type:
+            out.append(f"{self.name}: type {self.type} -> {now.type}")
+        if (self.ident is None) != (now.ident is None):
+            out.append(f"{self.name}: meta-ness changed")
+        elif self.ident is not None and now.ident is not None:
+            if self.ident[0] != now.ident[0] or self.ident[1].expired():
+                out.append(f"{self.name}: moved to another storage")
+        if now.geometry != self.geometry:
+            out.append(f"{self.name}: geometry {self.geometry} -> {now.geometry}")
+        if now.requires_grad != self.requires_grad:
+            out.append(f"{self.name}: requires_grad changed")
+        if self.values is not None and now.values is not None:
+            if not torch.equal(self.values, now.values):
+                out.append(f"{self.name}: values changed")
+        return out
+
+
+def _registry_state(pool: FlatPool) -> list[tuple[int, tuple[Any, ...]]]:
+    reg = pool._registry
+    if reg is None:
+        return []
+    out = []
+    for sid, bindings in sorted(reg.items(), key=lambda kv: kv[0]):
+        out.append((sid, tuple((id(b.current()), b.geometry, b.primary) for b in bindings)))
+    return out
+
+
+class PoolState:
+    def __init__(self, pool: FlatPool) -> None:
+        self.pool = pool
+        with pool.lock:
+            self.describe = pool.describe()
+            self.slices = tuple(pool.slices())
+            self.alloc = pool._alloc.snapshot()
+            self.materialized = pool.is_materialized
+            self.buffer = None if pool._buffer is None else storage_ident(pool._buffer)
+            self.registry = _registry_state(pool)
+            self.values = (
+                {s.slice_id: s.bytes().clone() for s in self.slices} if self.materialized else {}
+            )
+
+    def diff(self) -> list[str]:
+        now = PoolState(self.pool)
+        name = self.pool.name
+        out: list[str] = []
+        if now.describe != self.describe:
+            out.append(f"pool {name}: layout changed:\n{self.describe}\n->\n{now.describe}")
+        if now.slices != self.slices or any(not s.is_live for s in self.slices):
+            out.append(f"pool {name}: slice handles changed")
+        if now.alloc != self.alloc:
+            out.append(f"pool {name}: allocator state changed")
+        if now.materialized != self.materialized:
+            out.append(f"pool {name}: materialization changed")
+        if self.buffer is not None and now.buffer is not None:
+            if self.buffer[0] != now.buffer[0] or self.buffer[1].expired():
+                out.append(f"pool {name}: storage replaced")
+        if now.registry != self.registry:
+            out.append(f"pool {name}: registry changed {self.registry} -> {now.registry}")
+        for sid, v in self.values.items():
+            if sid in now.values and not torch.equal(v, now.values[sid]):
+                out.append(f"pool {name}: bytes of slice {sid} changed")
+        return out
+
+
+
+class Snapshot:
+    """Everything a failed call must leave untouched."""
+
+    def __init__(
+        self,
+        pools: Iterable[FlatPool],
+        tensors: dict[str, torch.Tensor],
+        places: dict[str, tuple[Any, Any, bool]] | None = None,
+    ) -> None:
+        self.pools = [PoolState(p) for p in pools]
+        self.tensors = {
+            n: (t, TensorState(n, t)) for n, t in tensors.items()
+        }
+        self.locals = {
+            n: TensorState(n + "._local_tensor", local_tensor(t))
+            for n, t in tensors.items()
+            if local_tensor(t) is not t
+        }
+        self.places = dict(places or {})
+        self.place_ids = {n: id(_get(*pl)) for n, pl in self.places.items()}
+
+    def diff(self) -> list[str]:
+        out: list[str] = []
+        for p in self.pools:
+            out += p.diff()
+        for n, (t, st) in self.tensors.items():
+            out += st.diff(t)
+            if n in self.locals:
+                out += self.locals[n].diff(local_tensor(t))
+        for n, pl in self.places.items():
+            if id(_get(*pl)) != self.place_ids[n]:
+                out.append(f"place {n}: holds another object now")
+        return out
+
+    def assert_unchanged(self) -> None:
+        problems = self.diff()
+        assert not problems, "state changed:\n" + "\n".join(problems)
+
+    def drop_tensors(self) -> None:
+        self.tensors.clear()
+
+
+def _get(owner: Any, key: Any, item: bool) -> Any:
+    return owner[key] if item else getattr(owner, key)
+
+
+def check_layout(pool: FlatPool) -> None:
+    """Slices disjoint, aligned, inside the capacity; accounting adds up with the free list."""
+    with pool.lock:
+        slices: Sequence[Slice] = pool.slices()
+        cap = pool.capacity
+        pos = 0
+        for s in slices:
+            assert s.is_live
+            assert s.offset % pool.slice_alignment(s.dtype) == 0, (s, pool.alignment)
+            assert s.offset >= pos, f"overlap at {s}"
+            assert s.end <= cap, f"{s} past capacity {cap}"
+            pos = s.end
+        used = sum(s.nbytes for s in slices)
+        assert pool.used_bytes == used
+        assert pool.used_bytes + pool.free_bytes == cap
+        free = pool._alloc.free_ranges()
+        assert sum(e - s for s, e in free) == cap - used, (free, cap, used)
+        for fs, fe in free:
+            assert 0 <= fs < fe <= cap
+            for s in slices:
+                assert fe <= s.offset or s.end <= fs, f"free range {(fs, fe)} overlaps {s}"
+        if pool.is_materialized:
+            assert pool.storage.nbytes() == cap
