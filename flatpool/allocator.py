@@ -22,9 +22,22 @@ class RangeAllocator:
         self.extent = 0 if capacity is None else capacity
         self._starts: list[int] = []  # free range starts, sorted
         self._ends: list[int] = []  # matching ends
+        # (size, start) of every free range, sorted: best fit without scanning every gap.
+        self._by_size: list[tuple[int, int]] = []
         if capacity:
-            self._starts.append(0)
-            self._ends.append(capacity)
+            self._add(0, 0, capacity)
+
+    # -- free-list primitives (keep the three lists in step) ---------------------------
+    def _add(self, i: int, start: int, end: int) -> None:
+        self._starts.insert(i, start)
+        self._ends.insert(i, end)
+        bisect.insort(self._by_size, (end - start, start))
+
+    def _delete(self, i: int) -> None:
+        start, end = self._starts[i], self._ends[i]
+        del self._starts[i], self._ends[i]
+        j = bisect.bisect_left(self._by_size, (end - start, start))
+        del self._by_size[j]
 
     # -- queries -----------------------------------------------------------------------
     def free_ranges(self) -> list[tuple[int, int]]:
@@ -46,14 +59,16 @@ class RangeAllocator:
     # -- mutation ----------------------------------------------------------------------
     def find(self, nbytes: int, alignment: int) -> int | None:
         """Best-fit start for ``nbytes`` at ``alignment`` without changing anything."""
+        # The smallest range that fits after alignment, the lowest start among equal sizes:
+        # ranges in (size, start) order from the first one big enough, first that fits.
         best_start: int | None = None
-        best_waste = -1
-        for s, e in zip(self._starts, self._ends):
+        by_size = self._by_size
+        for j in range(bisect.bisect_left(by_size, (nbytes, -1)), len(by_size)):
+            size, s = by_size[j]
             start = align_up(s, alignment)
-            if start + nbytes <= e:
-                waste = (e - s) - nbytes
-                if best_start is None or waste < best_waste:
-                    best_start, best_waste = start, waste
+            if start + nbytes <= s + size:
+                best_start = start
+                break
         if best_start is None and self.growable:
             # Extend: reuse a trailing free range if there is one.
             tail = self._ends[-1] == self.extent if self._ends else False
@@ -73,13 +88,11 @@ class RangeAllocator:
         if i < 0 or self._ends[i] < end:
             raise AssertionError(f"take({start}, {nbytes}) outside free space")
         s, e = self._starts[i], self._ends[i]
-        del self._starts[i], self._ends[i]
+        self._delete(i)
         if end < e:
-            self._starts.insert(i, end)
-            self._ends.insert(i, e)
+            self._add(i, end, e)
         if s < start:
-            self._starts.insert(i, s)
-            self._ends.insert(i, start)
+            self._add(i, s, start)
 
     def release(self, start: int, end: int) -> None:
         """Return ``[start, end)`` to free space, merging with adjacent free ranges."""
@@ -91,12 +104,11 @@ class RangeAllocator:
         if i > 0 and self._ends[i - 1] == start:
             start = self._starts[i - 1]
             i -= 1
-            del self._starts[i], self._ends[i]
+            self._delete(i)
         if i < len(self._starts) and self._starts[i] == end:
             end = self._ends[i]
-            del self._starts[i], self._ends[i]
-        self._starts.insert(i, start)
-        self._ends.insert(i, end)
+            self._delete(i)
+        self._add(i, start, end)
 
     def fix(self, capacity: int) -> None:
         """Stop growing at ``capacity`` (>= extent); the tail becomes free space."""
@@ -113,3 +125,4 @@ class RangeAllocator:
     def restore(self, snap: tuple[bool, int, list[int], list[int]]) -> None:
         self.growable, self.extent, starts, ends = snap
         self._starts, self._ends = list(starts), list(ends)
+        self._by_size = sorted((e - s, s) for s, e in zip(self._starts, self._ends))

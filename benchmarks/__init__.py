@@ -1,0 +1,1 @@
+"""flatpool benchmarks: ``python -m benchmarks.run`` (``--quick`` for CI, ``--only NAME``)."""
