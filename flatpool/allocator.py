@@ -17,27 +17,38 @@ def align_up(value: int, alignment: int) -> int:
 class RangeAllocator:
     """Free space as sorted, disjoint, coalesced ``[start, end)`` ranges over ``[0, extent)``."""
 
-    def __init__(self, capacity: int | None) -> None:
+    def __init__(self, capacity: int | None, alignment: int = 1) -> None:
         self.growable = capacity is None
         self.extent = 0 if capacity is None else capacity
+        self.alignment = alignment
         self._starts: list[int] = []  # free range starts, sorted
         self._ends: list[int] = []  # matching ends
         # (size, start) of every free range, sorted: best fit without scanning every gap.
         self._by_size: list[tuple[int, int]] = []
+        # (usable size at ``alignment``, start): the exact index for requests at the pool's own
+        # alignment (the common case). Padding gaps (a slice's end up to the next aligned start)
+        # have usable size 0 there, so they never cost a request a scan.
+        self._by_usable: list[tuple[int, int]] = []
         if capacity:
             self._add(0, 0, capacity)
+
+    def _usable(self, start: int, end: int) -> int:
+        return max(0, end - align_up(start, self.alignment))
 
     # -- free-list primitives (keep the three lists in step) ---------------------------
     def _add(self, i: int, start: int, end: int) -> None:
         self._starts.insert(i, start)
         self._ends.insert(i, end)
         bisect.insort(self._by_size, (end - start, start))
+        bisect.insort(self._by_usable, (self._usable(start, end), start))
 
     def _delete(self, i: int) -> None:
         start, end = self._starts[i], self._ends[i]
         del self._starts[i], self._ends[i]
         j = bisect.bisect_left(self._by_size, (end - start, start))
         del self._by_size[j]
+        j = bisect.bisect_left(self._by_usable, (self._usable(start, end), start))
+        del self._by_usable[j]
 
     # -- queries -----------------------------------------------------------------------
     def free_ranges(self) -> list[tuple[int, int]]:
@@ -62,19 +73,52 @@ class RangeAllocator:
         # The smallest range that fits after alignment, the lowest start among equal sizes:
         # ranges in (size, start) order from the first one big enough, first that fits.
         best_start: int | None = None
-        by_size = self._by_size
-        for j in range(bisect.bisect_left(by_size, (nbytes, -1)), len(by_size)):
-            size, s = by_size[j]
-            start = align_up(s, alignment)
-            if start + nbytes <= s + size:
-                best_start = start
-                break
+        if alignment == self.alignment:
+            j = bisect.bisect_left(self._by_usable, (nbytes, -1))
+            if j < len(self._by_usable):
+                best_start = align_up(self._by_usable[j][1], alignment)
+        else:
+            # Other alignments: from the smallest range big enough; a range of at least
+            # nbytes + alignment - 1 bytes always fits, so the scan is bounded by that window.
+            by_size = self._by_size
+            for j in range(bisect.bisect_left(by_size, (nbytes, -1)), len(by_size)):
+                size, s = by_size[j]
+                start = align_up(s, alignment)
+                if start + nbytes <= s + size:
+                    best_start = start
+                    break
         if best_start is None and self.growable:
             # Extend: reuse a trailing free range if there is one.
             tail = self._ends[-1] == self.extent if self._ends else False
             base = self._starts[-1] if tail else self.extent
             best_start = align_up(base, alignment)
         return best_start
+
+    def append_many(self, requests: list[tuple[int, int]]) -> list[int] | None:
+        """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step.
+
+        Only for a growable allocator with no free range (a pool being planned from scratch,
+        the common case of a batch adoption): best fit has nothing to choose from there, so
+        the starts are plain arithmetic and the padding gaps are added to the index at once.
+        Returns ``None`` (nothing changed) when that does not hold.
+        """
+        if not self.growable or self._starts:
+            return None
+        starts: list[int] = []
+        gaps: list[tuple[int, int]] = []
+        pos = self.extent
+        for nbytes, alignment in requests:
+            start = align_up(pos, alignment)
+            if start > pos:
+                gaps.append((pos, start))
+            starts.append(start)
+            pos = start + nbytes
+        self.extent = pos
+        self._starts = [g[0] for g in gaps]
+        self._ends = [g[1] for g in gaps]
+        self._by_size = sorted((e - s, s) for s, e in gaps)
+        self._by_usable = sorted((self._usable(s, e), s) for s, e in gaps)
+        return starts
 
     def take(self, start: int, nbytes: int) -> None:
         """Mark ``[start, start + nbytes)`` used; it must lie in free space (or past the extent)."""
@@ -126,3 +170,4 @@ class RangeAllocator:
         self.growable, self.extent, starts, ends = snap
         self._starts, self._ends = list(starts), list(ends)
         self._by_size = sorted((e - s, s) for s, e in zip(self._starts, self._ends))
+        self._by_usable = sorted((self._usable(s, e), s) for s, e in zip(self._starts, self._ends))

@@ -142,7 +142,7 @@ class FlatPool:
         self.alignment = alignment
         self.name: str = name if name is not None else f"pool{next(_pool_ids)}"
         self._lock = threading.RLock()
-        self._alloc = RangeAllocator(capacity)
+        self._alloc = RangeAllocator(capacity, alignment)
         self._buffer: torch.Tensor | None = None
         self._slice_ids = itertools.count()
         self._live: dict[int, Slice] = {}
@@ -220,8 +220,30 @@ class FlatPool:
         Before materialization this only plans (no memory is touched); afterwards it takes the
         best-fitting free gap. Raises :class:`PoolExhaustedError` when nothing fits.
         """
-        dims = check_shape(shape)
-        dt = check_dtype(dtype)
+        return self._allocate(check_shape(shape), check_dtype(dtype))
+
+    def _allocate_many(self, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
+        """Validated requests in order, as one step when the pool is planned from scratch."""
+        with self._lock:
+            sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
+            if all(n > 0 for n, _ in sizes):
+                before = self._alloc.snapshot()
+                starts = self._alloc.append_many(sizes)
+                if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
+                    out = []
+                    for (dims, dt), start in zip(requests, starts):
+                        slc = Slice(self, next(self._slice_ids), start, dims, dt)
+                        self._live[slc.slice_id] = slc
+                        self._at_offset[start] = slc
+                        out.append(slc)
+                    self._offsets.extend(starts)  # past every existing slice, already sorted
+                    return out
+                if starts is not None:  # over the address limit: undo, report per request
+                    self._alloc.restore(before)
+            return [self._allocate(d, t) for d, t in requests]
+
+    def _allocate(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
+        """:meth:`allocate` for a shape and dtype already validated (taken from a tensor)."""
         nbytes = math.prod(dims) * dt.itemsize
         if nbytes == 0:
             raise InvalidRequestError(

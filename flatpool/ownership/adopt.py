@@ -52,18 +52,23 @@ class _Member:
 
 class _Plan:
     __slots__ = (
-        "spec", "key", "extent", "shape", "dtype", "members", "slice", "allocated", "label",
+        "spec", "key", "extent", "shape", "dtype", "members", "slice", "allocated", "index",
         "rebound",
     )
 
-    def __init__(self, spec: AdoptSpec, key: int, extent: ByteRange, label: str) -> None:
-        self.spec, self.key, self.extent, self.label = spec, key, extent, label
+    def __init__(self, spec: AdoptSpec, key: int, extent: ByteRange, index: int) -> None:
+        self.spec, self.key, self.extent, self.index = spec, key, extent, index
         self.shape: tuple[int, ...] = ()
         self.dtype: torch.dtype = torch.uint8
         self.members: list[_Member] = []
         self.slice: Slice | None = spec.slice
         self.allocated = False
         self.rebound = 0
+
+    @property
+    def label(self) -> str:
+        """How errors name this original (built only when one is raised)."""
+        return _label(self.spec.tensor, self.index)
 
 
 def _check_not_in_backward() -> None:
@@ -108,51 +113,66 @@ def _label(t: torch.Tensor, i: int) -> str:
 
 
 def _validate_primary(
-    pool: FlatPool, spec: AdoptSpec, i: int, pools: list[FlatPool] | None = None
-) -> torch.Tensor:
-    from ..pool import live_pools
+    pool: FlatPool, spec: AdoptSpec, i: int, pool_keys: dict[int, FlatPool]
+) -> tuple[torch.Tensor, torch.UntypedStorage, ByteRange]:
+    """Check one primary; return its data tensor, that tensor's storage and its byte extent.
 
+    ``pool_keys`` maps the storage key of every materialized pool to the pool. Messages are
+    built only on failure: this runs once per tensor of a batch.
+    """
     inner = local_tensor(spec.tensor)
-    label = _label(spec.tensor, i)
+
+    def label() -> str:
+        return _label(spec.tensor, i)
+
     with torch._C.DisableTorchFunctionSubclass():
         if inner.is_meta:
             raise InvalidRequestError(
-                f"{label} is a meta tensor and has no data to adopt; use "
+                f"{label()} is a meta tensor and has no data to adopt; use "
                 "pool.materialize_into() to give it pool storage"
             )
         if inner.device != pool.device:
             raise InvalidRequestError(
-                f"{label} is on {inner.device} but pool {pool.name!r} is on {pool.device}; move "
-                "it to the pool's device first or use a pool on its device"
+                f"{label()} is on {inner.device} but pool {pool.name!r} is on {pool.device}; "
+                "move it to the pool's device first or use a pool on its device"
             )
-        if inner.numel() == 0:
-            raise InvalidRequestError(f"{label} is empty: zero-size tensors stay outside the pool")
+        numel = inner.numel()
+        if numel == 0:
+            raise InvalidRequestError(f"{label()} is empty: zero-size tensors stay outside the pool")
         if inner.is_inference():
             raise InvalidRequestError(
-                f"{label} is an inference tensor (made under torch.inference_mode()); it cannot "
-                "be rebound in place: adopt a clone() made outside inference mode"
+                f"{label()} is an inference tensor (made under torch.inference_mode()); it "
+                "cannot be rebound in place: adopt a clone() made outside inference mode"
             )
-        if _self_overlapping(inner):
+        contiguous = inner.is_contiguous()
+        if not contiguous and _self_overlapping(inner):
             raise InvalidRequestError(
-                f"{label} overlaps itself (an expanded/broadcast view, strides "
+                f"{label()} overlaps itself (an expanded/broadcast view, strides "
                 f"{tuple(inner.stride())}); adopt the tensor it was expanded from"
             )
+        storage = inner.untyped_storage()
+        if contiguous:
+            item = inner.element_size()
+            start = int(inner.storage_offset()) * item
+            extent = ByteRange(start, start + numel * item)
+        else:
+            extent = byte_range(inner)
     if inner is not spec.tensor:
-        wrapper, own = own_storage(spec.tensor), own_storage(inner)
-        if wrapper is not None and own is not None and int(wrapper._cdata) != int(own._cdata):
+        wrapper = own_storage(spec.tensor)
+        if wrapper is not None and int(wrapper._cdata) != int(storage._cdata):
             raise InvalidRequestError(
-                f"{label} has a storage of its own that is not its _local_tensor's: the wrapper "
-                "does not view its shard, and adopting the local tensor would leave the wrapper "
-                "reading other memory; rebuild the wrapper around its local tensor"
+                f"{label()} has a storage of its own that is not its _local_tensor's: the "
+                "wrapper does not view its shard, and adopting the local tensor would leave the "
+                "wrapper reading other memory; rebuild the wrapper around its local tensor"
             )
-        del wrapper, own
-    for p in live_pools() if pools is None else pools:
-        if p.owns(inner):
-            where = "this pool" if p is pool else f"pool {p.name!r}"
-            raise InvalidRequestError(
-                f"{label} already lives in {where}; use readopt() to bring moved members back"
-            )
-    return inner
+        del wrapper
+    owner = pool_keys.get(int(storage._cdata))
+    if owner is not None and extent.end <= owner.capacity:
+        where = "this pool" if owner is pool else f"pool {owner.name!r}"
+        raise InvalidRequestError(
+            f"{label()} already lives in {where}; use readopt() to bring moved members back"
+        )
+    return inner, storage, extent
 
 
 def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[_Member]:
@@ -203,22 +223,21 @@ def _plan(
 
     plans: list[_Plan] = []
     seen_primary: set[int] = set()
-    pools = [p for p in live_pools() if p.is_materialized]  # only these can own a tensor
+    pool_keys = {  # only materialized pools can own a tensor
+        int(p._buffer.untyped_storage()._cdata): p for p in live_pools() if p._buffer is not None
+    }
     for i, spec in enumerate(specs):
-        inner = _validate_primary(pool, spec, i, pools)
+        inner, storage, extent = _validate_primary(pool, spec, i, pool_keys)
         if id(inner) in seen_primary:
             raise InvalidRequestError(f"{_label(spec.tensor, i)} was given twice; name it once")
         seen_primary.add(id(inner))
-        storage = own_storage(inner)
-        assert storage is not None
         key = txn.track(storage)
         del storage
-        plan = _Plan(spec, key, byte_range(inner), _label(spec.tensor, i))
-        with torch._C.DisableTorchFunctionSubclass():
-            if inner.is_contiguous():
-                plan.shape, plan.dtype = tuple(inner.shape), inner.dtype
-            else:
-                plan.shape, plan.dtype = (plan.extent.nbytes // inner.element_size(),), inner.dtype
+        plan = _Plan(spec, key, extent, i)
+        if inner.is_contiguous():
+            plan.shape, plan.dtype = tuple(inner.shape), inner.dtype
+        else:
+            plan.shape, plan.dtype = (extent.nbytes // inner.element_size(),), inner.dtype
         if spec.slice is not None:
             pool.check_live(spec.slice)
             if spec.slice.nbytes != plan.extent.nbytes or spec.slice.dtype != plan.dtype:
@@ -251,7 +270,11 @@ def _plan(
 
     # Members: primary (and its local/wrapper), views, holders, discovered tensors.
     for p in plans:
-        members = _expand(p.spec.tensor, p.key, True)
+        t = p.spec.tensor
+        if not (discover or p.spec.views or p.spec.holders) and local_tensor(t) is t:
+            p.members = [_Member(t, None, True)]  # a plain tensor alone: on its storage, in range
+            continue
+        members = _expand(t, p.key, True)
         for v in p.spec.views:
             members += _expand(v, p.key, False) or _foreign(v, p)
         for h in p.spec.holders:
@@ -330,11 +353,11 @@ def adopt(
 
 
 def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: OnPinned) -> AdoptionReport:
-    for p in plans:
-        if p.slice is None:
-            checkpoint("allocate")
-            p.slice = pool.allocate(p.shape, p.dtype)
-            p.allocated = True
+    todo = [p for p in plans if p.slice is None]
+    for _ in todo:
+        checkpoint("allocate")
+    for p, slc in zip(todo, pool._allocate_many([(p.shape, p.dtype) for p in todo])):
+        p.slice, p.allocated = slc, True
     flat = pool._materialized_buffer()  # the pool's bytes as one 1-D uint8 tensor
     target = flat.untyped_storage()
     checkpoint("copy")
@@ -366,7 +389,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
         assert p.slice is not None
         pool.registry.bind(p.slice, bindings[p.slice.slice_id])
     _patch_specs(plans, txn)
-    labels = {p.key: p.label for p in plans}
+    pinned_keys = {p.key for p in plans if p.label in pinned} if pinned else set()
     for p in plans:
         p.rebound = len(p.members)
         p.members = []  # drop our references to replaced tensors before the proof
@@ -374,13 +397,14 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
     if not all(expired.values()):  # as above: cyclic garbage is no pin
         gc.collect()
         expired = {k: w.expired() for k, w in txn.weak.items()}
-    late_keys = [k for k, dead in expired.items() if not dead and labels[k] not in pinned]
+    late_keys = [k for k, dead in expired.items() if not dead and k not in pinned_keys]
     late: dict[str, tuple[str, ...]] = {}
     if late_keys:
         # Something we could not count (a Python reference to a tensor we replaced) kept an
         # original alive. Undo first so the holders are back on the original and nameable.
         if on_pinned == "raise":
             txn.rollback()
+        labels = {p.key: p.label for p in plans}
         for k in late_keys:
             alive = upgrade(txn.weak[k])
             if alive is not None:
@@ -396,7 +420,7 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
                 original_nbytes=txn.nbytes[p.key],
                 released=expired[p.key],
                 rebound=p.rebound,
-                pinned_by=pinned.get(p.label, late.get(p.label, ())),
+                pinned_by=pinned.get(p.label, late.get(p.label, ())) if pinned or late else (),
             )
             for p in plans
             if p.slice is not None
@@ -454,22 +478,48 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 def _rebind_all(
     plans: list[_Plan], txn: Transaction, target: torch.UntypedStorage
 ) -> dict[int, list[Binding]]:
-    """Move every member onto ``target``; a function of its own so its locals die with it."""
+    """Move every member onto ``target``; a function of its own so its locals die with it.
+
+    The hot loop of a batch: one ``set_`` per tensor under a single no-grad, no-subclass
+    context, and the version counters ``set_`` bumps restored in one call at the end (also
+    when a rebind fails half-way, so a rollback finds the counters as they were).
+    """
     bindings: dict[int, list[Binding]] = {}
-    for p in plans:
-        assert p.slice is not None
-        out = bindings.setdefault(p.slice.slice_id, [])
-        for m in p.members:
-            with torch._C.DisableTorchFunctionSubclass():
-                rel = int(m.obj.storage_offset()) * m.obj.element_size() - p.extent.start
-                geometry = Geometry(rel, tuple(m.obj.shape), tuple(m.obj.stride()), m.obj.dtype)
-            new_offset = p.slice.offset + rel
-            if m.holder is not None and autograd_base(m.obj) is not None:
-                placed = txn.move_by_holder(m.holder, m.obj, p.key, target, new_offset)
-            else:
-                txn.move_in_place(m.obj, p.key, target, new_offset)
-                placed = m.obj
-            out.append(Binding.make(placed, geometry, m.holder, m.primary))
+    moved: list[torch.Tensor] = []
+    versions: list[int] = []
+    journal = txn.journal
+    try:
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+            for p in plans:
+                assert p.slice is not None
+                out = bindings.setdefault(p.slice.slice_id, [])
+                for m in p.members:
+                    obj = m.obj
+                    item = obj.element_size()
+                    off = int(obj.storage_offset()) * item
+                    shape, stride = tuple(obj.shape), tuple(obj.stride())
+                    rel = off - p.extent.start
+                    geometry = Geometry(rel, shape, stride, obj.dtype)
+                    new_offset = p.slice.offset + rel
+                    if m.holder is not None and obj._base is not None:
+                        placed = txn.move_by_holder(m.holder, obj, p.key, target, new_offset)
+                    else:
+                        checkpoint("rebind")
+                        if new_offset % item:
+                            raise AdoptionError(
+                                f"cannot place a {obj.dtype} view at byte {new_offset} of the "
+                                f"pool: not a multiple of its element size {item}"
+                            )
+                        version = int(obj._version)
+                        obj.set_(target, new_offset // item, shape, stride)
+                        moved.append(obj)
+                        versions.append(version)
+                        journal.append(InPlace(obj, p.key, off, shape, stride))
+                        placed = obj
+                    out.append(Binding.make(placed, geometry, m.holder, m.primary))
+    finally:
+        if moved:
+            torch._C._autograd._unsafe_set_version_counter(tuple(moved), tuple(versions))
     return bindings
 
 

@@ -69,7 +69,7 @@ def _relocate(
     txn = Transaction(pool)
     try:
         # New layout and handles.
-        alloc = RangeAllocator(capacity)
+        alloc = RangeAllocator(capacity, pool.alignment)
         mapping: dict[int, Slice] = {}
         for s in old_slices:
             alloc.take(layout[s.slice_id], s.nbytes)

@@ -55,10 +55,11 @@ class Replaced:
 
 
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
-    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    with torch.no_grad():
-        out.set_(storage, start, (nbytes,), (1,))
-    return out
+    """``nbytes`` bytes of ``storage`` from ``start`` as a new uint8 tensor (never needs grad,
+    so ``set_`` needs no ``no_grad``)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, start, (nbytes,), (1,)
+    )
 
 
 class Transaction:
