@@ -361,14 +361,18 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
     flat = pool._materialized_buffer()  # the pool's bytes as one 1-D uint8 tensor
     target = flat.untyped_storage()
     checkpoint("copy")
-    dst = [flat.narrow(0, p.slice.offset, p.extent.nbytes) for p in plans if p.slice is not None]
+    # In chunks: the byte views cost ~1 KiB of host memory each, and a batch of thousands
+    # must not hold them all at once (adoption's peak is meant to be originals + pool).
+    for first in range(0, len(plans), _COPY_CHUNK):
+        chunk = plans[first : first + _COPY_CHUNK]
+        dst = [flat.narrow(0, p.slice.offset, p.extent.nbytes) for p in chunk if p.slice is not None]
+        for p, view in zip(chunk, dst):
+            if not p.allocated:  # an existing slice: a rollback must give it its old bytes back
+                txn.save_bytes(view)
+        src = [byte_view(txn.storages[p.key], p.extent.start, p.extent.nbytes) for p in chunk]
+        _copy_all(dst, src)
+        del dst, src
     del flat
-    for p, view in zip(plans, dst):
-        if not p.allocated:  # an existing slice: a rollback must give it its old bytes back
-            txn.save_bytes(view)
-    src = [byte_view(txn.storages[p.key], p.extent.start, p.extent.nbytes) for p in plans]
-    _copy_all(dst, src)
-    del dst, src
 
     bindings = _rebind_all(plans, txn, target)
     del target
@@ -427,6 +431,9 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
         )
     )
 
+
+_COPY_CHUNK = 1024
+"""Tensors copied per ``_copy_all`` call of a batch adoption (bounds the views alive at once)."""
 
 _SMALL_COPY = 4 << 20
 """Copies below this are spread over threads by :func:`_copy_all`. A ``copy_`` below torch's
