@@ -77,9 +77,13 @@ class PoolMachine(RuleBasedStateMachine):
         snap = Snapshot(self.pools, snap_tensors)
         try:
             report = pool.adopt(targets)
-        except PoolExhaustedError as exc:
+        except PoolExhaustedError:
             snap.assert_unchanged()
-            pool.grow(pool.capacity + exc.requested * len(targets) + 1024)
+            need = sum(
+                align_up(t.numel() * t.element_size(), pool.alignment) + 64
+                for t in (x.tensor if isinstance(x, AdoptSpec) else x for x in targets)
+            )
+            pool.grow(pool.capacity + need)
             report = pool.adopt(targets)
         del snap
         assert report.all_released
@@ -324,7 +328,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 QUICK = settings(max_examples=300, stateful_step_count=30, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-SLOW = settings(max_examples=1500, stateful_step_count=80, deadline=None,
+SLOW = settings(max_examples=3000, stateful_step_count=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
