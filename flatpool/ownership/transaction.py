@@ -151,14 +151,19 @@ class Transaction:
         """
         storage = self.storages[key]
         known: dict[int, torch.Tensor] = {}
+        held_bases = 0
         for rec in self.journal if records is None else records:
             if isinstance(rec, Replaced) and rec.key == key and rec.old is not None:
                 known[id(rec.old)] = rec.old
                 base = autograd_base(rec.old)
-                if base is not None:
+                if base is not None and id(base) not in known:
                     bs = own_storage(base)
                     if bs is not None and int(bs._cdata) == key:
                         known[id(base)] = base
+                        # The base of a replaced view dies with the view unless someone else
+                        # holds it. Python refs: `known`, `base`, getrefcount's argument, and
+                        # the one C++ keeps while views of it live (PyObject preservation).
+                        held_bases += max(0, sys.getrefcount(base) - 4)
                     del bs
                 del base
         cpp_users = int(torch._C._storage_Use_Count(storage._cdata))
@@ -166,7 +171,7 @@ class Transaction:
         # itself while the storage has other users (PyObject preservation).
         py_extra = sys.getrefcount(storage) - 3 - (1 if cpp_users > 1 else 0)
         del storage
-        return max(0, cpp_users - 1 - len(known)) + max(0, py_extra)
+        return max(0, cpp_users - 1 - len(known)) + max(0, py_extra) + held_bases
 
     def commit_release(self) -> dict[int, bool]:
         """Drop every reference to the originals and report which ones expired."""

@@ -499,10 +499,7 @@ ROWS: tuple[Row, ...] = (
         r"not its _local_tensor's"),
     Row("padded-local", "a DTensor whose local tensor is a narrow of a padded shard held "
         "elsewhere", _dtensor_padded_narrow, flatpool.PinnedStorageError,
-        r"Box.data|autograd view", "nothing changed; the holder is named",
-        xfail="the release precheck counts the local view's autograd base as flatpool's own "
-        "(transaction.unaccounted_users), so the pin is only found after commit, when the "
-        "replaced _local_tensor object is gone: rollback installs an equal but new object"),
+        r"Box.data|autograd view", "nothing changed; the holder is named"),
     Row("pinned-view", "a tensor with a live view nobody named", _pinned_by_view,
         flatpool.PinnedStorageError, r"local variable|autograd view|held",
         "nothing changed; the holder is named"),
