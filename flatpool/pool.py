@@ -354,7 +354,7 @@ class FlatPool:
     ) -> torch.Tensor:
         """A base-less tensor at byte ``offset`` of the storage (no autograd view link)."""
         storage = self.storage
-        strides = tuple(stride) if stride is not None else _contiguous_strides(shape)
+        strides = tuple(stride) if stride is not None else contiguous_strides(shape)
         out = torch.empty(0, dtype=dtype, device=self.device)
         with torch.no_grad():
             out.set_(storage, offset // dtype.itemsize, tuple(shape), strides)
@@ -546,7 +546,8 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
         ) from exc
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (what a fresh ``torch.empty(shape)`` has)."""
     strides: list[int] = []
     acc = 1
     for d in reversed(tuple(shape)):

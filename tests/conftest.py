@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from flatpool import set_fault_hook
 from hypothesis import HealthCheck, settings
 
 collect_ignore = ["typing_usage"]
@@ -71,6 +73,13 @@ class SharedStorageWrapper(torch.Tensor):
 
     def data_ptr(self) -> int:
         return int(self._local_tensor.data_ptr())
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_hook() -> Iterator[None]:
+    """No test leaves a fault-injection hook installed for the next one."""
+    yield
+    set_fault_hook(None)
 
 
 @pytest.fixture

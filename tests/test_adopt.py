@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -41,12 +41,6 @@ def key(t: torch.Tensor) -> int:
 
 def weak(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(storage_of(t))
-
-
-@pytest.fixture(autouse=True)
-def _no_fault_hook() -> Iterator[None]:
-    yield
-    set_fault_hook(None)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,12 +22,6 @@ from flatpool import (
     set_fault_hook,
     storage_of,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_fault_hook() -> Iterator[None]:
-    yield
-    set_fault_hook(None)
 
 
 class CountAllocations(TorchDispatchMode):

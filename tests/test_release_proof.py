@@ -8,22 +8,15 @@ and check that the error names the holder and that the rollback leaves everythin
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from flatpool import AdoptSpec, FlatPool, Holder, PinnedStorageError, set_fault_hook, storage_of
+from flatpool import AdoptSpec, FlatPool, Holder, PinnedStorageError, storage_of
 
 CAP = 1 << 16
-
-
-@pytest.fixture(autouse=True)
-def _no_fault_hook() -> Iterator[None]:
-    yield
-    set_fault_hook(None)
 
 
 def key(t: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ and the old storage is proven dead (or everything rolls back)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,12 +21,6 @@ from flatpool import (
     set_fault_hook,
     storage_of,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_fault_hook() -> Iterator[None]:
-    yield
-    set_fault_hook(None)
 
 
 class Box:

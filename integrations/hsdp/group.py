@@ -22,6 +22,7 @@ from attrs import define, evolve
 
 from flatpool import AdoptSpec, FlatPool, Holder, OnPinned, Slice, local_tensor, own_storage
 from flatpool.devices import DeviceLike, resolve_device
+from flatpool.pool import contiguous_strides
 
 from .layout import Bucket, MemberLayout
 from .protocol import ShardedParam
@@ -153,15 +154,7 @@ def adopt_group(
     if reason is not None:
         return GroupBuffers(skipped=reason)
     dev = resolve_device(device) if device is not None else params[0]._sharded_param_data.device
-    plans: list[tuple[torch.dtype, FlatPool, list[MemberLayout]]] = []
-    for dtype, indices in bucket_members(params).items():
-        pool = FlatPool(dev, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
-        layouts = []
-        for i in indices:
-            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
-            lay = layout_of(params[i], i, slc.offset // dtype.itemsize)
-            layouts.append(_with_slice(lay, slc))
-        plans.append((dtype, pool, layouts))
+    plans = plan_buckets(params, dev, alignment, name)
 
     done: list[tuple[FlatPool, list[MemberLayout]]] = []
     freed = 0
@@ -179,8 +172,22 @@ def adopt_group(
     return GroupBuffers(buckets=buckets, freed_bytes=freed)
 
 
-def _with_slice(m: MemberLayout, slc: Slice) -> MemberLayout:
-    return evolve(m, slice=slc)
+BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]
+
+
+def plan_buckets(
+    params: Sequence[ShardedParam], device: torch.device, alignment: int, name: str
+) -> list[BucketPlan]:
+    """One planned (not yet materialized) pool per dtype, a slice per member in group order."""
+    plans: list[BucketPlan] = []
+    for dtype, indices in bucket_members(params).items():
+        pool = FlatPool(device, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
+        layouts = []
+        for i in indices:
+            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
+            layouts.append(evolve(layout_of(params[i], i, slc.offset // dtype.itemsize), slice=slc))
+        plans.append((dtype, pool, layouts))
+    return plans
 
 
 def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[MemberLayout]) -> None:
@@ -196,7 +203,7 @@ def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[Memb
         storage = fresh.untyped_storage()
         p._sharded_param_data = fresh
         local = local_tensor(p.sharded_param)
-        stride = _contiguous_strides(m.sharded_size)
+        stride = contiguous_strides(m.sharded_size)
         new_local = torch.empty(0, dtype=fresh.dtype, device=fresh.device)
         with torch.no_grad():
             new_local.set_(storage, 0, tuple(m.sharded_size), stride)
@@ -206,15 +213,10 @@ def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[Memb
             if own_storage(p.sharded_param) is not None:
                 with torch._C.DisableTorchFunctionSubclass():
                     p.sharded_param.set_(storage, 0, tuple(m.sharded_size), stride)
-        pool.registry.unbind(m.slice)
+        pool.disown(m.slice)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-__all__ = ["GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict", "skip_reason"]
+__all__ = [
+    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict",
+    "plan_buckets", "skip_reason",
+]

@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from attrs import evolve
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatpool import FlatPool
 from flatpool.devices import DeviceLike, resolve_device
 
-from .group import GroupBuffers, bucket_members, layout_of
+from .group import GroupBuffers, plan_buckets
 from .layout import Bucket, MemberLayout
 from .protocol import ShardedParam
 
@@ -48,16 +47,9 @@ def materialize_group(
         raise ValueError(
             f"members {not_meta} are not on meta; use adopt_group() for materialized shards"
         )
-    dev = resolve_device(device)
-    plans: list[tuple[torch.dtype, FlatPool, list[MemberLayout]]] = []
-    for dtype, indices in bucket_members(params).items():
-        pool = FlatPool(dev, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
-        layouts = []
-        for i in indices:
-            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
-            layouts.append(evolve(layout_of(params[i], i, slc.offset // dtype.itemsize), slice=slc))
+    plans = plan_buckets(params, resolve_device(device), alignment, name)
+    for _, pool, _ in plans:
         pool.materialize()
-        plans.append((dtype, pool, layouts))
     for _, pool, layouts in plans:
         for m in layouts:
             _install(params[m.index], pool, m)
