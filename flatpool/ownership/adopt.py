@@ -256,6 +256,8 @@ def _plan(
     for p in plans:
         by_key.setdefault(p.key, []).append(p)
     for group in by_key.values():
+        if len(group) == 1:
+            continue
         group.sort(key=lambda p: p.extent.start)
         for a, b in zip(group, group[1:]):
             if a.extent.intersects(b.extent):
@@ -556,13 +558,16 @@ def _precheck(plans: list[_Plan], txn: Transaction) -> dict[str, tuple[str, ...]
     for key in {p.key for p in plans}:
         based: list[str] = []
         records = by_key.get(key, [])
-        for rec in records:
-            if not isinstance(rec, InPlace):
-                continue
-            base = autograd_base(rec.obj)
-            bs = own_storage(base) if base is not None else None
-            if bs is not None and int(bs._cdata) == key:
-                based.append(f"tensor {tuple(rec.obj.shape)} named in the adoption")
+        with torch._C.DisableTorchFunctionSubclass():
+            for rec in records:
+                if not isinstance(rec, InPlace):
+                    continue
+                base = rec.obj._base  # set_ moved the view, but its autograd base stays put
+                if base is None:
+                    continue
+                bs = own_storage(base)
+                if bs is not None and int(bs._cdata) == key:
+                    based.append(f"tensor {tuple(rec.obj.shape)} named in the adoption")
         if based or txn.unaccounted_users(key, records):
             label = next(p.label for p in plans if p.key == key)
             pinned[label] = name_pins(txn.storages[key], txn.own_ids(), based)
