@@ -1,4 +1,5 @@
-"""The ```python examples of the ownership, census and meta docs run as written.
+"""The ```python examples of the README and the pool, ownership, census and meta docs run as
+written.
 
 The blocks of one document share a namespace and run in order, like a reader pasting them.
 """
@@ -23,7 +24,7 @@ def blocks(name: str) -> list[str]:
     return BLOCK.findall((DOCS / name).read_text())
 
 
-@pytest.mark.parametrize("doc", ["ownership.md", "census.md", "meta.md"])
+@pytest.mark.parametrize("doc", ["../README.md", "pool.md", "ownership.md", "census.md", "meta.md"])
 def test_doc_examples_run(doc: str) -> None:
     code = blocks(doc)
     assert code, f"{doc} has no python example"
