@@ -9,7 +9,6 @@ and the pool back to where they were.
 from __future__ import annotations
 
 import gc
-import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
@@ -26,6 +25,7 @@ from ..errors import (
     PinnedStorageError,
 )
 from ..slices import Slice
+from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .pins import name_pins, tensors_on_storage
 from .rebind import autograd_base, own_storage
@@ -365,14 +365,14 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
     checkpoint("copy")
     # In chunks: the byte views cost ~1 KiB of host memory each, and a batch of thousands
     # must not hold them all at once (adoption's peak is meant to be originals + pool).
-    for first in range(0, len(plans), _COPY_CHUNK):
-        chunk = plans[first : first + _COPY_CHUNK]
+    for first in range(0, len(plans), COPY_CHUNK):
+        chunk = plans[first : first + COPY_CHUNK]
         dst = [flat.narrow(0, p.slice.offset, p.extent.nbytes) for p in chunk if p.slice is not None]
         for p, view in zip(chunk, dst):
             if not p.allocated:  # an existing slice: a rollback must give it its old bytes back
                 txn.save_bytes(view)
         src = [byte_view(txn.storages[p.key], p.extent.start, p.extent.nbytes) for p in chunk]
-        _copy_all(dst, src)
+        copy_all(dst, src)
         del dst, src
     del flat
 
@@ -432,56 +432,6 @@ def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: On
             if p.slice is not None
         )
     )
-
-
-_COPY_CHUNK = 1024
-"""Tensors copied per ``_copy_all`` call of a batch adoption (bounds the views alive at once)."""
-
-_SMALL_COPY = 4 << 20
-"""Copies below this are spread over threads by :func:`_copy_all`. A ``copy_`` below torch's
-grain size (32768 elements) runs serially, and one above it opens a parallel region per
-tensor, which stalls whenever another process holds a core; large copies keep their own
-intra-op parallelism."""
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i``: one ``_foreach_copy_``, and on CPU the small
-    copies split over ``torch.get_num_threads()`` Python threads (the op releases the GIL).
-
-    Thousands of small copies into a fresh pool are bound by first-touch page faults taken one
-    at a time; threads take them in parallel, as a single large ``copy_`` does.
-    """
-    workers = torch.get_num_threads() if dst and dst[0].device.type == "cpu" else 1
-    small = [i for i, d in enumerate(dst) if d.nbytes < _SMALL_COPY] if workers > 1 else []
-    if len(small) < 4 * workers:
-        with torch.no_grad():
-            torch._foreach_copy_(dst, src)
-        return
-    large = sorted(set(range(len(dst))) - set(small))
-    chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    if large:
-        chunks.append(([dst[i] for i in large], [src[i] for i in large]))
-    per = -(-len(small) // workers)
-    for k in range(0, len(small), per):
-        part = small[k : k + per]
-        chunks.append(([dst[i] for i in part], [src[i] for i in part]))
-    errors: list[BaseException] = []
-
-    def run(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
-        try:
-            with torch.no_grad():  # grad mode is per thread
-                torch._foreach_copy_(d, s)
-        except BaseException as exc:  # re-raised in the calling thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=c, daemon=True) for c in chunks[1:]]
-    for t in threads:
-        t.start()
-    run(*chunks[0])
-    for t in threads:
-        t.join()  # every copy has finished before anything (a rollback) touches the bytes
-    if errors:
-        raise errors[0]
 
 
 def _rebind_all(

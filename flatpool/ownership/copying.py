@@ -1,0 +1,60 @@
+"""Batched byte copies into a pool: one ``_foreach_copy_`` per chunk, small copies threaded.
+
+Adoption copies every original into its slice before anything is rebound; this module is only
+that copy, so its speed can be tuned without touching the transaction around it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+COPY_CHUNK = 1024
+"""Tensors copied per ``copy_all`` call of a batch adoption (bounds the views alive at once)."""
+
+SMALL_COPY = 4 << 20
+"""Copies below this are spread over threads by :func:`copy_all`. A ``copy_`` below torch's
+grain size (32768 elements) runs serially, and one above it opens a parallel region per
+tensor, which stalls whenever another process holds a core; large copies keep their own
+intra-op parallelism."""
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i``: one ``_foreach_copy_``, and on CPU the small
+    copies split over ``torch.get_num_threads()`` Python threads (the op releases the GIL).
+
+    Thousands of small copies into a fresh pool are bound by first-touch page faults taken one
+    at a time; threads take them in parallel, as a single large ``copy_`` does.
+    """
+    workers = torch.get_num_threads() if dst and dst[0].device.type == "cpu" else 1
+    small = [i for i, d in enumerate(dst) if d.nbytes < SMALL_COPY] if workers > 1 else []
+    if len(small) < 4 * workers:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+        return
+    large = sorted(set(range(len(dst))) - set(small))
+    chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    if large:
+        chunks.append(([dst[i] for i in large], [src[i] for i in large]))
+    per = -(-len(small) // workers)
+    for k in range(0, len(small), per):
+        part = small[k : k + per]
+        chunks.append(([dst[i] for i in part], [src[i] for i in part]))
+    errors: list[BaseException] = []
+
+    def run(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                torch._foreach_copy_(d, s)
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=c, daemon=True) for c in chunks[1:]]
+    for t in threads:
+        t.start()
+    run(*chunks[0])
+    for t in threads:
+        t.join()  # every copy has finished before anything (a rollback) touches the bytes
+    if errors:
+        raise errors[0]
