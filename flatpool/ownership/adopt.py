@@ -27,6 +27,7 @@ from ..errors import (
 from ..slices import Slice
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
+from .gcpause import gc_paused
 from .pins import name_pins, tensors_on_storage
 from .rebind import autograd_base, own_storage
 from .registry import Binding, Geometry
@@ -331,27 +332,17 @@ def adopt(
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     _check_not_in_backward()
     specs = _normalize(targets)
-    # A batch creates a few Python objects per tensor (storages, views, records, weak
-    # references); with thousands of tensors the growing heap triggers full gc passes that
-    # cost more than the move itself. Nothing here relies on the cycle collector (the proof
-    # is by reference counts), so it is paused for the batch.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with pool.lock:
-            txn = Transaction(pool)
-            plans: list[_Plan] = []
-            try:
-                plans = _plan(pool, specs, txn, discover, into_bound)
-                return _execute(pool, plans, txn, on_pinned)
-            except BaseException:
-                txn.rollback()
-                for p in plans:  # the traceback keeps these frames: let them pin nothing
-                    p.members = []
-                raise
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with gc_paused(), pool.lock:
+        txn = Transaction(pool)
+        plans: list[_Plan] = []
+        try:
+            plans = _plan(pool, specs, txn, discover, into_bound)
+            return _execute(pool, plans, txn, on_pinned)
+        except BaseException:
+            txn.rollback()
+            for p in plans:  # the traceback keeps these frames: let them pin nothing
+                p.members = []
+            raise
 
 
 def _execute(pool: FlatPool, plans: list[_Plan], txn: Transaction, on_pinned: OnPinned) -> AdoptionReport:

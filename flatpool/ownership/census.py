@@ -19,6 +19,7 @@ from attrs import define
 from ..aliasing import local_tensor
 from ..devices import allocator_counters
 from ..pool import FlatPool, live_pools
+from .gcpause import gc_paused
 from .rebind import own_storage
 
 _LEGIT_ROLES = ("grad", "optimizer state")
@@ -121,6 +122,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
     """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
     lists, objects), or from every tensor in the process when no root is given."""
+    with gc_paused():
+        return _census(roots, pools)
+
+
+def _census(roots: tuple[Any, ...], pools: Iterable[FlatPool] | None) -> Census:
     found: list[tuple[str, str, torch.Tensor]] = []
     if roots:
         for i, root in enumerate(roots):
