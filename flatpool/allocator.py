@@ -98,12 +98,15 @@ class RangeAllocator:
         """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step.
 
         Only for a growable allocator with no free range (a pool being planned from scratch,
-        the common case of a batch adoption): best fit has nothing to choose from there, so
-        the starts are plain arithmetic and the padding gaps are added to the index at once.
-        Returns ``None`` (nothing changed) when that does not hold.
+        the common case of a batch adoption) and requests at the allocator's own alignment:
+        best fit has nothing to choose from there (the padding gaps the batch leaves have no
+        usable byte at that alignment), so the starts are plain arithmetic and the gaps are
+        added to the index at once. Returns ``None`` (nothing changed) otherwise.
         """
         if not self.growable or self._starts:
             return None
+        if any(alignment != self.alignment for _, alignment in requests):
+            return None  # a coarser alignment leaves gaps a later, finer request would fill
         starts: list[int] = []
         gaps: list[tuple[int, int]] = []
         pos = self.extent

@@ -209,3 +209,28 @@ def test_long_random_sequences(
     alignment: int, capacity: int | None, steps: list[tuple[Any, ...]], materialize_first: bool
 ) -> None:
     run(alignment, capacity, steps, materialize_first)
+
+
+@given(
+    alignment=st.sampled_from(ALIGNMENTS),
+    requests=st.lists(st.tuples(st.sampled_from(DTYPES), shapes), min_size=1, max_size=40),
+    planned_first=st.integers(0, 3),
+)
+def test_batch_placement_equals_one_by_one(
+    alignment: int, requests: list[tuple[torch.dtype, tuple[int, ...]]], planned_first: int
+) -> None:
+    """A batch adoption places its slices in one step (``_allocate_many``); the layout must be
+    exactly what allocating them one at a time gives, free list included."""
+    one, many = FlatPool(alignment=alignment), FlatPool(alignment=alignment)
+    for dt, shape in requests[:planned_first]:  # slices planned before the batch
+        one.allocate(shape, dt)
+        many.allocate(shape, dt)
+    batch = [(shape, dt) for dt, shape in requests[planned_first:]]
+    singles = [one.allocate(shape, dt) for shape, dt in batch]
+    placed = many._allocate_many(batch)
+    assert [(s.offset, s.shape, s.dtype) for s in placed] == [
+        (s.offset, s.shape, s.dtype) for s in singles
+    ]
+    assert many.describe() == one.describe().replace(one.name, many.name)
+    assert many._alloc.free_ranges() == one._alloc.free_ranges()
+    assert many.used_bytes + many.free_bytes == many.capacity
