@@ -553,6 +553,21 @@ def test_pending_graph_that_saved_the_parameter_still_backprops() -> None:
     assert w.grad is not None and torch.equal(w.grad, 2 * w.detach())
 
 
+def test_pending_graph_that_saved_a_named_view_still_backprops() -> None:
+    """A view shares its base's version counter: adopting both in place must leave the shared
+    counter where it was, whatever order they are rebound in (regression: reading the view's
+    counter after its base's ``set_`` recorded the bumped value)."""
+    w = torch.nn.Parameter(torch.randn(8))
+    v = w[:4]
+    loss = (v * v).sum()  # saves the view
+    pool = FlatPool(capacity=CAP)
+    report = pool.adopt(AdoptSpec(w, views=[v]))
+    assert report.all_released and pool.owns(w) and pool.owns(v)
+    assert w._version == 0 and v._version == 0
+    loss.backward()
+    assert w.grad is not None and torch.equal(w.grad[:4], 2 * w.detach()[:4])
+
+
 def test_pending_graph_that_saved_a_view_pins_until_backward() -> None:
     """nn.Linear saves ``weight.t()``: a view (its own TensorImpl) on the original storage that
     only the graph holds. By default adoption refuses and rolls back; with ``warn`` it proceeds,

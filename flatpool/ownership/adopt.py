@@ -438,6 +438,10 @@ def _rebind_all(
     moved: list[torch.Tensor] = []
     versions: list[int] = []
     journal = txn.journal
+    with torch._C.DisableTorchFunctionSubclass():
+        # Read every counter before any set_: a view shares its base's counter, so reading it
+        # after the base's set_ would record the bumped value.
+        before = {id(m.obj): int(m.obj._version) for p in plans for m in p.members}
     try:
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
             for p in plans:
@@ -460,10 +464,9 @@ def _rebind_all(
                                 f"cannot place a {obj.dtype} view at byte {new_offset} of the "
                                 f"pool: not a multiple of its element size {item}"
                             )
-                        version = int(obj._version)
                         obj.set_(target, new_offset // item, shape, stride)
                         moved.append(obj)
-                        versions.append(version)
+                        versions.append(before[id(obj)])
                         journal.append(InPlace(obj, p.key, off, shape, stride))
                         placed = obj
                     out.append(Binding.make(placed, geometry, m.holder, m.primary))
