@@ -199,9 +199,9 @@ def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[Memb
     """
     for p, m in zip(params, layouts):
         assert m.slice is not None
-        fresh = pool.view(m.slice).clone()
+        fresh = pool.view(m.slice).clone()  # padded shape, like FSDP2's padded tensor
         storage = fresh.untyped_storage()
-        p._sharded_param_data = fresh
+        p._sharded_param_data = fresh.view(-1)
         local = local_tensor(p.sharded_param)
         stride = contiguous_strides(m.sharded_size)
         new_local = torch.empty(0, dtype=fresh.dtype, device=fresh.device)
