@@ -522,25 +522,24 @@ def _force_rebind(
     pool: FlatPool, plans: list[_Plan], txn: Transaction, pinned: dict[str, tuple[str, ...]],
     bindings: dict[int, list[Binding]],
 ) -> None:
-    """``on_pinned="force"``: also move every Python-visible tensor left on a pinned original."""
-    target = pool.storage
+    """``on_pinned="force"``: also move every Python-visible tensor left on a pinned original,
+    through the same rebinding loop as the named members."""
     skip = {id(r.obj) for r in txn.journal if isinstance(r, InPlace)}
+    found: list[_Plan] = []
+    named: list[list[_Member]] = []
     for p in plans:
-        if p.label not in pinned or p.slice is None:
-            continue
-        for m in _discover(p.key, p.extent, skip):
-            rel = byte_range(m.obj).start - p.extent.start
-            with torch._C.DisableTorchFunctionSubclass():
-                geometry = Geometry(
-                    int(m.obj.storage_offset()) * m.obj.element_size() - p.extent.start,
-                    tuple(m.obj.shape), tuple(m.obj.stride()), m.obj.dtype,
-                )
-            if m.holder is not None and autograd_base(m.obj) is not None:
-                placed = txn.move_by_holder(m.holder, m.obj, p.key, target, p.slice.offset + rel)
-            else:
-                txn.move_in_place(m.obj, p.key, target, p.slice.offset + geometry.byte_offset)
-                placed = m.obj
-            bindings[p.slice.slice_id].append(Binding.make(placed, geometry, m.holder, False))
+        if p.label in pinned and p.slice is not None:
+            extra = _discover(p.key, p.extent, skip)
+            if extra:
+                found.append(p)
+                named.append(p.members)
+                p.members = extra
+    try:
+        for slice_id, more in _rebind_all(found, txn, pool.storage).items():
+            bindings[slice_id].extend(more)
+    finally:
+        for p, members in zip(found, named):
+            p.members = members + p.members
 
 
 def _pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) -> str:
