@@ -31,7 +31,7 @@ from .errors import (
     SliceError,
 )
 from .ownership.census import Census, StorageRecord, census
-from .ownership.faults import set_fault_hook
+from .ownership.faults import FailAt, set_fault_hook
 from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, Holder, OnPinned
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
 from .slices import Slice
@@ -46,6 +46,7 @@ __all__ = [
     "Holder",
     "OnPinned",
     "set_fault_hook",
+    "FailAt",
     "DEFAULT_ALIGNMENT",
     "AdoptionError",
     "AliasingError",

@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import flatpool
 from flatpool import (
+    FailAt,
     AdoptionError,
     AdoptSpec,
     AliasingError,
@@ -511,14 +512,7 @@ def test_fault_at_every_checkpoint_rolls_back(k: int, exc_type: type[BaseExcepti
     box = keep[5]
     view_before, view_id = box.v, id(box.v)
     snap = _snapshot(pool, watched)
-    seen: list[str] = []
-
-    def hook(step: str) -> None:
-        seen.append(step)
-        if len(seen) == k + 1:
-            raise exc_type(f"injected at {step} #{k}")
-
-    set_fault_hook(hook)
+    set_fault_hook(FailAt(k, exc_type))
     with pytest.raises(exc_type, match="injected"):
         run()
     set_fault_hook(None)
@@ -673,3 +667,13 @@ def test_free_refuses_a_slice_backing_adopted_tensors() -> None:
 def test_public_names() -> None:
     for name in ("AdoptSpec", "Holder", "AdoptionReport", "AdoptedItem", "set_fault_hook", "census"):
         assert hasattr(flatpool, name)
+
+
+def test_fail_at_raises_once_at_its_checkpoint() -> None:
+    hook = FailAt(2, KeyboardInterrupt)
+    hook("allocate")
+    hook("copy")
+    with pytest.raises(KeyboardInterrupt, match=r"injected at checkpoint 2 \(rebind\)"):
+        hook("rebind")
+    hook("release")  # only the k-th checkpoint fails
+    assert hook.steps == ["allocate", "copy", "rebind", "release"]

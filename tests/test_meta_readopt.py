@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from flatpool import (
+    FailAt,
     AdoptSpec,
     FlatPool,
     InvalidRequestError,
@@ -157,14 +158,7 @@ def test_materialize_into_fault_at_every_step(exc_type: type[BaseException]) -> 
         ids = [id(p) for p in params]
         pool = FlatPool(capacity=4096)
         before = pool.describe()
-        seen: list[str] = []
-
-        def hook(step: str) -> None:
-            seen.append(step)
-            if len(seen) == k + 1:
-                raise exc_type("injected")
-
-        set_fault_hook(hook)
+        set_fault_hook(FailAt(k, exc_type))
         with pytest.raises(exc_type):
             pool.materialize_into(params)
         set_fault_hook(None)
@@ -301,14 +295,7 @@ def test_readopt_fault_injection() -> None:
             values = [p.detach().clone() for p in params]
             slice_bytes = [s.bytes().clone() for s in pool.slices()]
             desc = pool.describe()
-            seen: list[str] = []
-
-            def hook(step: str) -> None:
-                seen.append(step)
-                if len(seen) == k + 1:
-                    raise exc_type("injected")
-
-            set_fault_hook(hook)
+            set_fault_hook(FailAt(k, exc_type))
             with pytest.raises(exc_type):
                 pool.readopt()
             set_fault_hook(None)

@@ -12,6 +12,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import (
+    FailAt,
     AdoptSpec,
     FlatPool,
     FreedSliceError,
@@ -211,14 +212,7 @@ def test_fault_at_every_relocation_step(op: str, exc_type: type[BaseException]) 
     for k in range(len(counted)):
         pool, tensors, box = _scenario()
         state = _state(pool, tensors)
-        seen: list[str] = []
-
-        def hook(step: str) -> None:
-            seen.append(step)
-            if len(seen) == k + 1:
-                raise exc_type(f"injected at {step}")
-
-        set_fault_hook(hook)
+        set_fault_hook(FailAt(k, exc_type))
         with pytest.raises(exc_type, match="injected"):
             run(pool)
         set_fault_hook(None)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from flatpool import AdoptSpec, FlatPool, set_fault_hook
+from flatpool import AdoptSpec, FailAt, FlatPool, set_fault_hook
 
 from .scenarios import World, batch_world, ints, meta_world, values_of
 from .state import Snapshot, check_layout
@@ -112,13 +112,8 @@ def sweep(op: str, exc_type: type[BaseException]) -> int:
         run = prepare(w)
         before = values_of(w)
         snap = Snapshot(w.pools, w.tensors, w.places)
-        calls: list[str] = []
-
-        def hook(step: str) -> None:
-            calls.append(step)
-            if len(calls) == k + 1:
-                raise exc_type(f"injected at checkpoint {k} ({step})")
-
+        hook = FailAt(k, exc_type)
+        calls = hook.steps
         set_fault_hook(hook)
         try:
             run()
