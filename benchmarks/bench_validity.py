@@ -1,4 +1,4 @@
-"""Validity check on the per-step path: ``integrations.hsdp.validity.is_valid`` per member.
+"""Validity check on the per-step path: ``flatpool.integrations.hsdp.validity.is_valid`` per member.
 
 A group of N members (FSDP2-shaped: padded data, a Parameter sharing its storage) is adopted
 with ``adopt_group``; then the check a group runs before each all-gather is timed, interleaved
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from integrations.hsdp.group import adopt_group
-from integrations.hsdp.validity import is_valid
+from flatpool.integrations.hsdp.group import adopt_group
+from flatpool.integrations.hsdp.validity import is_valid
 
 from ._common import Result, interleaved, median, median_ratio
 

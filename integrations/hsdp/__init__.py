@@ -1,1 +1,33 @@
-"""Integration of flatpool with HSDP / FSDP2 fusion groups."""
+"""The HSDP / FSDP2 fusion layer: adopt a param group's shards into one pool per dtype.
+
+Import path: ``flatpool.integrations.hsdp`` (the repository folder ``integrations/`` installs
+under the ``flatpool`` package).
+"""
+
+from .allgather import fused_all_gather, per_param_all_gather
+from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
+from .group import GroupBuffers, adopt_group, adopt_spec
+from .layout import Bucket, MemberLayout
+from .meta import materialize_group
+from .protocol import ShardedParam
+from .validity import is_valid, member_problems, problems, readopt_group
+
+__all__ = [
+    "Bucket",
+    "FusedModule",
+    "GroupBuffers",
+    "MemberLayout",
+    "ShardedParam",
+    "adopt_group",
+    "adopt_spec",
+    "fsdp_param_groups",
+    "fuse_fully_sharded",
+    "fused_all_gather",
+    "is_valid",
+    "lazy_init",
+    "materialize_group",
+    "member_problems",
+    "per_param_all_gather",
+    "problems",
+    "readopt_group",
+]

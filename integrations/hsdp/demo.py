@@ -1,6 +1,6 @@
 """Demo: comm fusion without stale shard storages (the bug report's case, on FSDP2).
 
-Run ``./scripts/demo.sh`` (or ``python -m integrations.hsdp.demo --help``). It starts
+Run ``./scripts/demo.sh`` (or ``python -m flatpool.integrations.hsdp.demo --help``). It starts
 ``--world-size`` ranks (CPU and gloo by default) and, on each, shards a two-layer model with
 FSDP2. With the default sizes each of its two weights gives every rank a 4 MiB shard, as in the
 report. Four modes are compared:
@@ -9,7 +9,7 @@ report. Four modes are compared:
 * ``naive rebase``: the bug. Shards are copied into a flat buffer and only
   ``_sharded_param_data`` is pointed at it: the old storages stay alive (2 x 4 MiB + 8 MiB)
   and training silently diverges (the optimizer updates what the all-gather no longer reads).
-* ``flatpool adopt``: :func:`integrations.hsdp.fuse_fully_sharded`. One 8 MiB pool, the old
+* ``flatpool adopt``: :func:`flatpool.integrations.hsdp.fuse_fully_sharded`. One 8 MiB pool, the old
   storages proven dead, training bit-identical.
 * ``meta init``: built on meta and materialized straight into the pool, then loaded.
 
@@ -212,7 +212,7 @@ def render(rank: int, rows: Sequence[Row]) -> str:
 
 def parse(argv: Sequence[str] | None) -> Config:
     ap = argparse.ArgumentParser(
-        prog="python -m integrations.hsdp.demo",
+        prog="python -m flatpool.integrations.hsdp.demo",
         description="Comm fusion with and without stale shard storages, on FSDP2 ranks.",
     )
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or npu")

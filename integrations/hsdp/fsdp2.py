@@ -139,7 +139,7 @@ def fuse_fully_sharded(
     """Adopt the shards of every param group of ``module`` (after ``fully_shard``).
 
     Groups whose shards are all on meta are materialized zero-copy into their pools
-    (:func:`integrations.hsdp.meta.materialize_group`; initialize the module afterwards with
+    (:func:`flatpool.integrations.hsdp.meta.materialize_group`; initialize the module afterwards with
     ``reset_parameters()`` or ``load_state_dict``, *not* ``to_empty``) unless ``materialize`` is
     false, in which case they are adopted at the first forward after ``to_empty``. With
     ``keep_valid`` the hooks described in this module's docstring are installed.

@@ -14,7 +14,7 @@ from torch import nn
 
 
 class ShardedParam(Protocol):
-    """What :func:`integrations.hsdp.adopt_group` reads and rebinds on each group member.
+    """What :func:`flatpool.integrations.hsdp.adopt_group` reads and rebinds on each group member.
 
     Attributes:
         _sharded_param_data: 1-D tensor over the *padded* local shard; the all-gather input.

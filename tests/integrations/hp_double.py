@@ -6,7 +6,7 @@ shard's storage (torch's DTensor has none). Its pre-fix flat-buffer init pointed
 ``_sharded_param_data`` and ``_local_tensor`` at the flat buffer but not the wrapper, which is
 the Parameter the module and optimizer hold: the old shard storages stayed alive next to the
 flat buffer (the bug report), and the optimizer stepped memory the all-gather no longer read.
-``HPGroup(..., hook="flatpool")`` calls :func:`integrations.hsdp.adopt_group` instead.
+``HPGroup(..., hook="flatpool")`` calls :func:`flatpool.integrations.hsdp.adopt_group` instead.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flatpool import local_tensor, same_storage
-from integrations.hsdp.allgather import fused_all_gather
-from integrations.hsdp.census import OriginalStorages, live_storages
-from integrations.hsdp.group import GroupBuffers, adopt_group
-from integrations.hsdp.validity import is_valid
+from flatpool.integrations.hsdp.allgather import fused_all_gather
+from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
+from flatpool.integrations.hsdp.group import GroupBuffers, adopt_group
+from flatpool.integrations.hsdp.validity import is_valid
 
 
 class HPDTensor(nn.Parameter):

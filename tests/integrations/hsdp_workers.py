@@ -17,9 +17,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import local_tensor, same_storage
-from integrations.hsdp.allgather import fused_all_gather, per_param_all_gather
-from integrations.hsdp.census import OriginalStorages, live_storages
-from integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
+from flatpool.integrations.hsdp.allgather import fused_all_gather, per_param_all_gather
+from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
+from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 
 STEPS = 3
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from integrations.hsdp.launch import launch
+from flatpool.integrations.hsdp.launch import launch
 
 SCENARIOS = [
     "adopt-mlp_bias-adam",

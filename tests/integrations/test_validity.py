@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.hsdp.group import adopt_group
-from integrations.hsdp.validity import is_valid, problems, readopt_group
+from flatpool.integrations.hsdp.group import adopt_group
+from flatpool.integrations.hsdp.validity import is_valid, problems, readopt_group
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hp_double import HPParam  # noqa: E402
