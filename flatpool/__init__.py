@@ -2,11 +2,20 @@
 
 A :class:`FlatPool` owns one contiguous storage on a device and hands out typed
 :class:`Slice` views. Tensors can be *adopted* into slices: their data moves into the pool,
-every object that viewed the original is rebound in place (identity survives), and the
+every object that viewed the original is moved in place (identity survives), and the
 original storage is released with proof that it died.
 """
 
-from .aliasing import (
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .torch_compat import UnsupportedTorchError, check_supported
+
+check_supported()
+
+from .aliasing import (  # noqa: E402  (after the torch check: one clear error first)
     ByteRange,
     byte_range,
     check_no_aliasing,
@@ -16,8 +25,8 @@ from .aliasing import (
     same_storage,
     storage_of,
 )
-from .devices import DeviceLike, allocator_counters, resolve_device
-from .errors import (
+from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
+from .errors import (  # noqa: E402
     AdoptionError,
     AliasingError,
     DeviceError,
@@ -28,13 +37,16 @@ from .errors import (
     InvalidTypeError,
     PinnedStorageError,
     PoolExhaustedError,
+    PoolInvariantError,
     SliceError,
 )
-from .ownership.census import Census, StorageRecord, census
-from .ownership.faults import FailAt, set_fault_hook
-from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, Holder, OnPinned
-from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
-from .slices import Slice
+from .holder import Holder  # noqa: E402
+from .ownership.census import Census, StorageRecord, census  # noqa: E402
+from .ownership.interrupts import RollbackError  # noqa: E402
+from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
+from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools  # noqa: E402
+from .slices import Slice  # noqa: E402
+from .state import UnreleasedOriginal  # noqa: E402
 
 __all__ = [
     "Census",
@@ -45,8 +57,6 @@ __all__ = [
     "AdoptionReport",
     "Holder",
     "OnPinned",
-    "set_fault_hook",
-    "FailAt",
     "DEFAULT_ALIGNMENT",
     "AdoptionError",
     "AliasingError",
@@ -61,9 +71,13 @@ __all__ = [
     "InvalidTypeError",
     "PinnedStorageError",
     "PoolExhaustedError",
+    "PoolInvariantError",
+    "RollbackError",
     "ShapeLike",
     "Slice",
     "SliceError",
+    "UnreleasedOriginal",
+    "UnsupportedTorchError",
     "allocator_counters",
     "byte_range",
     "check_no_aliasing",
@@ -76,4 +90,19 @@ __all__ = [
     "storage_of",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
+
+_MOVED = {"FailAt": "flatpool.testing", "set_fault_hook": "flatpool.testing"}
+
+
+def __getattr__(name: str) -> Any:
+    """Names that moved, kept for one release with a DeprecationWarning."""
+    if name in _MOVED:
+        warnings.warn(
+            f"flatpool.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
+            "release", DeprecationWarning, stacklevel=2,
+        )
+        from . import testing
+
+        return getattr(testing, name)
+    raise AttributeError(f"module 'flatpool' has no attribute {name!r}")

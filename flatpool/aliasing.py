@@ -3,7 +3,8 @@
 Decisions are made by *storage identity* and byte ranges, never by ``data_ptr()`` equality:
 two different storages can share an address (zero-size tensors, free-and-reuse), and wrapper
 subclasses such as HyperParallel's DTensor override ``data_ptr()``. Every helper sees through
-DTensor (its ``_local_tensor``) and through subclasses whose wrapper shares the storage.
+DTensor (its ``_local_tensor``) and through subclasses whose wrapper shares the storage, and
+reads geometry from the TensorImpl (a subclass's Python ``shape`` may be a global shape).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Union
 
 import torch
 from attrs import define
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import torch_compat as tc
 from .errors import AliasingError, InvalidTypeError
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
+storage_key = tc.storage_key
 
 
 @define(frozen=True)
@@ -51,24 +53,42 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_strided(t: torch.Tensor, what: str = "tensor") -> None:
+    """Refuse layouts that have no single strided storage (sparse, nested, mkldnn) by name."""
+    with tc.no_torch_function():
+        layout = tc.impl_layout(t)
+        nested = tc.impl_is_nested(t)
+    if nested:
+        raise InvalidTypeError(
+            f"{what} is a nested tensor: its components live in several buffers with no single "
+            "strided storage; pass its components (t.unbind()) instead"
+        )
+    if layout != torch.strided:
+        raise InvalidTypeError(
+            f"{what} has layout {layout}; only strided (dense) tensors have one storage with "
+            "byte ranges: convert it first (to_dense())"
+        )
+
+
 def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors and storage-less wrappers.
+    """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors, storage-less wrappers and
+    placeholder storages (functional/fake tensors).
 
     torch's DTensor is a traceable wrapper subclass with no data of its own; depending on how it
     was built it answers with an empty or an invalid placeholder storage, counted here as none.
     A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage and
     so has one.
     """
-    wrapper: bool = is_traceable_wrapper_subclass(t)  # a TypeGuard mypy over-narrows on
-    if wrapper:
+    if tc.is_wrapper_subclass(t):
         return None
     try:
-        with torch._C.DisableTorchFunctionSubclass():
-            if t.is_meta:
+        with tc.no_torch_function():
+            if tc.impl_is_meta(t) or tc.impl_layout(t) != torch.strided or tc.impl_is_nested(t):
                 return None
-            storage = t.untyped_storage()
-            storage.data_ptr()  # raises on a placeholder storage
+            storage = tc.impl_untyped_storage(t)
     except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if not tc.storage_has_data(storage):
         return None
     return storage if storage.nbytes() > 0 else None
 
@@ -76,28 +96,32 @@ def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """The untyped storage behind ``t`` (through DTensor and storage-sharing subclasses)."""
     inner = local_tensor(t)
-    with torch._C.DisableTorchFunctionSubclass():
-        return inner.untyped_storage()
+    check_strided(inner)
+    with tc.no_torch_function():
+        return tc.impl_untyped_storage(inner)
 
 
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """An identity for a *live* storage (its StorageImpl address).
+def extent_of(t: torch.Tensor) -> ByteRange:
+    """The strided byte extent of ``t`` itself (no unwrapping), from its TensorImpl.
 
-    Only meaningful while the storage is alive: compare keys of storages you hold.
+    Call under :func:`flatpool.torch_compat.no_torch_function`.
     """
-    return int(storage._cdata)
+    item = tc.impl_element_size(t)
+    start = tc.impl_storage_offset(t) * item
+    if tc.impl_numel(t) == 0:
+        return ByteRange(start, start)
+    span = 1
+    for size, stride in zip(tc.impl_size(t), tc.impl_stride(t)):
+        span += (size - 1) * abs(stride)
+    return ByteRange(start, start + span * item)
 
 
 def byte_range(t: torch.Tensor) -> ByteRange:
     """The bytes of ``t``'s storage its elements can touch (the strided extent)."""
     inner = local_tensor(t)
-    with torch._C.DisableTorchFunctionSubclass():
-        item = inner.element_size()
-        start = int(inner.storage_offset()) * item
-        if inner.numel() == 0:
-            return ByteRange(start, start)
-        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(inner.shape, inner.stride()))
-        return ByteRange(start, start + span * item)
+    check_strided(inner)
+    with tc.no_torch_function():
+        return extent_of(inner)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -135,6 +159,7 @@ def check_no_aliasing(tensors: NamedTensors) -> None:
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+        check_strided(local_tensor(t), name)
         storage = storage_of(t)
         keep_alive.append(storage)
         rng = byte_range(t)

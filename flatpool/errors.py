@@ -71,3 +71,8 @@ class PinnedStorageError(AdoptionError):
     def __init__(self, message: str, holders: dict[str, tuple[str, ...]]) -> None:
         super().__init__(message)
         self.holders = holders
+
+
+class PoolInvariantError(FlatPoolError, RuntimeError):
+    """An operation would leave a pool inconsistent (its storage grown past its capacity, a
+    tensor outside its slice): a bug or a tensor that lied about itself. It was rolled back."""

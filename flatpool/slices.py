@@ -9,7 +9,7 @@ import torch
 from attrs import define, field
 
 if TYPE_CHECKING:
-    from .pool import FlatPool
+    from .state import PoolState
 
 
 @define(frozen=True)
@@ -17,12 +17,12 @@ class Slice:
     """A typed region ``[offset, offset + nbytes)`` of a pool's storage.
 
     A slice holds no tensor: :meth:`tensor` derives a fresh view from the pool's *current*
-    storage each time, so a handle stays correct across :meth:`FlatPool.grow`/``compact``
+    storage each time, so a handle stays correct across `FlatPool.grow`/``compact``
     (which hand out new handles) and never keeps an old storage alive. ``slice_id`` is unique
     per pool for the pool's lifetime, so a stale handle to a freed and reused range is caught.
     """
 
-    pool: FlatPool = field(repr=lambda p: repr(p.name))
+    pool: PoolState = field(repr=lambda p: repr(p.name))
     slice_id: int
     offset: int
     shape: tuple[int, ...]

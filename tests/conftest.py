@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from flatpool import set_fault_hook
+from flatpool.testing import set_fault_hook
 from hypothesis import HealthCheck, settings
 
 collect_ignore = ["typing_usage"]

@@ -17,8 +17,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import flatpool
+from flatpool.testing import FailAt, set_fault_hook
 from flatpool import (
-    FailAt,
     AdoptionError,
     AdoptSpec,
     AliasingError,
@@ -29,7 +29,6 @@ from flatpool import (
     PinnedStorageError,
     PoolExhaustedError,
     local_tensor,
-    set_fault_hook,
     storage_of,
 )
 
@@ -250,7 +249,8 @@ def test_autograd_view_needs_its_holder() -> None:
     ref = weak(base)
     report = pool.adopt(AdoptSpec(base, holders=[Holder(box, "v")]))
     assert report.all_released and ref.expired()
-    assert box.v._base is None and pool.owns(box.v)  # type: ignore[attr-defined]
+    # Named, the view moves in place with its base: still a view of it, both in the pool.
+    assert box.v._base is base and pool.owns(box.v)  # type: ignore[attr-defined]
     assert torch.equal(box.v, expected)  # type: ignore[attr-defined]
     base[2] = 7.0
     assert box.v[0] == 7.0  # type: ignore[attr-defined]
@@ -377,7 +377,7 @@ def _snapshot(pool: FlatPool, tensors: list[torch.Tensor]) -> tuple[Any, ...]:
         pool.slices(),
         [id(t) for t in tensors],
         [key(t) for t in tensors],
-        [t.clone() for t in tensors],
+        [t.detach().clone() for t in tensors],
         [(t.shape, t.stride(), t.storage_offset()) for t in tensors],
     )
 
@@ -393,7 +393,7 @@ def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
         (lambda: torch.empty(3, device="meta"), InvalidRequestError, "meta"),
         (lambda: torch.empty(0), InvalidRequestError, "empty"),
         (lambda: torch.randn(1).expand(4), InvalidRequestError, "overlaps itself"),
-        (lambda: "x", InvalidTypeError, "AdoptSpec.tensor"),
+        (lambda: "x", InvalidTypeError, "takes tensors or AdoptSpecs"),
     ],
     ids=["meta", "empty", "expanded", "not-a-tensor"],
 )
@@ -536,30 +536,49 @@ def test_fault_checkpoints_cover_every_step() -> None:
 
 
 # -- autograd ----------------------------------------------------------------------------------
-def test_pending_graph_that_saved_the_parameter_still_backprops() -> None:
+def test_pending_graph_that_saved_the_parameter_pins_then_backprops_under_warn() -> None:
+    """A graph that saved the parameter holds its TensorImpl from C++, exactly as a DLPack
+    consumer does; torch cannot tell the two apart, so by default adoption refuses ("held
+    outside Python"). Under ``warn`` the move stands, the pool keeps the original alive while
+    the graph may read it, backward works, and the original goes once the graph is gone."""
     w = torch.nn.Parameter(torch.randn(5))
     version = w._version
     loss = (w * w).sum()
     pool = FlatPool(capacity=CAP)
-    report = pool.adopt(w)
-    assert report.all_released and w._version == version
+    k = key(w)
+    with pytest.raises(PinnedStorageError, match="held outside Python"):
+        pool.adopt(w)
+    assert key(w) == k and pool.slices() == ()
+    ref = weak(w)
+    with pytest.warns(UserWarning, match="still referenced"):
+        report = pool.adopt(w, on_pinned="warn")
+    assert not report.all_released and report.freed_bytes == 0 and w._version == version
+    kept = pool.unreleased_originals()
+    assert len(kept) == 1 and kept[0].kept_by_pool and not ref.expired()
     loss.backward()  # no "modified by an inplace operation"
     assert w.grad is not None and torch.equal(w.grad, 2 * w.detach())
+    del loss
+    gc.collect()
+    assert pool.release_kept() == 1 and ref.expired() and pool.unreleased_originals() == ()
 
 
 def test_pending_graph_that_saved_a_named_view_still_backprops() -> None:
     """A view shares its base's version counter: adopting both in place must leave the shared
-    counter where it was, whatever order they are rebound in (regression: reading the view's
+    counter where it was, whatever order they are moved in (regression: reading the view's
     counter after its base's ``set_`` recorded the bumped value)."""
     w = torch.nn.Parameter(torch.randn(8))
     v = w[:4]
-    loss = (v * v).sum()  # saves the view
+    loss = (v * v).sum()  # saves the view: its impl is held from C++
     pool = FlatPool(capacity=CAP)
-    report = pool.adopt(AdoptSpec(w, views=[v]))
-    assert report.all_released and pool.owns(w) and pool.owns(v)
+    with pytest.warns(UserWarning, match="held outside Python"):
+        report = pool.adopt(AdoptSpec(w, views=[v]), on_pinned="warn")
+    assert pool.owns(w) and pool.owns(v) and v._base is w
     assert w._version == 0 and v._version == 0
     loss.backward()
     assert w.grad is not None and torch.equal(w.grad[:4], 2 * w.detach()[:4])
+    del loss, report
+    gc.collect()
+    assert pool.release_kept() == 1 and pool.unreleased_originals() == ()
 
 
 def test_pending_graph_that_saved_a_view_pins_until_backward() -> None:
@@ -572,8 +591,9 @@ def test_pending_graph_that_saved_a_view_pins_until_backward() -> None:
     loss = model(x).sum()
     pool = FlatPool(capacity=CAP)
     keys = [key(p) for p in model.parameters()]
-    with pytest.raises(PinnedStorageError, match="held only from C[+][+]"):
+    with pytest.raises(PinnedStorageError, match="held only from C[+][+]") as err:
         pool.adopt(list(model.parameters()))
+    del err
     assert [key(p) for p in model.parameters()] == keys and pool.slices() == ()
     refs = [weak(p) for p in model.parameters()]
     with pytest.warns(UserWarning, match="still referenced"):
@@ -588,6 +608,7 @@ def test_pending_graph_that_saved_a_view_pins_until_backward() -> None:
         assert pool.owns(p)
     del loss
     gc.collect()
+    pool.release_kept()  # what the pool kept while the graph might read it
     assert all(r.expired() for r in refs)  # the graph was the last holder
 
 
@@ -595,7 +616,8 @@ def test_in_place_write_after_adoption_is_still_detected() -> None:
     """Adoption preserves the version counter; a real in-place edit still invalidates."""
     w = torch.randn(4, requires_grad=True)
     loss = (w * w).sum()
-    FlatPool(capacity=CAP).adopt(w)
+    with pytest.warns(UserWarning, match="held outside Python"):  # the graph saved w
+        FlatPool(capacity=CAP).adopt(w, on_pinned="warn")
     with torch.no_grad():
         w.add_(1)
     with pytest.raises(RuntimeError, match="inplace"):

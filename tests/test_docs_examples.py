@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flatpool import set_fault_hook
+from flatpool.testing import set_fault_hook
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

@@ -13,14 +13,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from flatpool.testing import FailAt, set_fault_hook
 from flatpool import (
-    FailAt,
     AdoptSpec,
     FlatPool,
     InvalidRequestError,
     PinnedStorageError,
     census,
-    set_fault_hook,
     storage_of,
 )
 

@@ -219,7 +219,7 @@ def test_long_random_sequences(
 def test_batch_placement_equals_one_by_one(
     alignment: int, requests: list[tuple[torch.dtype, tuple[int, ...]]], planned_first: int
 ) -> None:
-    """A batch adoption places its slices in one step (``_allocate_many``); the layout must be
+    """A batch adoption places its slices in one step (``allocate_many``); the layout must be
     exactly what allocating them one at a time gives, free list included."""
     one, many = FlatPool(alignment=alignment), FlatPool(alignment=alignment)
     for dt, shape in requests[:planned_first]:  # slices planned before the batch
@@ -227,7 +227,7 @@ def test_batch_placement_equals_one_by_one(
         many.allocate(shape, dt)
     batch = [(shape, dt) for dt, shape in requests[planned_first:]]
     singles = [one.allocate(shape, dt) for shape, dt in batch]
-    placed = many._allocate_many(batch)
+    placed = many.allocate_many(batch)
     assert [(s.offset, s.shape, s.dtype) for s in placed] == [
         (s.offset, s.shape, s.dtype) for s in singles
     ]

@@ -11,15 +11,14 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from flatpool.testing import FailAt, set_fault_hook
 from flatpool import (
-    FailAt,
     AdoptSpec,
     FlatPool,
     FreedSliceError,
     Holder,
     InvalidRequestError,
     PinnedStorageError,
-    set_fault_hook,
     storage_of,
 )
 

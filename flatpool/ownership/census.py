@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from attrs import define
 
-from ..aliasing import local_tensor
+from .. import torch_compat as tc
+from ..aliasing import local_tensor, own_storage
 from ..devices import allocator_counters
-from ..pool import FlatPool, live_pools
+from ..state import PoolState, live_pools
 from .gcpause import gc_paused
-from .rebind import own_storage
 
 _LEGIT_ROLES = ("grad", "optimizer state")
 
@@ -119,14 +119,14 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return own_storage(local_tensor(t))
 
 
-def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
+def census(*roots: Any, pools: Iterable[PoolState] | None = None) -> Census:
     """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
     lists, objects), or from every tensor in the process when no root is given."""
     with gc_paused():
         return _census(roots, pools)
 
 
-def _census(roots: tuple[Any, ...], pools: Iterable[FlatPool] | None) -> Census:
+def _census(roots: tuple[Any, ...], pools: Iterable[PoolState] | None) -> Census:
     found: list[tuple[str, str, torch.Tensor]] = []
     if roots:
         for i, root in enumerate(roots):
@@ -138,7 +138,7 @@ def _census(roots: tuple[Any, ...], pools: Iterable[FlatPool] | None) -> Census:
                 if isinstance(obj, torch.Tensor):
                     found.append((f"{type(obj).__name__}{tuple(obj.shape)}", "tensor", obj))
     pool_list = list(pools) if pools is not None else live_pools()
-    pool_keys = {int(p.storage._cdata): p for p in pool_list if p.is_materialized}
+    pool_keys = {p.storage_key: p for p in pool_list if p.storage_key is not None}
 
     groups: dict[int, dict[str, Any]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
@@ -146,7 +146,7 @@ def _census(roots: tuple[Any, ...], pools: Iterable[FlatPool] | None) -> Census:
         s = _storage(t)
         if s is None:
             continue
-        key = int(s._cdata)
+        key = tc.storage_key(s)
         storages.setdefault(key, s)
         g = groups.setdefault(key, {"names": [], "roles": [], "tensors": []})
         if name not in g["names"]:
@@ -194,7 +194,7 @@ def _duplicate_of(
     for t, role in zip(tensors, roles):
         if role in _LEGIT_ROLES or t.is_meta:
             continue
-        with torch._C.DisableTorchFunctionSubclass():
+        with tc.no_torch_function():
             nbytes = t.numel() * t.element_size()
             candidates = by_size.get(nbytes)
             if not candidates or not t.is_contiguous():

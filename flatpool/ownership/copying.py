@@ -10,6 +10,8 @@ import threading
 
 import torch
 
+from .. import torch_compat as tc
+
 COPY_CHUNK = 1024
 """Tensors copied per ``copy_all`` call of a batch adoption (bounds the views alive at once)."""
 
@@ -33,7 +35,7 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     small = [i for i, d in enumerate(dst) if d.nbytes < SMALL_COPY] if workers > 1 else []
     if len(small) < 4 * workers:
         with torch.no_grad():
-            torch._foreach_copy_(dst, src)
+            tc.foreach_copy(dst, src)
         return
     large = sorted(set(range(len(dst))) - set(small))
     chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
@@ -48,7 +50,7 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     def run(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
         try:
             with torch.no_grad():  # grad mode is per thread
-                torch._foreach_copy_(d, s)
+                tc.foreach_copy(d, s)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 

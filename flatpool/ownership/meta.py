@@ -1,64 +1,58 @@
 """Materialize meta tensors and parameters directly into pool slices.
 
-Swapping a meta tensor for a pool-backed one (``torch.utils.swap_tensors``) keeps the Python
-object, so the module, the optimizer built later and any wrapper keep their references, and a
-following ``reset_parameters()`` initializes in place: no storage besides the pool is ever
-allocated. DTensor parameters get a new DTensor around a pool-backed local tensor.
+Each meta target's TensorImpl is exchanged for one on its slice (an impl swap, see
+:mod:`flatpool.ownership.moves`), so the Python object stays: the module, an optimizer built
+later and any wrapper keep their references, and a following ``reset_parameters()``
+initializes in place. No storage besides the pool is ever allocated. A torch DTensor parameter
+gets a pool-backed local tensor and a wrapper impl to match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Union, cast
+from typing import Callable, Union, cast
 
 import torch
 
+from .. import torch_compat as tc
 from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
+from ..holder import Holder
+from ..registry import make_record
 from ..slices import Slice
+from ..state import PoolState
 from .faults import checkpoint
-from .registry import Binding, Geometry
-from .spec import Holder
+from .gcpause import gc_paused
+from .moves import ImplSwap, SlotSet, fresh_on, swap_many
+from .settle import check_placed
 from .transaction import Transaction
-
-if TYPE_CHECKING:
-    from ..pool import FlatPool
 
 MetaTargets = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-_swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
-
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(getattr(t, "_local_tensor", None), torch.Tensor) and hasattr(t, "_spec")
+    return (tc.is_wrapper_subclass(t) and isinstance(getattr(t, "_local_tensor", None), torch.Tensor)
+            and hasattr(t, "_spec"))
 
 
-def _meta_local(t: torch.Tensor) -> torch.Tensor:
-    local = t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
-    if not isinstance(local, torch.Tensor) or not local.is_meta:
+def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
+    local = getattr(t, "_local_tensor") if _is_dtensor(t) else t
+    with tc.no_torch_function():
+        meta = tc.impl_is_meta(local)
+        device = tc.impl_device(local)
+    if not meta:
         raise InvalidRequestError(
-            f"materialize_into() takes meta tensors; got one on {local.device}: use adopt()"
+            f"materialize_into() takes meta tensors; target #{i} is on {device}: use adopt()"
+        )
+    if not _is_dtensor(t) and tc.is_wrapper_subclass(t):
+        raise InvalidTypeError(
+            f"target #{i} is a {type(t).__name__}: a wrapper subclass without a _local_tensor "
+            "cannot be given storage; materialize the tensors it wraps"
         )
     return local
 
 
-def _replacement(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """The pool-backed object to swap in for ``t`` (same type, spec, requires_grad)."""
-    if _is_dtensor(t):
-        from torch.distributed.tensor import DTensor
-
-        make = cast(Callable[..., torch.Tensor], DTensor)
-        new = make(local, getattr(t, "_spec"), requires_grad=t.requires_grad)
-    else:
-        new = local.requires_grad_(t.requires_grad) if t.is_leaf else local
-    if isinstance(t, torch.nn.Parameter):
-        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-    return new
-
-
 def materialize_into(
-    pool: FlatPool,
-    targets: MetaTargets,
-    slices: Sequence[Slice] | None = None,
+    pool: PoolState, targets: MetaTargets, slices: Sequence[Slice] | None = None
 ) -> tuple[Slice, ...]:
     """Give meta tensors/parameters (or DTensor params with meta local tensors) pool storage.
 
@@ -74,52 +68,86 @@ def materialize_into(
         raise InvalidRequestError(f"{len(items)} targets but {len(slices)} slices")
     if len({id(t) for t in items}) != len(items):
         raise InvalidRequestError("a target was given twice")
-    locals_ = [_meta_local(t) for t in items]
-    with pool.lock:
+    locals_ = [_meta_local(t, i) for i, t in enumerate(items)]
+    for i, t in enumerate(items):
+        # An autograd node holding the impl (a meta forward already ran) would keep
+        # accumulating into the old impl after the swap.
+        if tc.tensor_impl_users(t) > 1:
+            raise AdoptionError(
+                f"target #{i} ({type(t).__name__}) is held outside Python (an autograd graph "
+                "or C++ hook): materialize before running anything on it"
+            )
+    with gc_paused(), pool.lock:
         txn = Transaction(pool)
-        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            planned: list[Slice] = []
-            for i, local in enumerate(locals_):
-                if slices is not None:
-                    slc = slices[i]
-                    pool.check_live(slc)
-                    if slc.shape != tuple(local.shape) or slc.dtype != local.dtype:
-                        raise InvalidRequestError(
-                            f"target #{i} is {tuple(local.shape)} {local.dtype} but slice "
-                            f"{slc.slice_id} is {slc.shape} {slc.dtype}"
-                        )
-                    if pool.registry.holds(slc):
-                        raise InvalidRequestError(f"slice {slc.slice_id} already backs tensors")
-                else:
-                    checkpoint("allocate")
-                    slc = pool.allocate(tuple(local.shape), local.dtype)
-                planned.append(slc)
-            pool.materialize()
-            for t, local, slc in zip(items, locals_, planned):
-                checkpoint("rebind")
-                view = pool.view_at(slc.offset, slc.shape, slc.dtype, tuple(local.stride()))
-                new = _replacement(t, view)
-                try:
-                    _swap(t, new)
-                except RuntimeError as exc:
-                    raise AdoptionError(
-                        f"cannot swap {type(t).__name__}{tuple(t.shape)} in place: {exc}"
-                    ) from exc
-                swapped.append((t, new))
-            # Bind only once every swap succeeded: a binding's weakref would make the swap
-            # back in a rollback fail ("Cannot swap t1 because it has weakref").
-            for t, local, slc in zip(items, locals_, planned):
-                g = Geometry(0, slc.shape, tuple(local.stride()), slc.dtype)
-                if _is_dtensor(t):
-                    inner = t._local_tensor  # type: ignore[attr-defined]
-                    binding = Binding.make(inner, g, Holder(t, "_local_tensor"), True)
-                else:
-                    binding = Binding.make(t, g, None, True)
-                pool.registry.bind(slc, [binding])
-            return tuple(planned)
-        except BaseException:
-            for t, new in reversed(swapped):
-                _swap(t, new)
-            txn.rollback()
-            raise
+        return txn.run(lambda: _materialize(pool, txn, items, locals_, slices))
+
+
+def _materialize(
+    pool: PoolState, txn: Transaction, items: list[torch.Tensor], locals_: list[torch.Tensor],
+    slices: Sequence[Slice] | None,
+) -> tuple[Slice, ...]:
+    planned: list[Slice] = []
+    geometry = []
+    with tc.no_torch_function():
+        for local in locals_:
+            geometry.append((tuple(tc.impl_size(local)), tuple(tc.impl_stride(local)),
+                             tc.impl_dtype(local)))
+    for i, (size, _, dtype) in enumerate(geometry):
+        if slices is not None:
+            slc = slices[i]
+            pool.check_live(slc)
+            if slc.shape != size or slc.dtype != dtype:
+                raise InvalidRequestError(
+                    f"target #{i} is {size} {dtype} but slice {slc.slice_id} is {slc.shape} "
+                    f"{slc.dtype}"
+                )
+            if pool.registry.holds(slc.slice_id):
+                raise InvalidRequestError(f"slice {slc.slice_id} already backs tensors")
+        else:
+            checkpoint("allocate")
+            slc = pool.allocate_checked(size, dtype)
+        planned.append(slc)
+    storage = pool.storage
+    records: list[ImplSwap | SlotSet] = []
+    swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+    placed = []
+    for t, local, slc, (size, stride, dtype) in zip(items, locals_, planned, geometry):
+        grad = bool(t.requires_grad)
+        new_local = fresh_on(storage, slc.offset // dtype.itemsize, size, stride, dtype,
+                             grad and not _is_dtensor(t))
+        if _is_dtensor(t):
+            from torch.distributed.tensor import DTensor
+
+            make = cast(Callable[..., torch.Tensor], DTensor)
+            wrapper = make(new_local, getattr(t, "_spec"), requires_grad=grad)
+            records.append(SlotSet(t, "_local_tensor", local))
+            slots.append((t, new_local))
+            records.append(ImplSwap(t, wrapper, None, -1))
+            swaps.append((t, wrapper))
+            placed.append((new_local, slc.offset, slc.end))
+        else:
+            records.append(ImplSwap(t, new_local, None, -1))
+            swaps.append((t, new_local))
+            placed.append((t, slc.offset, slc.end))
+    checkpoint("rebind")
+    txn.journal.extend(records)  # write-ahead
+    for t, new_local in slots:
+        t._local_tensor = new_local  # type: ignore[attr-defined]
+    try:
+        swap_many(swaps)
+    except RuntimeError as exc:
+        raise AdoptionError(f"cannot give a meta tensor pool storage in place: {exc}") from exc
+    check_placed(pool, placed)
+    for t, slc, (size, stride, dtype) in zip(items, planned, geometry):
+        if _is_dtensor(t):
+            inner = getattr(t, "_local_tensor")
+            rec = make_record(inner, 0, size, stride, dtype, Holder(t, "_local_tensor"), True)
+        else:
+            rec = make_record(t, 0, size, stride, dtype, None, True)
+        pool.registry.bind(slc.slice_id, [rec])
+    txn.commit()
+    return tuple(planned)
+
+
+__all__ = ["MetaTargets", "materialize_into"]

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .rebind import own_storage
+from .. import torch_compat as tc
+from ..aliasing import own_storage
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tens
         for obj in objects:
             if isinstance(obj, torch.Tensor) and id(obj) not in exclude:
                 storage = own_storage(obj)
-                if storage is not None and int(storage._cdata) == key:
+                if storage is not None and tc.storage_key(storage) == key:
                     found.append(obj)
     del objects
     return found
@@ -156,20 +157,18 @@ def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
 def name_pins(
     storage: torch.UntypedStorage,
     skip: set[int],
-    based_views: Iterable[str] = (),
+    known: Iterable[str] = (),
 ) -> tuple[str, ...]:
-    """Explain what pins ``storage``, excluding objects whose ids are in ``skip``."""
-    reasons = [
-        f"{name}: an autograd view whose ._base still holds the original; pass its holder "
-        "(flatpool.Holder) so it can be replaced"
-        for name in based_views
-    ]
-    key = int(storage._cdata)
+    """Explain what pins ``storage``, excluding objects whose ids are in ``skip``; ``known``
+    are reasons the caller already found (a moved tensor held outside Python)."""
+    reasons = list(known)
+    key = tc.storage_key(storage)
     found = tensors_on_storage(key, skip)
     skip = skip | {id(found)}
     for t in found:
         where = name_referrers(t, skip) or ["held only from C++ (autograd saved tensors, hooks)"]
-        desc = f"tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        with tc.no_torch_function():
+            desc = f"tensor {tuple(tc.impl_size(t))} {str(tc.impl_dtype(t)).replace('torch.', '')}"
         reasons.extend(f"{w} ({desc})" for w in where)
     storage_refs = name_referrers(storage, skip)
     reasons.extend(f"{w} (the UntypedStorage object itself)" for w in storage_refs)

@@ -3,68 +3,71 @@
 Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``
 with ``assign=True``): a bound object may be re-pointed at a new storage, or its holder may get
 a new object. Re-adoption copies the current values into the binding's place in its existing
-slice and rebinds, with the same release proof and rollback as :func:`adopt`.
+slice and moves the object back, with the same journal, invariant check, release proof and
+rollback as :func:`adopt`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..aliasing import storage_key
-from ..errors import InvalidRequestError, PinnedStorageError
+from .. import torch_compat as tc
+from ..errors import InvalidRequestError
+from ..registry import Record, current, make_record, record_holder
 from ..slices import Slice
-from .adopt import _check_not_in_backward, _pinned_message, adopt
+from ..state import PoolState
+from .adopt import adopt, check_not_in_backward, check_policy
+from .copying import copy_all
 from .faults import checkpoint
-from .pins import name_pins
-from .rebind import autograd_base, own_storage
-from .registry import Binding
+from .gcpause import gc_paused
+from .moves import ImplSwap, SetMove, fresh_on, place_many, swap_many
+from .proof import held_outside_python
+from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
 from .transaction import Transaction
 
-if TYPE_CHECKING:
-    from ..pool import FlatPool
+Moved = tuple[Slice, Record, torch.Tensor]
 
 
-def is_in_place(pool_key: int, slc: Slice, binding: Binding, obj: torch.Tensor | None) -> bool:
-    """True when ``obj`` sits exactly where ``binding`` says inside ``slc``."""
+def is_in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None) -> bool:
+    """True when ``obj`` sits exactly where ``rec`` says inside ``slc`` (TensorImpl geometry)."""
     if obj is None:
         return True  # the object is gone: nothing to keep valid
-    s = own_storage(obj)
-    if s is None or int(s._cdata) != pool_key:
-        return False
-    g = binding.geometry
-    with torch._C.DisableTorchFunctionSubclass():
+    with tc.no_torch_function():
+        if tc.impl_is_meta(obj) or tc.is_wrapper_subclass(obj):
+            return False
+        dtype = tc.impl_dtype(obj)
         return (
-            int(obj.storage_offset()) * obj.element_size() == slc.offset + g.byte_offset
-            and tuple(obj.shape) == g.shape
-            and tuple(obj.stride()) == g.stride
-            and obj.dtype == g.dtype
+            tc.storage_address(obj) == pool_key
+            and tc.impl_storage_offset(obj) * dtype.itemsize == slc.offset + rec[1]
+            and tuple(tc.impl_size(obj)) == rec[2]
+            and tuple(tc.impl_stride(obj)) == rec[3]
+            and dtype == rec[4]
         )
 
 
-def moved(pool: FlatPool) -> list[tuple[Slice, Binding, torch.Tensor]]:
+def moved(pool: PoolState) -> list[Moved]:
     """Every bound tensor object that no longer sits at its place in the pool."""
-    if pool._registry is None or pool._buffer is None:
-        return []
-    key = storage_key(pool._buffer.untyped_storage())
-    out: list[tuple[Slice, Binding, torch.Tensor]] = []
-    for slice_id, bindings in pool.registry.items():
-        slc = pool._live.get(slice_id)
-        if slc is None:
-            continue
-        for b in bindings:
-            obj = b.current()
-            if obj is not None and not is_in_place(key, slc, b, obj):
-                out.append((slc, b, obj))
-    return out
+    with pool.lock:
+        key = pool.storage_key
+        if key is None:
+            return []
+        out: list[Moved] = []
+        for slice_id, records in pool.registry.items():
+            slc = pool.live_slice(slice_id)
+            if slc is None:
+                continue
+            for rec in records:
+                obj = current(rec)
+                if obj is not None and not is_in_place(key, slc, rec, obj):
+                    out.append((slc, rec, obj))
+        return out
 
 
 def readopt(
-    pool: FlatPool,
+    pool: PoolState,
     specs: Sequence[AdoptSpec] | None = None,
     *,
     on_pinned: OnPinned = "raise",
@@ -76,8 +79,7 @@ def readopt(
     than the registry, e.g. after ``load_state_dict(assign=True)`` installed new Parameter
     objects that no recorded holder points to.
     """
-    if on_pinned not in ("raise", "warn", "force"):
-        raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
+    check_policy(on_pinned)
     if specs is not None:
         specs = list(specs)
         for i, spec in enumerate(specs):
@@ -88,89 +90,117 @@ def readopt(
         if not specs:
             return AdoptionReport(())
         return adopt(pool, specs, on_pinned=on_pinned, into_bound=True)
-    _check_not_in_backward()
-    with pool.lock:
+    check_not_in_backward()
+    with gc_paused(), pool.lock:
+        pool.release_kept()
         todo = moved(pool)
         if not todo:
             return AdoptionReport(())
         txn = Transaction(pool)
-        try:
-            return _readopt(pool, todo, txn, on_pinned)
-        except BaseException:
-            txn.rollback()
-            raise
+        return txn.run(lambda: _readopt(pool, todo, txn, on_pinned))
+
+
+def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
+    with tc.no_torch_function():
+        if tc.impl_is_meta(obj):
+            raise InvalidRequestError(
+                f"a tensor bound to slice {slc.slice_id} is on the meta device now; use "
+                "materialize_into() to give it pool storage"
+            )
+        size, dtype, device = tuple(tc.impl_size(obj)), tc.impl_dtype(obj), tc.impl_device(obj)
+    if size != rec[2] or dtype != rec[4] or device != pool.device:
+        raise InvalidRequestError(
+            f"a tensor bound to slice {slc.slice_id} changed to {size} {dtype} on {device} (was "
+            f"{rec[2]} {rec[4]} on {pool.device}); re-adoption keeps shape, dtype and device. "
+            f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
+        )
 
 
 def _readopt(
-    pool: FlatPool,
-    todo: list[tuple[Slice, Binding, torch.Tensor]],
-    txn: Transaction,
-    on_pinned: OnPinned,
+    pool: PoolState, todo: list[Moved], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport:
     target = pool.storage
-    keys: dict[int, list[int]] = {}  # original storage key -> slice ids it fed
-    for slc, b, obj in todo:
-        g = b.geometry
-        with torch._C.DisableTorchFunctionSubclass():
-            if obj.is_meta:
-                raise InvalidRequestError(
-                    f"a tensor bound to slice {slc.slice_id} is on the meta device now; use "
-                    "materialize_into() to give it pool storage"
-                )
-            if tuple(obj.shape) != g.shape or obj.dtype != g.dtype or obj.device != pool.device:
-                raise InvalidRequestError(
-                    f"a tensor bound to slice {slc.slice_id} changed to {tuple(obj.shape)} "
-                    f"{obj.dtype} on {obj.device} (was {g.shape} {g.dtype} on {pool.device}); "
-                    "re-adoption keeps shape, dtype and device: free the slice and adopt anew"
-                )
-        storage = own_storage(obj)
-        if storage is None:
+    feeds: dict[int, list[int]] = {}  # original storage key -> slice ids it fed
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for slc, rec, obj in todo:
+        _check(slc, rec, obj, pool)
+        with tc.no_torch_function():
+            storage = tc.impl_untyped_storage(obj)
+        if not tc.storage_has_data(storage):
             raise InvalidRequestError(f"a tensor bound to slice {slc.slice_id} has no storage")
         key = txn.track(storage)
         del storage
-        keys.setdefault(key, []).append(slc.slice_id)
-        checkpoint("copy")
-        dst = pool.view_at(slc.offset + g.byte_offset, g.shape, g.dtype, g.stride)
-        txn.save_bytes(dst)  # a rollback must give the slice its old bytes back
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            dst.copy_(obj)
-        del dst
-    replaced: dict[int, Binding] = {}
-    for slc, b, obj in todo:
-        key = int(own_storage(obj)._cdata)  # type: ignore[union-attr]
-        holder = b.holder()
-        new_offset = slc.offset + b.geometry.byte_offset
-        if holder is not None and autograd_base(obj) is not None:
-            new = txn.move_by_holder(holder, obj, key, target, new_offset)
-            replaced[id(b)] = Binding.make(new, b.geometry, holder, b.primary)
-        else:
-            txn.move_in_place(obj, key, target, new_offset)
-            replaced[id(b)] = Binding.make(obj, b.geometry, holder, b.primary)
-    todo.clear()  # the caller's list too: its (slice, binding, tensor) rows would pin
-    del target, obj
-    checkpoint("release")
-    pinned: dict[str, tuple[str, ...]] = {}
-    for key, slice_ids in keys.items():
-        if txn.unaccounted_users(key):
-            label = f"the storage re-adopted into slice(s) {sorted(set(slice_ids))}"
-            pinned[label] = name_pins(txn.storages[key], txn.own_ids())
-    if pinned and on_pinned == "raise":
-        raise PinnedStorageError(_pinned_message(pinned), pinned)
-    if pinned:
-        warnings.warn(_pinned_message(pinned, kept=True), stacklevel=3)
-    for slice_id, bindings in pool.registry.items():
-        pool.registry.bind(pool._live[slice_id], [replaced.get(id(b), b) for b in bindings])
+        feeds.setdefault(key, []).append(slc.slice_id)
+        view = pool.view_at(slc.offset + rec[1], rec[2], rec[4], rec[3])
+        txn.save_bytes(view)  # a rollback must give the slice its old bytes back
+        dst.append(view)
+        with tc.no_torch_function():
+            src.append(obj.detach())
+    checkpoint("copy")
+    copy_all(dst, src)
+    del dst, src
+
+    records: list[SetMove | ImplSwap] = []
+    kinds = []
+    with tc.no_torch_function():
+        for _, _, obj in todo:
+            base = tc.impl_base(obj)
+            kinds.append(base is not None and tc.storage_address(base) == tc.storage_address(obj))
+            del base
+    held = held_outside_python([o for (_, _, o), swap in zip(todo, kinds) if not swap],
+                               [o for _, _, o in todo])
+    outside = outside_by_key(((tc.storage_address(o), o) for _, _, o in todo), held)
+    places = []
+    swaps = []
+    placed = []
+    with tc.no_torch_function():
+        for (slc, rec, obj), swap in zip(todo, kinds):
+            key = tc.storage_address(obj)
+            item = rec[4].itemsize
+            offset = (slc.offset + rec[1]) // item
+            version = tc.impl_version(obj)
+            old = (tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
+            if swap:
+                grad = tc.impl_requires_grad(obj) and tc.impl_is_leaf(obj)
+                fresh = fresh_on(target, offset, rec[2], rec[3], rec[4], grad)
+                records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
+                swaps.append((obj, fresh))
+            else:
+                records.append(SetMove(obj, key, *old, version))
+                places.append((obj, target, offset, rec[2], rec[3]))
+            placed.append((obj, slc.offset, slc.end))
+    checkpoint("rebind")
+    txn.journal.extend(records)
+    place_many(places)
+    swap_many(swaps)
+    tc.set_versions([r.obj for r in records if isinstance(r, SetMove)],
+                    [r.version for r in records if isinstance(r, SetMove)])
+    check_placed(pool, placed)
+    new_records = {id(rec): make_record(obj, rec[1], rec[2], rec[3], rec[4], record_holder(rec),
+                                        rec[8]) for _, rec, obj in todo}
+    del records, places, swaps, placed
+    keys = list(feeds)
+
+    def name(key: int) -> str:
+        return f"the storage re-adopted into slice(s) {sorted(set(feeds[key]))}"
+
+    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [todo])
+    keep_unreleased(pool, txn, name, pins, outside)
+    for slice_id, recs in pool.registry.items():
+        pool.registry.bind(slice_id, [new_records.get(id(r), r) for r in recs])
+    todo.clear()  # the caller's list too: its (slice, record, tensor) rows would pin
     nbytes = dict(txn.nbytes)
-    expired = txn.commit_release()
+    expired, _ = release(txn, name, pins, on_pinned)
     items: list[AdoptedItem] = []
-    for key, slice_ids in keys.items():
+    for key, slice_ids in feeds.items():
         for sid in sorted(set(slice_ids)):
-            items.append(
-                AdoptedItem(
-                    slice=pool._live[sid],
-                    original_nbytes=nbytes[key],
-                    released=expired[key],
-                    rebound=slice_ids.count(sid),
-                )
-            )
+            live = pool.live_slice(sid)
+            assert live is not None
+            items.append(AdoptedItem(slice=live, original_nbytes=nbytes[key],
+                                     released=expired[key], rebound=slice_ids.count(sid),
+                                     pinned_by=pins.get(key, ())))
     return AdoptionReport(tuple(items))
+
+
+__all__ = ["is_in_place", "moved", "readopt"]

@@ -1,4 +1,4 @@
-"""``grow`` and ``compact``: move a pool to new storage and rebind everything it adopted.
+"""``grow`` and ``compact``: move a pool to new storage and move everything it adopted.
 
 The old storage must die like any adopted original: a tensor the pool does not know about
 (``pool.flat()`` or ``slice.tensor()`` kept from before) pins it, and the move rolls back with
@@ -8,28 +8,27 @@ returns new handles, and the old ones raise :class:`FreedSliceError`.
 
 from __future__ import annotations
 
-import warnings
-from typing import TYPE_CHECKING
-
 import torch
 
+from .. import torch_compat as tc
 from ..allocator import RangeAllocator, align_up
-from ..errors import InvalidRequestError, InvalidTypeError, PinnedStorageError
-from ..pool import MAX_BYTES, empty_storage_tensor
+from ..errors import InvalidRequestError, InvalidTypeError
+from ..registry import Record, current
 from ..slices import Slice
-from .adopt import _check_not_in_backward, _pinned_message
+from ..state import MAX_BYTES, PoolState, empty_storage_tensor
+from .adopt import check_not_in_backward, check_policy
+from .copying import copy_all
 from .faults import checkpoint
-from .pins import name_pins
+from .gcpause import gc_paused
+from .moves import Place, SetMove, place_many
 from .readopt import is_in_place
-from .registry import Binding
+from .proof import held_outside_python
+from .settle import Placed, check_placed, keep_unreleased, release, settle_pins
 from .spec import OnPinned
 from .transaction import Transaction, byte_view
 
-if TYPE_CHECKING:
-    from ..pool import FlatPool
 
-
-def grow(pool: FlatPool, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
+def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
     """Give ``pool`` a capacity of ``capacity`` bytes (>= current), keeping every offset."""
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise InvalidTypeError(f"capacity must be an int, got {capacity!r}")
@@ -42,10 +41,10 @@ def grow(pool: FlatPool, capacity: int, *, on_pinned: OnPinned = "raise") -> Non
                 "bytes; use compact() to drop free space"
             )
         layout = {s.slice_id: s.offset for s in pool.slices()}
-        _relocate(pool, capacity, layout, on_pinned)
+        relocate(pool, capacity, layout, on_pinned)
 
 
-def compact(pool: FlatPool, *, on_pinned: OnPinned = "raise") -> dict[int, Slice]:
+def compact(pool: PoolState, *, on_pinned: OnPinned = "raise") -> dict[int, Slice]:
     """Pack live slices to the front (in order) and shrink to fit; returns old id -> new slice."""
     with pool.lock:
         layout: dict[int, int] = {}
@@ -55,96 +54,104 @@ def compact(pool: FlatPool, *, on_pinned: OnPinned = "raise") -> dict[int, Slice
             layout[s.slice_id] = start
             pos = start + s.nbytes
         capacity = align_up(pos, pool.alignment)
-        return _relocate(pool, capacity, layout, on_pinned)
+        return relocate(pool, capacity, layout, on_pinned)
+
+
+def relocate(
+    pool: PoolState, capacity: int, layout: dict[int, int], on_pinned: OnPinned
+) -> dict[int, Slice]:
+    """Move ``pool`` to a new storage of ``capacity`` bytes with slices at ``layout``."""
+    check_policy(on_pinned)
+    check_not_in_backward()
+    with gc_paused(), pool.lock:
+        pool.release_kept()
+        txn = Transaction(pool)
+        return txn.run(lambda: _relocate(pool, txn, capacity, layout, on_pinned))
 
 
 def _relocate(
-    pool: FlatPool, capacity: int, layout: dict[int, int], on_pinned: OnPinned
+    pool: PoolState, txn: Transaction, capacity: int, layout: dict[int, int], on_pinned: OnPinned
 ) -> dict[int, Slice]:
-    if on_pinned not in ("raise", "warn", "force"):
-        raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
-    _check_not_in_backward()
     old_slices = pool.slices()
     keep_ids = all(layout[s.slice_id] == s.offset for s in old_slices)
-    txn = Transaction(pool)
-    try:
-        # New layout and handles.
-        alloc = RangeAllocator(capacity, pool.alignment)
-        mapping: dict[int, Slice] = {}
-        for s in old_slices:
-            alloc.take(layout[s.slice_id], s.nbytes)
-            if keep_ids:
-                mapping[s.slice_id] = s
-            else:
-                mapping[s.slice_id] = Slice(
-                    pool, next(pool._slice_ids), layout[s.slice_id], s.shape, s.dtype
-                )
-        old_buffer = pool._buffer
-        if old_buffer is None:  # only planned: no data to move
-            pool._alloc = alloc
-            _install_slices(pool, mapping)
-            return mapping
-
-        checkpoint("allocate")
-        new_buffer = empty_storage_tensor(capacity, pool.device, pool.name)
-        old_key = txn.track(old_buffer.untyped_storage())
-        txn.forget_buffer(old_key)
-        del old_buffer
-        new_storage = new_buffer.untyped_storage()
-        checkpoint("copy")
-        if old_slices:
-            src = [byte_view(txn.storages[old_key], s.offset, s.nbytes) for s in old_slices]
-            dst = [byte_view(new_storage, layout[s.slice_id], s.nbytes) for s in old_slices]
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
-            del src, dst
-        rebound = _rebind_bindings(pool, txn, old_key, new_storage, old_slices, mapping)
-        pool._install_buffer(new_buffer, alloc)
-        _install_slices(pool, mapping)
-        pool.registry.restore(rebound)
-        del new_buffer, new_storage
-
-        checkpoint("release")
-        if txn.unaccounted_users(old_key):
-            pinned = {
-                f"pool {pool.name!r}'s old storage": name_pins(txn.storages[old_key], txn.own_ids())
-            }
-            if on_pinned == "raise":
-                raise PinnedStorageError(_pinned_message(pinned), pinned)
-            warnings.warn(_pinned_message(pinned, kept=True), stacklevel=3)
-        txn.commit_release()
+    alloc = RangeAllocator(capacity, pool.alignment)
+    mapping: dict[int, Slice] = {}
+    for s in old_slices:
+        alloc.take(layout[s.slice_id], s.nbytes)
+        mapping[s.slice_id] = s if keep_ids else pool.new_handle(
+            layout[s.slice_id], s.shape, s.dtype)
+    if not pool.is_materialized:  # only planned: no data to move
+        pool.install(None, alloc, list(mapping.values()))
         return mapping
-    except BaseException:
-        txn.rollback()
-        raise
+
+    checkpoint("allocate")
+    new_buffer = empty_storage_tensor(capacity, pool.device, pool.name)
+    old_key = txn.track(pool.storage)
+    txn.detach_buffer()
+    new_storage = new_buffer.untyped_storage()
+    checkpoint("copy")
+    if old_slices:
+        old = txn.originals[old_key]
+        copy_all([byte_view(new_storage, layout[s.slice_id], s.nbytes) for s in old_slices],
+                 [byte_view(old, s.offset, s.nbytes) for s in old_slices])
+        del old
+    registry, placed, held = _move_bound(pool, txn, old_key, new_storage, old_slices, mapping)
+    pool.install(new_buffer, alloc, list(mapping.values()))
+    pool.registry.restore(registry)
+    del new_buffer, new_storage
+    check_placed(pool, placed)
+    del placed
+
+    def name(key: int) -> str:
+        return f"pool {pool.name!r}'s old storage"
+
+    outside = {old_key: held} if held else {}
+    pins = settle_pins(txn, [old_key], name, outside, on_pinned)
+    keep_unreleased(pool, txn, name, pins, outside)
+    del held, outside
+    release(txn, name, pins, on_pinned)
+    return mapping
 
 
-def _rebind_bindings(
-    pool: FlatPool,
+def _move_bound(
+    pool: PoolState,
     txn: Transaction,
     old_key: int,
     new_storage: torch.UntypedStorage,
     old_slices: tuple[Slice, ...],
     mapping: dict[int, Slice],
-) -> dict[int, list[Binding]]:
-    """Move every bound object still in place to the new storage; returns the new registry."""
-    out: dict[int, list[Binding]] = {}
-    for s in old_slices:
-        new = mapping[s.slice_id]
-        kept: list[Binding] = []
-        for b in pool.registry.bindings(s):
-            obj = b.current()
-            if obj is None:
-                continue
-            if is_in_place(old_key, s, b, obj):
-                txn.move_in_place(obj, old_key, new_storage, new.offset + b.geometry.byte_offset)
-            kept.append(b)
-        if kept:
-            out[new.slice_id] = kept
-    return out
+) -> tuple[dict[int, list[Record]], list[Placed], list[torch.Tensor]]:
+    """Move every bound object still in place to the new storage; returns the new registry,
+    where each moved object must sit, and the moved objects held outside Python."""
+    out: dict[int, list[Record]] = {}
+    records: list[SetMove] = []
+    places: list[Place] = []
+    placed: list[Placed] = []
+    with tc.no_torch_function():
+        for s in old_slices:
+            new = mapping[s.slice_id]
+            kept: list[Record] = []
+            for rec in pool.registry.records(s.slice_id):
+                obj = current(rec)
+                if obj is None:
+                    continue
+                if is_in_place(old_key, s, rec, obj):
+                    item = rec[4].itemsize
+                    records.append(SetMove(obj, old_key, (s.offset + rec[1]) // item, rec[2],
+                                           rec[3], tc.impl_version(obj)))
+                    places.append((obj, new_storage, (new.offset + rec[1]) // item, rec[2], rec[3]))
+                    placed.append((obj, new.offset, new.end))
+                kept.append(rec)
+            if kept:
+                out[new.slice_id] = kept
+    moving = [r.obj for r in records]
+    held = held_outside_python(moving, moving)
+    del moving
+    checkpoint("rebind")
+    txn.journal.extend(records)
+    place_many(places)
+    tc.set_versions([r.obj for r in records], [r.version for r in records])
+    return out, placed, held
 
 
-def _install_slices(pool: FlatPool, mapping: dict[int, Slice]) -> None:
-    pool._live, pool._offsets, pool._at_offset = {}, [], {}
-    for s in sorted(mapping.values(), key=lambda s: s.offset):
-        pool._insert(s)
+__all__ = ["compact", "grow", "relocate"]

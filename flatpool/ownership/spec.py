@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 from attrs import define, field
 
 from ..errors import InvalidTypeError
+from ..holder import Holder
 from ..slices import Slice
 
 OnPinned = Literal["raise", "warn", "force"]
@@ -18,62 +19,53 @@ OnPinned = Literal["raise", "warn", "force"]
 the holders. ``"warn"`` keeps the adoption and warns; the original lives on until its holders
 drop it. ``"force"`` also rebinds every Python-visible tensor found on the original by a gc scan,
 then behaves like ``"warn"`` for what is left (C++ holders). No mode ever frees memory that
-something still uses (``resize_(0)`` would make later reads segfault).
+something still uses: an original that only something outside Python holds (a DLPack consumer)
+is kept alive by the pool until that holder lets go.
 """
 
 
-@define(frozen=True)
-class Holder:
-    """A place that references a tensor: ``getattr(owner, key)`` or ``owner[key]`` (``item``).
-
-    Adoption *replaces* the tensor held there by a fresh pool-backed tensor of the same
-    geometry. Use it for views with an autograd ``_base``: ``set_`` moves a view's storage but
-    its base keeps the original alive, so such a view must be swapped where it is held.
-    """
-
-    owner: Any
-    key: Any
-    item: bool = False
-
-    def get(self) -> Any:
-        return self.owner[self.key] if self.item else getattr(self.owner, self.key)
-
-    def set(self, value: Any) -> None:
-        if self.item:
-            self.owner[self.key] = value
-        else:
-            setattr(self.owner, self.key, value)
-
-    def describe(self) -> str:
-        owner = type(self.owner).__name__
-        return f"{owner}[{self.key!r}]" if self.item else f"{owner}.{self.key}"
+def _sequence(value: Any, what: str) -> tuple[Any, ...]:
+    if isinstance(value, torch.Tensor):
+        raise InvalidTypeError(
+            f"AdoptSpec.{what} must be a sequence, got a single tensor (it would be split into "
+            f"rows): pass {what}=[t]"
+        )
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidTypeError(
+            f"AdoptSpec.{what} must be a list or tuple, got {type(value).__name__}"
+        )
+    return tuple(value)
 
 
-def _tensors(value: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    out = tuple(value)
+def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    out = _sequence(value, "views")
     for v in out:
         if not isinstance(v, torch.Tensor):
-            raise InvalidTypeError(f"views must be tensors, got {type(v).__name__}")
+            raise InvalidTypeError(f"AdoptSpec.views must hold tensors, got {type(v).__name__}")
     return out
 
 
-def _holders(value: Sequence[Holder]) -> tuple[Holder, ...]:
-    out = tuple(value)
+def _holders(value: Any) -> tuple[Holder, ...]:
+    out = _sequence(value, "holders")
     for h in out:
         if not isinstance(h, Holder):
-            raise InvalidTypeError(f"holders must be flatpool.Holder, got {type(h).__name__}")
+            raise InvalidTypeError(
+                f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}"
+            )
     return out
 
 
 @define(frozen=True)
 class AdoptSpec:
-    """One original to adopt.
+    """One original to adopt. Adoption never changes a spec.
 
     Args:
         tensor: the primary tensor. Its bytes move; it defines the slice (its shape and dtype
             when contiguous, else a flat run of its strided extent).
-        views: other tensor objects on the same storage, rebound in place with ``set_``.
-        holders: places whose tensor (on the same storage) is replaced by a fresh pool view.
+        views: other tensor objects on the same storage, moved in place.
+        holders: places (attributes, items) that hold a tensor on the same storage: that
+            tensor is moved in place, and re-adoption looks there for a replacement a framework
+            installed later.
         slice: adopt into this existing slice instead of allocating one.
     """
 
@@ -93,13 +85,16 @@ class AdoptedItem:
     released: bool
     """The original storage is proven dead (its weak reference expired)."""
     rebound: int
-    """Tensor objects moved onto the pool (in place or through a holder)."""
+    """Tensor objects moved onto the pool."""
     pinned_by: tuple[str, ...] = ()
     """With ``on_pinned`` "warn"/"force": what still holds the original."""
+    external: bool = False
+    """The original's memory belongs to another owner (``torch.from_numpy``,
+    ``torch.frombuffer``): the tensor no longer shares it, and freeing it is that owner's job."""
 
     @property
     def freed_bytes(self) -> int:
-        return self.original_nbytes if self.released else 0
+        return self.original_nbytes if self.released and not self.external else 0
 
 
 @define(frozen=True)
@@ -119,3 +114,6 @@ class AdoptionReport:
     @property
     def slices(self) -> tuple[Slice, ...]:
         return tuple(i.slice for i in self.items)
+
+
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "OnPinned"]

@@ -59,12 +59,10 @@ class TensorState:
 
 
 def _registry_state(pool: FlatPool) -> list[tuple[int, tuple[Any, ...]]]:
-    reg = pool._registry
-    if reg is None:
-        return []
     out = []
-    for sid, bindings in sorted(reg.items(), key=lambda kv: kv[0]):
-        out.append((sid, tuple((id(b.current()), b.geometry, b.primary) for b in bindings)))
+    for sid, records in sorted(pool.registry.items(), key=lambda kv: kv[0]):
+        out.append((sid, tuple((id(b.current()), b.geometry, b.primary)
+                               for b in pool.registry.bindings(sid))))
     return out
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from flatpool import AdoptSpec, FailAt, FlatPool, set_fault_hook
+from flatpool import AdoptSpec, FlatPool
+from flatpool.testing import FailAt, set_fault_hook
 
 from .scenarios import World, batch_world, ints, meta_world, values_of
 from .state import Snapshot, check_layout

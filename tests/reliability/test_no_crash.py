@@ -23,7 +23,8 @@ PRELUDE = """
 import gc, warnings
 import torch
 from torch import nn
-from flatpool import AdoptSpec, FlatPool, Holder, set_fault_hook
+from flatpool import AdoptSpec, FlatPool, Holder
+from flatpool.testing import set_fault_hook
 warnings.simplefilter("ignore")
 seen = []
 

@@ -1,7 +1,7 @@
 """Regression tests for bugs the reliability fuzzing found (one test each).
 
 Others are rows of the bad-input catalogue (``overflow-*``, ``unallocatable``,
-``local-not-shard``, ``meta-unswappable``) and ``test_faults.py::test_regression_*``.
+``local-not-shard``, ``meta-held-by-graph``) and ``test_faults.py::test_regression_*``.
 """
 
 from __future__ import annotations

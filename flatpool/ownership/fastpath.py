@@ -1,0 +1,176 @@
+"""The lean adoption path for the common batch: plain tensors and parameters, nothing else.
+
+Eligible: every target is an exact ``torch.Tensor`` or ``nn.Parameter`` (no subclass, no
+views, holders or slice named), not an autograd view, with a storage of its own (no two
+targets share one) owned by torch's allocator. Everything a sharded trainer adopts at start-up
+looks like that. The path keeps every guarantee of the general one (validation, real slices,
+journaled in-place moves, the invariant check, use-count pre-check, weak-reference proof,
+registry) and drops the per-tensor objects the general path needs for views and holders:
+
+* one flat validation loop over TensorImpl reads, no plan objects;
+* the slices are placed in one step;
+* the tensors are moved first, then copied *into themselves* from detached aliases of their
+  originals (one ``_foreach_copy_``, small copies threaded), so no byte view is made;
+* registry entries are plain tuples.
+
+Anything unusual sends the whole batch to the general path before anything has changed, and
+that path raises the precise error for a bad input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import torch_compat as tc
+from ..registry import make_record
+from ..state import PoolState, check_dtype, pool_of_storage
+from .copying import COPY_CHUNK, copy_all
+from .faults import checkpoint
+from .moves import Place, SetMove, place_many
+from .proof import held_outside_python
+from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
+from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
+from .transaction import Transaction
+from .validate import label, self_overlapping
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_batch(specs: Sequence[AdoptSpec]) -> list[torch.Tensor] | None:
+    """The tensors of ``specs`` when every spec is a bare plain tensor, else ``None``."""
+    out = []
+    for s in specs:
+        t = s.tensor
+        if type(t) not in _PLAIN or s.views or s.holders or s.slice is not None:
+            return None
+        out.append(t)
+    return out
+
+
+class _Item:
+    """What the lean path knows of one tensor (a slotted object: thousands are made)."""
+
+    __slots__ = ("t", "key", "storage", "offset", "size", "stride", "dtype", "shape", "version")
+
+    def __init__(
+        self, t: torch.Tensor, key: int, storage: torch.UntypedStorage, offset: int,
+        size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+        shape: tuple[int, ...], version: int,
+    ) -> None:
+        self.t, self.key, self.offset, self.size, self.stride = t, key, offset, size, stride
+        self.storage: torch.UntypedStorage | None = storage
+        self.dtype, self.shape, self.version = dtype, shape, version
+
+
+def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | None:
+    """Per-tensor facts, or ``None`` when any tensor needs the general path."""
+    items: list[_Item] = []
+    seen: set[int] = set()
+    device = pool.device
+    strided = torch.strided
+    with tc.no_torch_function():
+        for t in tensors:
+            if (tc.impl_base(t) is not None or tc.impl_layout(t) != strided or tc.impl_is_meta(t)
+                    or tc.impl_is_quantized(t) or tc.impl_device(t) != device
+                    or tc.impl_is_inference(t)):
+                return None
+            size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+            if any(s == 0 for s in size):
+                return None
+            storage = tc.impl_untyped_storage(t)
+            key = tc.storage_key(storage)
+            if key in seen or not storage.resizable() or pool_of_storage(key) is not None:
+                return None
+            seen.add(key)
+            dtype = tc.impl_dtype(t)
+            item = dtype.itemsize
+            offset = tc.impl_storage_offset(t)
+            span = 1
+            for sz, st in zip(size, stride):
+                if st < 0:
+                    return None
+                span += (sz - 1) * st
+            if (offset + span) * item > storage.nbytes():
+                return None
+            if tc.impl_is_contiguous(t):
+                shape = size
+            elif self_overlapping(t):
+                return None  # the general path refuses it with the reason
+            else:
+                shape = (span,)  # a strided original keeps its strides in a flat run
+            items.append(_Item(t, key, storage, offset, size, stride, dtype, shape,
+                               tc.impl_version(t)))
+    for it in items:
+        check_dtype(it.dtype)
+    return items
+
+
+def adopt_plain(
+    pool: PoolState, tensors: list[torch.Tensor], on_pinned: OnPinned
+) -> AdoptionReport | None:
+    """Adopt plain tensors; ``None`` (nothing done) when one needs the general path."""
+    items = _eligible(pool, tensors)
+    if items is None:
+        return None
+    held = {id(t) for t in held_outside_python([it.t for it in items])}
+    outside = {it.key: [it.t] for it in items if id(it.t) in held}
+    txn = Transaction(pool)
+    return txn.run(lambda: _adopt(pool, items, txn, on_pinned, outside))
+
+
+def _adopt(
+    pool: PoolState, items: list[_Item], txn: Transaction, on_pinned: OnPinned, outside: Outside
+) -> AdoptionReport:
+    originals = txn.originals
+    for it in items:
+        assert it.storage is not None
+        originals[it.key] = it.storage
+        txn.nbytes[it.key] = it.storage.nbytes()
+        it.storage = None
+    checkpoint("allocate")
+    slices = pool.allocate_many([(it.shape, it.dtype) for it in items])
+    target = pool.storage
+    records: list[SetMove] = []
+    places: list[Place] = []
+    tensors = [it.t for it in items]
+    with tc.no_torch_function():
+        srcs = [t.detach() for t in tensors]  # aliases that keep reading the originals
+    for it, slc in zip(items, slices):
+        records.append(SetMove(it.t, it.key, it.offset, it.size, it.stride, it.version))
+        places.append((it.t, target, slc.offset // it.dtype.itemsize, it.size, it.stride))
+    checkpoint("rebind")
+    txn.journal.extend(records)  # write-ahead: the record exists before the move
+    place_many(places)
+    del places
+    checkpoint("copy")
+    for first in range(0, len(tensors), COPY_CHUNK):
+        copy_all(tensors[first:first + COPY_CHUNK], srcs[first:first + COPY_CHUNK])
+    del srcs
+    tc.set_versions(tensors, [it.version for it in items])
+    check_placed(pool, [(it.t, s.offset, s.end) for it, s in zip(items, slices)])
+
+    index = {it.key: i for i, it in enumerate(items)}
+
+    def name(key: int) -> str:
+        return label(tensors[index[key]], index[key])
+
+    keys = [it.key for it in items]
+    del records
+    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [items, tensors])
+    keep_unreleased(pool, txn, name, pins, outside)
+    pool.registry.bind_many(
+        (s.slice_id, [make_record(it.t, 0, it.size, it.stride, it.dtype, None, True)])
+        for it, s in zip(items, slices)
+    )
+    nbytes = txn.nbytes
+    expired, late = release(txn, name, pins, on_pinned)
+    return AdoptionReport(tuple(
+        AdoptedItem(slice=s, original_nbytes=nbytes[k], released=expired[k], rebound=1,
+                    pinned_by=pins.get(k, late.get(k, ())))
+        for s, k in zip(slices, keys)
+    ))
+
+
+__all__ = ["adopt_plain", "plain_batch"]

@@ -1,0 +1,213 @@
+"""The one way flatpool moves tensor objects: batches of journaled moves, each undoable.
+
+Every operation (adopt, readopt, grow/compact, materialize, and rollback itself) moves tensor
+objects through the functions here, and only after writing a record of the move to its journal
+(write-ahead). An interruption can land between any two bytecodes; because the record exists
+before the move and every undo is *absolute* (put the object back where the record says, or
+leave it if it is there already), rolling back is correct whether a move happened or not, and
+running the rollback twice is harmless.
+
+Three kinds of move keep the object's identity:
+
+* :class:`SetMove`: ``set_`` the TensorImpl onto the new place (the common case). Autograd
+  graphs and other C++ holders of the impl follow it.
+* :class:`ImplSwap`: exchange the object's TensorImpl with a fresh one on the new place. For
+  an autograd view (``set_`` keeps its ``_base``, which pins the original) and for a meta or
+  storage-less tensor (``set_`` refuses another device).
+* :class:`Replace`: give a holder a new object; used only where the caller asks for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import torch
+
+from .. import torch_compat as tc
+from ..holder import Holder
+
+Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""``(element offset, size, stride)``."""
+
+
+class SetMove:
+    """``obj`` came from storage ``key`` at ``(offset, size, stride)`` with counter ``version``."""
+
+    __slots__ = ("obj", "key", "offset", "size", "stride", "version")
+
+    def __init__(
+        self, obj: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
+        stride: tuple[int, ...], version: int,
+    ) -> None:
+        self.obj, self.key, self.offset, self.size, self.stride, self.version = (
+            obj, key, offset, size, stride, version)
+
+
+class ImplSwap:
+    """``obj``'s TensorImpl (address ``impl``) is exchanged with ``other``'s.
+
+    After the swap ``other`` holds ``obj``'s old impl; undoing swaps them back. ``key`` is the
+    storage the old impl lived on (``None`` for a meta or storage-less one).
+    """
+
+    __slots__ = ("obj", "other", "other_ref", "impl", "version", "key", "geometry", "dtype")
+
+    def __init__(
+        self, obj: torch.Tensor, other: torch.Tensor, key: int | None, version: int,
+        geometry: Geometry | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
+        self.obj = obj
+        self.other: torch.Tensor | None = other
+        self.other_ref: weakref.ref[torch.Tensor] | None = None
+        self.impl = tc.impl_address(obj)
+        self.version = version
+        self.key = key
+        self.geometry = geometry
+        """Where the old impl sat on storage ``key``: to rebuild it if it died after commit."""
+        self.dtype = dtype
+
+    def old_impl_holder(self) -> torch.Tensor | None:
+        """The object that carries ``obj``'s old impl now (``None`` once it died)."""
+        if self.other is not None:
+            return self.other
+        return None if self.other_ref is None else self.other_ref()
+
+    def let_go(self) -> None:
+        """Drop the strong reference to the old impl (so the original can die), keep a weak one."""
+        if self.other is not None:
+            self.other_ref = weakref.ref(self.other)
+            self.other = None
+
+
+class Replace:
+    """``holder`` held ``old`` (on storage ``key``) and is given ``new``."""
+
+    __slots__ = ("holder", "old", "old_ref", "new", "key")
+
+    def __init__(self, holder: Holder, old: torch.Tensor, new: torch.Tensor, key: int) -> None:
+        self.holder, self.new, self.key = holder, new, key
+        self.old: torch.Tensor | None = old
+        self.old_ref: weakref.ref[torch.Tensor] | None = None
+
+    def let_go(self) -> None:
+        if self.old is not None:
+            self.old_ref = weakref.ref(self.old)
+            self.old = None
+
+
+class SlotSet:
+    """``setattr(obj, name, ...)`` replaced ``old`` (a DTensor's ``_local_tensor``, say)."""
+
+    __slots__ = ("obj", "name", "old")
+
+    def __init__(self, obj: Any, name: str, old: Any) -> None:
+        self.obj, self.name, self.old = obj, name, old
+
+
+Record = Union[SetMove, ImplSwap, Replace, SlotSet]
+Place = tuple[torch.Tensor, torch.UntypedStorage, int, Sequence[int], Sequence[int]]
+"""``(tensor object, storage, element offset, size, stride)``."""
+
+
+# -- performing moves ------------------------------------------------------------------------
+def place_many(moves: Iterable[Place]) -> None:
+    """``set_`` every tensor object onto its place, in place (identity and impl kept).
+
+    The only ``set_`` loop of flatpool: adoption, re-adoption, relocation and rollback all
+    come through here.
+    """
+    with tc.no_torch_function(), tc.outside_inference(), torch.no_grad():
+        for obj, storage, offset, size, stride in moves:
+            tc.impl_set_(obj, storage, offset, size, stride)
+
+
+def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the TensorImpls of each pair (see :func:`flatpool.torch_compat.swap_impl`)."""
+    for a, b in pairs:
+        tc.swap_impl(a, b)
+
+
+def fresh_on(
+    storage: torch.UntypedStorage, offset: int, size: Sequence[int], stride: Sequence[int],
+    dtype: torch.dtype, requires_grad: bool = False,
+) -> torch.Tensor:
+    """A new base-less tensor on ``storage`` at ``(offset, size, stride)`` in elements."""
+    with tc.outside_inference():
+        out = torch.empty(0, dtype=dtype, device=storage.device)
+        with torch.no_grad():
+            out.set_(storage, offset, tuple(size), tuple(stride))
+        if requires_grad:
+            out.requires_grad_(True)
+    return out
+
+
+def stand_in(t: torch.Tensor, storage: torch.UntypedStorage, geometry: Geometry) -> torch.Tensor:
+    """A fresh tensor to take ``t``'s place: same dtype, and ``requires_grad`` for a leaf."""
+    with tc.no_torch_function():
+        dtype = tc.impl_dtype(t)
+        grad = tc.impl_requires_grad(t) and tc.impl_is_leaf(t)
+    offset, size, stride = geometry
+    out = fresh_on(storage, offset, size, stride, dtype, grad)
+    if isinstance(t, torch.nn.Parameter) and type(t) is torch.nn.Parameter:
+        return torch.nn.Parameter(out, requires_grad=grad)
+    return out
+
+
+def geometry_of(t: torch.Tensor) -> Geometry:
+    """``t``'s TensorImpl geometry in elements. Call under ``no_torch_function()``."""
+    return tc.impl_storage_offset(t), tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+
+
+# -- undoing them --------------------------------------------------------------------------
+def undo(
+    records: Sequence[Record], originals: dict[int, torch.UntypedStorage],
+) -> list[BaseException]:
+    """Put every object of ``records`` back where its record says; absolute and idempotent.
+
+    Returns the errors of records that could not be undone (a holder whose setter now fails),
+    after undoing everything else.
+    """
+    errors: list[BaseException] = []
+    back: list[Place] = []
+    swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    versions: list[tuple[torch.Tensor, int]] = []
+    for rec in reversed(records):
+        if isinstance(rec, SetMove):
+            back.append((rec.obj, originals[rec.key], rec.offset, rec.size, rec.stride))
+            versions.append((rec.obj, rec.version))
+        elif isinstance(rec, ImplSwap):
+            other = rec.old_impl_holder()
+            if tc.impl_address(rec.obj) != rec.impl and other is not None:
+                swaps.append((rec.obj, other))
+            if rec.version >= 0:
+                versions.append((rec.obj, rec.version))
+    place_many(back)
+    swap_many(swaps)
+    for rec in reversed(records):
+        try:
+            if isinstance(rec, Replace):
+                old = rec.old if rec.old is not None else (
+                    rec.old_ref() if rec.old_ref is not None else None)
+                if old is not None and _held(rec.holder) is not old:
+                    rec.holder.set(old)
+            elif isinstance(rec, SlotSet):
+                setattr(rec.obj, rec.name, rec.old)
+        except Exception as exc:  # keep undoing the rest; reported together
+            errors.append(exc)
+    tc.set_versions([t for t, _ in versions], [v for _, v in versions])
+    return errors
+
+
+def _held(holder: Holder) -> Any:
+    try:
+        return holder.get()
+    except Exception:
+        return None
+
+
+__all__ = [
+    "Geometry", "ImplSwap", "Place", "Record", "Replace", "SetMove", "SlotSet", "fresh_on",
+    "geometry_of", "place_many", "stand_in", "swap_many", "undo",
+]

@@ -1,0 +1,124 @@
+"""The release pre-check: does anything but the transaction still use an original?
+
+Run after every move and before the commit, so that a pinned original is found while the
+rollback can still be exact. Three kinds of user are counted:
+
+* TensorImpls and storage objects on the original (``storage_users``) beyond the ones the
+  transaction knows (the storage object it holds, old impls of swapped views, their bases);
+* Python references to the storage object, or to a known base, beyond the transaction's own;
+* owners of a moved tensor's *TensorImpl* that Python cannot see (a DLPack consumer, an
+  autograd graph that saved it): ``set_`` moved that impl, but a DLPack consumer kept a raw
+  pointer into the original, which would die under it. torch cannot tell such an owner from a
+  graph's saved tensor, so both are reported as "held outside Python"; only a leaf's grad
+  accumulator (held by any live graph, and harmless) is told apart and allowed.
+
+The weak-reference proof after :meth:`Transaction.release` is what finally says "released";
+this check only makes its failures rare and early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .. import torch_compat as tc
+from .moves import ImplSwap, Replace, SetMove
+from .transaction import Transaction
+
+OUTSIDE_PYTHON = (
+    "held outside Python (a DLPack consumer such as numpy.from_dlpack, or a C++ holder such as "
+    "an autograd graph that saved it): moving it would free memory that holder may still read"
+)
+
+
+def _on(t: torch.Tensor, key: int) -> bool:
+    with tc.no_torch_function():
+        if tc.impl_is_meta(t):
+            return False
+    return tc.storage_address(t) == key
+
+
+def storage_pinned(txn: Transaction, key: int) -> bool:
+    """Original ``key`` has a user the transaction cannot account for (before release)."""
+    known: dict[int, torch.Tensor] = {}
+    bases: dict[int, torch.Tensor] = {}
+    for rec in txn.journal:
+        old: torch.Tensor | None = None
+        if isinstance(rec, ImplSwap) and rec.key == key:
+            old = rec.other
+        elif isinstance(rec, Replace) and rec.key == key:
+            old = rec.old
+        if old is not None and _on(old, key):
+            known[tc.impl_address(old)] = old
+            with tc.no_torch_function():
+                found = tc.impl_base(old)
+            if found is not None and _on(found, key):
+                bases.setdefault(tc.impl_address(found), found)
+            found = None
+    old = None
+    for addr in bases:  # a base that is also a known impl counts once
+        known.pop(addr, None)
+    storage = txn.originals[key]
+    users = tc.storage_users(storage)
+    extra = users - 1 - len(known) - len(bases)
+    # An old impl someone else also owns (a graph that saved the view we moved off it) stays
+    # on the original after we let go of it.
+    extra += sum(max(0, tc.tensor_impl_users(old) - 1) for old in known.values())
+    # Python references to the storage object: the originals entry and our local, plus one C++
+    # keeps while the storage has other users (PyObject preservation).
+    extra += max(0, tc.python_refs(storage) - 2 - (1 if users > 1 else 0))
+    del storage
+    for addr in list(bases):
+        base = bases[addr]
+        # The bases entry and our local, plus preservation while views link to it.
+        preserved = 1 if tc.tensor_impl_users(base) > 1 else 0
+        extra += max(0, tc.python_refs(base) - 2 - preserved)
+        del base
+    return extra > 0
+
+
+def held_outside_python(
+    candidates: Iterable[torch.Tensor], views: Iterable[torch.Tensor] = ()
+) -> list[torch.Tensor]:
+    """The ``candidates`` (tensors about to be ``set_`` elsewhere) whose TensorImpl has owners
+    beyond its Python object, the autograd links of the known ``views`` (each view's impl keeps
+    its base's; pass every tensor the operation moves), and a live graph's grad accumulator.
+
+    Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator, after which
+    the two can no longer be told apart.
+    """
+    children: dict[int, int] = {}
+    with tc.no_torch_function():
+        for v in views:
+            base = tc.impl_base(v)
+            if base is not None:
+                a = tc.impl_address(base)
+                children[a] = children.get(a, 0) + 1
+            del base
+    out = []
+    for t in candidates:
+        expected = 1 + children.get(tc.impl_address(t), 0)
+        users = tc.tensor_impl_users(t)
+        if users > expected and _accumulator_holds(t):
+            expected += 1  # the grad accumulator of a live graph: it follows the move
+        if users > expected:
+            out.append(t)
+    return out
+
+
+def _accumulator_holds(t: torch.Tensor) -> bool:
+    """A live autograd graph's AccumulateGrad node holds this leaf's impl (benign: gradients
+    accumulate into the same impl wherever it points). Asking for the node creates it when it
+    did not exist, and then the use count rises: that is how the two cases are told apart."""
+    with tc.no_torch_function():
+        if not (tc.impl_requires_grad(t) and tc.impl_is_leaf(t)):
+            return False
+    before = tc.tensor_impl_users(t)
+    node = torch.autograd.graph.get_gradient_edge(t).node
+    existed = tc.tensor_impl_users(t) == before
+    del node
+    return existed
+
+
+__all__ = ["OUTSIDE_PYTHON", "held_outside_python", "storage_pinned"]

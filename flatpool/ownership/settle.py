@@ -1,0 +1,203 @@
+"""The end of every move: check the invariants, find pins, commit, release, prove.
+
+Shared by adoption (both paths) and re-adoption. After the moves:
+
+1. :func:`check_placed`: the pool's storage is still exactly its capacity and every moved
+   tensor lies, by its TensorImpl, inside its slice; otherwise :class:`PoolInvariantError`
+   (the operation rolls back).
+2. :func:`settle_pins`: originals something else still uses, with the names of the holders; by
+   policy raise (roll back), warn, or force.
+3. :func:`release`: commit, drop every reference to the originals, and prove with weak
+   references which ones died; one that survives unexpectedly is named, and under "raise" the
+   operation undoes itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from .. import torch_compat as tc
+from ..errors import PinnedStorageError, PoolInvariantError
+from ..state import PoolState, UnreleasedOriginal
+from .faults import checkpoint
+from .interrupts import run_undo
+from .moves import ImplSwap, Replace
+from .pins import name_pins
+from .proof import OUTSIDE_PYTHON, storage_pinned
+from .spec import OnPinned
+from .transaction import Transaction
+
+Pins = dict[int, tuple[str, ...]]
+"""Pinned originals: storage key -> what holds it."""
+Labels = Callable[[int], str]
+"""How messages name the original with a given storage key (built only when needed)."""
+Placed = tuple[torch.Tensor, int, int]
+"""``(tensor object, slice start, slice end)`` in bytes of the pool."""
+
+
+def check_placed(pool: PoolState, placed: Iterable[Placed]) -> None:
+    """Raise :class:`PoolInvariantError` unless the pool is consistent and every moved tensor
+    sits inside its slice (read back from its TensorImpl, not from what was asked)."""
+    pool.check_invariants()
+    key = pool.storage_key
+    with tc.no_torch_function():
+        for t, lo, hi in placed:
+            item = tc.impl_element_size(t)
+            start = tc.impl_storage_offset(t) * item
+            end = start
+            if tc.impl_numel(t):
+                span = 1
+                for size, stride in zip(tc.impl_size(t), tc.impl_stride(t)):
+                    span += (size - 1) * abs(stride)
+                end = start + span * item
+            if tc.storage_address(t) != key or start < lo or end > hi:
+                raise PoolInvariantError(
+                    f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
+                    f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
+                    "claimed): nothing was changed"
+                )
+
+
+def own_ids(txn: Transaction, *more: object) -> set[int]:
+    """Ids of objects the operation itself holds, for pin scans to skip."""
+    ids = {id(txn.originals), id(txn.journal)} | {id(m) for m in more}
+    for rec in txn.journal:
+        ids.add(id(rec))
+        if isinstance(rec, ImplSwap) and rec.other is not None:
+            ids.add(id(rec.other))
+        elif isinstance(rec, Replace) and rec.old is not None:
+            ids.add(id(rec.old))
+    return ids
+
+
+Outside = dict[int, list[torch.Tensor]]
+"""Per original key, the moved tensors something outside Python holds (found before the move
+by :func:`flatpool.ownership.proof.held_outside_python`)."""
+
+
+def outside_by_key(pairs: Iterable[tuple[int, torch.Tensor]], held: Sequence[torch.Tensor]) -> Outside:
+    """Group the ``held`` tensors by the original key they move from."""
+    ids = {id(t) for t in held}
+    out: Outside = {}
+    if ids:
+        for key, t in pairs:
+            if id(t) in ids:
+                out.setdefault(key, []).append(t)
+    return out
+
+
+def find_pins(
+    txn: Transaction, keys: Iterable[int], outside: Outside, skip: Callable[[], Iterable[object]],
+) -> Pins:
+    """Pinned originals, each with the names of what holds it."""
+    pins: Pins = {}
+    for key in keys:
+        by_storage = storage_pinned(txn, key)
+        if by_storage or key in outside:
+            # An unnamed view on the original also adds a link to its base's impl: when the
+            # storage itself is pinned, the holders gc names explain both.
+            known = [OUTSIDE_PYTHON] if not by_storage else []
+            pins[key] = name_pins(txn.originals[key], own_ids(txn, *skip()), known)
+    return pins
+
+
+def settle_pins(
+    txn: Transaction, keys: Sequence[int], label: Labels, outside: Outside,
+    on_pinned: OnPinned, skip: Callable[[], Iterable[object]] = tuple,
+    force: Callable[[Pins], None] | None = None,
+) -> Pins:
+    """Apply the ``on_pinned`` policy; returns what stays pinned (empty when all is clear)."""
+    checkpoint("release")
+    pins = find_pins(txn, keys, outside, skip)
+    if pins:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
+        gc.collect()
+        pins = find_pins(txn, keys, outside, skip)
+    if pins and on_pinned == "force" and force is not None:
+        force(pins)
+        pins = find_pins(txn, keys, outside, skip)
+    if pins and on_pinned == "raise":
+        named = labelled(pins, label)
+        raise PinnedStorageError(pinned_message(named), named)
+    if pins:
+        warnings.warn(pinned_message(labelled(pins, label), kept=True), stacklevel=4)
+    return pins
+
+
+def labelled(pins: Pins, label: Labels) -> dict[str, tuple[str, ...]]:
+    return {label(k): v for k, v in pins.items()}
+
+
+def keep_unreleased(
+    pool: PoolState, txn: Transaction, label: Labels, pins: Pins, outside: Outside
+) -> None:
+    """Record what a warn/force adoption left alive; keep alive (in the pool) the originals
+    whose moved tensors something outside Python holds, until it lets go."""
+    for key, reasons in pins.items():
+        storage = txn.originals[key]
+        # Kept only where nothing Python can see holds it: then the pool is all that does.
+        held = outside.get(key, []) if OUTSIDE_PYTHON in reasons else []
+        info = UnreleasedOriginal(
+            label=label(key), nbytes=txn.nbytes[key], address=storage.data_ptr(),
+            device=str(storage.device), kept_by_pool=bool(held),
+        )
+        pool.trace_unreleased(info, storage, held[0] if held else None)
+        del storage
+
+
+def release(
+    txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned
+) -> tuple[dict[int, bool], Pins]:
+    """Commit, let go of the originals, prove which died; name late survivors.
+
+    Under "raise" a late survivor undoes the whole operation (the originals still alive are
+    put back exactly; ones that died are rebuilt from the pool's copy) and raises.
+    """
+    checkpoint("release")
+    txn.commit()
+    expired = txn.release()
+    if not all(expired.values()):  # cyclic garbage is no pin
+        gc.collect()
+        expired = txn.expired()
+    late_keys = [k for k, dead in expired.items() if not dead and k not in pinned]
+    if not late_keys:
+        return expired, {}
+    # Something we could not count (a Python reference to a moved object's old impl) kept an
+    # original alive. Undo first so the holders are back on the original and nameable.
+    survivors = {k: tc.weak_upgrade(txn.weak[k]) for k in late_keys}
+    if on_pinned == "raise":
+        run_undo(txn.rollback)
+    late: Pins = {}
+    for k, alive in survivors.items():
+        if alive is not None:
+            late[k] = name_pins(alive, own_ids(txn, survivors))
+    del survivors, alive
+    if on_pinned == "raise":
+        named = labelled(late, label)
+        raise PinnedStorageError(pinned_message(named), named)
+    warnings.warn(pinned_message(labelled(late, label), kept=True), stacklevel=4)
+    return expired, late
+
+
+def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) -> str:
+    lines = [f"{len(pinned)} original storage(s) are still referenced after rebinding:"]
+    for lab, holders in pinned.items():
+        lines.append(f"  {lab} is held by: " + "; ".join(holders))
+    if kept:  # on_pinned="warn"/"force": the move stands, the originals live on
+        lines.append(
+            "The move was kept (on_pinned='warn'/'force'); each original is freed when its "
+            "holders drop it (pool.unreleased_originals() lists them)."
+        )
+        return "\n".join(lines)
+    lines.append(
+        "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
+        "references, or use on_pinned='warn'/'force'. Nothing was changed."
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["Labels", "Outside", "Pins", "outside_by_key", "Placed", "check_placed", "find_pins", "keep_unreleased",
+           "labelled", "own_ids", "pinned_message", "release", "settle_pins"]

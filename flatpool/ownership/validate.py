@@ -1,0 +1,173 @@
+"""Check what a caller asked to adopt, before anything moves.
+
+Everything is read from the TensorImpl (a subclass's Python ``shape`` may be a global shape,
+its ``__torch_function__`` may raise) and every refusal is a typed error naming the tensor and
+what to pass instead. Messages are built only when raised: this runs once per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from .. import torch_compat as tc
+from ..aliasing import ByteRange, check_strided, extent_of, local_tensor, own_storage
+from ..errors import InvalidRequestError, InvalidTypeError
+from ..state import PoolState, check_dtype, pool_of_storage
+from .spec import AdoptSpec
+
+Adoptable = Union[torch.Tensor, AdoptSpec]
+AdoptTargets = Union[Adoptable, Sequence[Adoptable]]
+
+
+def normalize(targets: AdoptTargets) -> list[AdoptSpec]:
+    """``targets`` as a list of specs (a tensor, a spec, or a list/tuple of them)."""
+    if isinstance(targets, (torch.Tensor, AdoptSpec)):
+        items: Sequence[Adoptable] = [targets]
+    elif isinstance(targets, (list, tuple)):
+        items = targets
+    else:
+        raise InvalidTypeError(
+            "adopt() takes a tensor, an AdoptSpec, or a list/tuple of them, got "
+            f"{type(targets).__name__}"
+        )
+    specs: list[AdoptSpec] = []
+    for i, t in enumerate(items):
+        if isinstance(t, AdoptSpec):
+            if not isinstance(t.tensor, torch.Tensor):
+                raise InvalidTypeError(
+                    f"target #{i}: AdoptSpec.tensor must be a tensor, got {type(t.tensor).__name__}"
+                )
+            specs.append(t)
+        elif isinstance(t, torch.Tensor):
+            specs.append(AdoptSpec(t))
+        else:
+            raise InvalidTypeError(
+                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs"
+            )
+    if not specs:
+        raise InvalidRequestError("adopt() was given nothing to adopt")
+    return specs
+
+
+def label(t: torch.Tensor, i: int) -> str:
+    """How errors name target ``i``: its type, local (TensorImpl) shape and dtype."""
+    try:
+        inner = local_tensor(t)
+        with tc.no_torch_function():
+            size, dtype = tuple(tc.impl_size(inner)), tc.impl_dtype(inner)
+        return f"#{i} {type(t).__name__}{size} {str(dtype).replace('torch.', '')}"
+    except Exception:  # a tensor too broken to describe still gets a name
+        return f"#{i} {type(t).__name__}"
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Two index tuples reach the same element (an expanded view). Call under no_torch_function."""
+    dims = sorted((st, sz) for sz, st in zip(tc.impl_size(t), tc.impl_stride(t)) if sz > 1)
+    span = 1
+    for st, sz in dims:
+        if st < span:
+            return True
+        span = st * sz
+    return False
+
+
+class Primary:
+    """A validated primary: the tensor holding the data, its storage and its byte extent."""
+
+    __slots__ = ("spec", "index", "inner", "storage", "extent", "shape", "dtype", "contiguous",
+                 "external")
+
+    def __init__(self, spec: AdoptSpec, index: int) -> None:
+        self.spec, self.index = spec, index
+        self.inner: torch.Tensor = spec.tensor
+        self.storage: torch.UntypedStorage | None = None
+        self.extent = ByteRange(0, 0)
+        self.shape: tuple[int, ...] = ()
+        self.dtype = torch.uint8
+        self.contiguous = True
+        self.external = False
+
+    @property
+    def label(self) -> str:
+        return label(self.spec.tensor, self.index)
+
+
+def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
+    """Check one primary; everything the adoption needs to know about it."""
+    p = Primary(spec, index)
+    inner = p.inner = local_tensor(spec.tensor)
+    if tc.is_wrapper_subclass(inner):
+        raise InvalidTypeError(
+            f"{p.label} is a tensor subclass with no data of its own (its data lives in inner "
+            "tensors, e.g. TwoTensor): adopt the inner tensors it wraps instead"
+        )
+    check_strided(inner, p.label)
+    with tc.no_torch_function():
+        if tc.impl_is_quantized(inner):
+            check_dtype(tc.impl_dtype(inner))  # raises the same error as allocate()
+        if tc.impl_is_meta(inner):
+            raise InvalidRequestError(
+                f"{p.label} is a meta tensor (or a fake one) and has no data to adopt; use "
+                "pool.materialize_into() to give it pool storage"
+            )
+        device = tc.impl_device(inner)
+        if device != pool.device:
+            raise InvalidRequestError(
+                f"{p.label} is on {device} but pool {pool.name!r} is on {pool.device}; "
+                "move it to the pool's device first or use a pool on its device"
+            )
+        numel = tc.impl_numel(inner)
+        if numel == 0:
+            raise InvalidRequestError(f"{p.label} is empty: zero-size tensors stay outside the pool")
+        if tc.impl_is_inference(inner):
+            raise InvalidRequestError(
+                f"{p.label} is an inference tensor (made under torch.inference_mode()); it "
+                "cannot be rebound in place: adopt a clone() made outside inference mode"
+            )
+        p.dtype = check_dtype(tc.impl_dtype(inner))
+        p.contiguous = tc.impl_is_contiguous(inner)
+        if not p.contiguous and self_overlapping(inner):
+            raise InvalidRequestError(
+                f"{p.label} overlaps itself (an expanded/broadcast view, strides "
+                f"{tuple(tc.impl_stride(inner))}); adopt the tensor it was expanded from"
+            )
+        p.extent = extent_of(inner)
+        p.shape = (tuple(tc.impl_size(inner)) if p.contiguous
+                   else (p.extent.nbytes // p.dtype.itemsize,))
+    storage = own_storage(inner)
+    if storage is None:
+        raise InvalidTypeError(
+            f"{p.label} has no real storage (a functional, fake or otherwise storage-less "
+            "tensor): adopt the tensor that holds its data"
+        )
+    if storage.nbytes() < p.extent.end:
+        raise InvalidRequestError(
+            f"{p.label} reaches byte {p.extent.end} of a storage that holds only "
+            f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(0), as FSDP does): "
+            "there is no data to adopt; resize the storage back or adopt the tensor that has it"
+        )
+    key = tc.storage_key(storage)
+    if inner is not spec.tensor:
+        wrapper = own_storage(spec.tensor)
+        if wrapper is not None and tc.storage_key(wrapper) != key:
+            raise InvalidRequestError(
+                f"{p.label} has a storage of its own that is not its _local_tensor's: the "
+                "wrapper does not view its shard, and adopting the local tensor would leave the "
+                "wrapper reading other memory; rebuild the wrapper around its local tensor"
+            )
+    owner = pool_of_storage(key)
+    if owner is not None and p.extent.end <= owner.capacity:
+        where = "this pool" if owner is pool else f"pool {owner.name!r}"
+        raise InvalidRequestError(
+            f"{p.label} already lives in {where}; use readopt() to bring moved members back"
+        )
+    p.external = not storage.resizable()
+    p.storage = storage
+    return p
+
+
+__all__ = ["AdoptTargets", "Adoptable", "Primary", "label", "normalize", "self_overlapping",
+           "validate"]

@@ -1,0 +1,700 @@
+"""A pool's own state (layout, storage, registry) and every rule that keeps it consistent.
+
+:class:`PoolState` owns the allocator, the live-slice index, the storage and the adoption
+registry of one pool. Everything that changes them goes through its methods, including the
+three an all-or-nothing operation needs: :meth:`PoolState.capture` (remember everything),
+:meth:`PoolState.restore` (put it back, idempotently) and :meth:`PoolState.install` (switch to a
+new storage and layout at once, for relocation). The ownership engine builds on this interface
+only; :class:`flatpool.FlatPool` adds the public ownership methods on top.
+
+Readers take the pool's lock too: a relocation holds it from the first rebind to the release
+proof, so a query sees the pool before or after it, never half-moved.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import operator
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+from attrs import define
+
+from . import torch_compat as tc
+from .aliasing import extent_of, local_tensor
+from .allocator import RangeAllocator, align_up
+from .devices import DeviceLike, resolve_device
+from .errors import (
+    ForeignSliceError,
+    FreedSliceError,
+    InvalidRequestError,
+    InvalidTypeError,
+    PoolExhaustedError,
+    PoolInvariantError,
+)
+from .registry import AdoptionRegistry, Record
+from .slices import Slice
+
+ShapeLike = Union[int, Sequence[int], torch.Size]
+
+DEFAULT_ALIGNMENT = 512
+"""Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
+kernels want for their buffers, and a multiple of every dtype's element size."""
+
+MAX_ALIGNMENT = 1 << 30
+"""Largest alignment accepted (1 GiB): beyond it every slice would waste more than any device
+has, and offsets near the int64 limit overflow torch's sizes."""
+
+MAX_BYTES = 1 << 62
+"""Largest pool extent accepted: torch sizes are int64, and planning beyond this can never be
+materialized (sizes that overflow are refused when planned, not at materialization)."""
+
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_pool_ids = itertools.count()
+_all_pools: weakref.WeakSet[PoolState] = weakref.WeakSet()
+_by_storage: dict[int, weakref.ref[PoolState]] = {}
+_registry_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
+
+
+def live_pools() -> list[Any]:
+    """Every pool object still alive in this process."""
+    with _registry_lock:
+        return list(_all_pools)
+
+
+def pool_of_storage(key: int) -> PoolState | None:
+    """The live pool whose current storage has key ``key``, if any (O(1))."""
+    ref = _by_storage.get(key)
+    return None if ref is None else ref()
+
+
+def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
+    with _registry_lock:
+        if old is not None and (r := _by_storage.get(old)) is not None and r() is pool:
+            del _by_storage[old]
+        if new is not None:
+            _by_storage[new] = weakref.ref(pool)
+
+
+def check_shape(shape: ShapeLike) -> tuple[int, ...]:
+    """Validate ``shape`` (an int, a sequence of ints, a ``torch.Size``) into a tuple."""
+    if isinstance(shape, bool):
+        raise InvalidTypeError(f"shape must be ints, got a bool: {shape!r}")
+    if isinstance(shape, int):
+        dims: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, (Sequence, torch.Size)) and not isinstance(shape, (str, bytes)):
+        dims = tuple(shape)
+    else:
+        raise InvalidTypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    out: list[int] = []
+    for d in dims:
+        if isinstance(d, bool) or (isinstance(d, torch.Tensor) and d.dtype == torch.bool):
+            raise InvalidTypeError(f"shape {shape!r} has a bool dimension {d!r}")
+        if not isinstance(d, int):
+            try:
+                d = operator.index(d)
+            except TypeError:
+                raise InvalidTypeError(
+                    f"shape {shape!r} has a non-integer dimension {d!r} ({type(d).__name__})"
+                ) from None
+        if d < 0:
+            raise InvalidRequestError(f"shape {shape!r} has a negative dimension {d}")
+        out.append(int(d))
+    return tuple(out)
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """A dtype a plain byte storage can hold (quantized ones need quantizer parameters)."""
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(
+            f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__}: "
+            f"{dtype!r}"
+        )
+    if dtype in _QUANTIZED:
+        raise InvalidTypeError(
+            f"quantized dtype {dtype} needs quantizer parameters a plain storage cannot carry; "
+            "store its integer representation (int_repr()) instead"
+        )
+    return dtype
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (what a fresh ``torch.empty(shape)`` has)."""
+    strides: list[int] = []
+    acc = 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
+    """``capacity`` uninitialized bytes on ``device``; a failed allocation is a typed error.
+
+    Made outside inference mode whatever the caller's mode: an inference tensor cannot be the
+    storage later adoptions ``set_`` normal tensors onto.
+    """
+    try:
+        with tc.outside_inference():
+            return torch.empty(capacity, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise PoolExhaustedError(
+            f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
+            requested=capacity, free=0, largest_free=0,
+        ) from exc
+
+
+@define(frozen=True)
+class UnreleasedOriginal:
+    """An adopted original that an ``on_pinned="warn"``/``"force"`` adoption left alive."""
+
+    label: str
+    nbytes: int
+    address: int
+    """Data pointer of the original storage (for attributing allocator snapshots)."""
+    device: str
+    kept_by_pool: bool
+    """True when the pool itself keeps it: something outside Python (DLPack, C++) may read it,
+    so it is not freed until :meth:`PoolState.release_kept` finds those holders gone."""
+
+
+class _Trace:
+    """An unreleased original: a weak reference, or a strong one the pool keeps (with the
+    tensor whose C++ holders must go before it may die)."""
+
+    __slots__ = ("info", "weak", "storage", "tensor_ref")
+
+    def __init__(
+        self, info: UnreleasedOriginal, storage: torch.UntypedStorage, tensor: torch.Tensor | None
+    ) -> None:
+        self.info = info
+        self.weak = tc.weak_storage(storage)
+        self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
+        self.tensor_ref = weakref.ref(tensor) if tensor is not None else None
+
+    def alive(self) -> bool:
+        return not tc.weak_expired(self.weak)
+
+    def __del__(self) -> None:
+        tc.weak_free(self.weak)
+
+
+class PoolSnapshot:
+    """Everything :meth:`PoolState.restore` needs to put a pool back (O(slices) to take)."""
+
+    __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
+                 "traces")
+
+    def __init__(self, pool: PoolState) -> None:
+        self.alloc = pool._alloc.snapshot()
+        self.live = dict(pool._live)
+        self.offsets = list(pool._offsets)
+        self.at_offset = dict(pool._at_offset)
+        self.buffer: torch.Tensor | None = pool._buffer
+        self.buffer_key = pool._buffer_key
+        self.registry = pool._registry.snapshot()
+        self.traces = list(pool._traces)
+
+
+class PoolState:
+    """One pool's storage, layout and registry, with the operations that keep them consistent.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device`` or an
+            accelerator index. It must be available now; ``torch_npu`` is imported only for npu.
+        alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
+            bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
+        capacity: fixed size in bytes. ``None`` (default) lets the pool grow while it is
+            planned; :meth:`materialize` then fixes the capacity at the planned extent.
+        name: shown in errors, ``repr`` and :meth:`describe`.
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = "cpu",
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        capacity: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(alignment, bool) or not isinstance(alignment, int):
+            raise InvalidTypeError(f"alignment must be an int, got {alignment!r}")
+        if alignment < 1 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
+            raise InvalidRequestError(
+                f"alignment must be a power of two from 1 to {MAX_ALIGNMENT} (1 GiB), got "
+                f"{alignment}"
+            )
+        if capacity is not None:
+            if isinstance(capacity, bool) or not isinstance(capacity, int):
+                raise InvalidTypeError(f"capacity must be an int or None, got {capacity!r}")
+            if capacity < 0:
+                raise InvalidRequestError(f"capacity must be >= 0 bytes, got {capacity}")
+            if capacity > MAX_BYTES:
+                raise InvalidRequestError(f"capacity {capacity} exceeds {MAX_BYTES} bytes")
+        if name is not None and not isinstance(name, str):
+            raise InvalidTypeError(f"name must be a str or None, got {name!r}")
+        self.device: torch.device = resolve_device(device)
+        self.alignment = alignment
+        self.name: str = name if name is not None else f"pool{next(_pool_ids)}"
+        self._lock = threading.RLock()
+        self._alloc = RangeAllocator(capacity, alignment)
+        self._buffer: torch.Tensor | None = None
+        self._buffer_key: int | None = None
+        self._slice_ids = itertools.count()
+        self._live: dict[int, Slice] = {}
+        self._offsets: list[int] = []  # sorted starts of live slices
+        self._at_offset: dict[int, Slice] = {}
+        self._registry = AdoptionRegistry()
+        self._traces: list[_Trace] = []
+        with _registry_lock:
+            _all_pools.add(self)
+
+    # -- copying: a pool owns device memory that live tensors point into -----------------------
+    def __reduce__(self) -> Any:
+        raise InvalidTypeError(
+            f"pool {self.name!r} cannot be pickled or copied: it owns device memory that live "
+            "tensors point into. Save the tensors (module.state_dict()) and build a new pool."
+        )
+
+    def __copy__(self) -> Any:
+        self.__reduce__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self.__reduce__()
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's re-entrant lock; hold it to make several calls atomic."""
+        return self._lock
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._buffer is not None
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the storage (planned extent while unmaterialized and growable)."""
+        return self._alloc.extent
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes inside live slices (alignment padding counts as free)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._live.values())
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self.capacity - self.used_bytes
+
+    @property
+    def largest_free_bytes(self) -> int:
+        with self._lock:
+            return self._alloc.largest_free()
+
+    def slices(self) -> tuple[Slice, ...]:
+        """Live slices, in storage order."""
+        with self._lock:
+            return tuple(self._at_offset[o] for o in self._offsets)
+
+    def is_live(self, slc: Slice) -> bool:
+        return slc.pool is self and self._live.get(slc.slice_id) == slc
+
+    def live_slice(self, slice_id: int) -> Slice | None:
+        return self._live.get(slice_id)
+
+    @property
+    def storage(self) -> torch.UntypedStorage:
+        """The pool's storage (materializes the pool)."""
+        return self.byte_buffer().untyped_storage()
+
+    @property
+    def storage_key(self) -> int | None:
+        """The identity of the pool's current storage; ``None`` before materialization."""
+        return self._buffer_key
+
+    @property
+    def base_address(self) -> int | None:
+        """The data pointer of the pool's storage; ``None`` before materialization."""
+        buf = self._buffer
+        return None if buf is None else tc.impl_data_ptr(buf)
+
+    @property
+    def registry(self) -> AdoptionRegistry:
+        """What this pool adopted: which tensor objects live in which slice."""
+        return self._registry
+
+    def __repr__(self) -> str:
+        state = "materialized" if self.is_materialized else "planned"
+        return (
+            f"FlatPool(name={self.name!r}, device={str(self.device)!r}, {state}, "
+            f"capacity={self.capacity}, used={self.used_bytes}, slices={len(self._live)})"
+        )
+
+    # -- allocation ------------------------------------------------------------------------
+    def slice_alignment(self, dtype: torch.dtype) -> int:
+        return max(self.alignment, dtype.itemsize)
+
+    def allocate(self, shape: ShapeLike, dtype: torch.dtype) -> Slice:
+        """Reserve a slice for a tensor of ``shape`` and ``dtype``.
+
+        Before materialization this only plans (no memory is touched); afterwards it takes the
+        best-fitting free gap. Raises :class:`PoolExhaustedError` when nothing fits.
+        """
+        return self.allocate_checked(check_shape(shape), check_dtype(dtype))
+
+    def allocate_like(self, t: torch.Tensor) -> Slice:
+        """Reserve a slice with ``t``'s local shape and dtype; ``t`` may be a meta tensor."""
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"allocate_like() needs a tensor, got {type(t).__name__}")
+        inner = local_tensor(t)
+        with tc.no_torch_function():
+            return self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
+
+    def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
+        """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
+        planned from scratch (a batch adoption), else one by one; all or none."""
+        with self._lock:
+            sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
+            if all(n > 0 for n, _ in sizes):
+                before = self._alloc.snapshot()
+                starts = self._alloc.append_many(sizes)
+                if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
+                    ids = self._slice_ids
+                    out = [Slice(self, next(ids), start, dims, dt)
+                           for (dims, dt), start in zip(requests, starts)]
+                    self._live.update((s.slice_id, s) for s in out)
+                    self._at_offset.update(zip(starts, out))
+                    self._offsets.extend(starts)  # past every existing slice, already sorted
+                    return out
+                if starts is not None:  # over the address limit: undo, report per request
+                    self._alloc.restore(before)
+            done: list[Slice] = []
+            try:
+                for d, t in requests:
+                    done.append(self.allocate_checked(d, t))
+            except BaseException:
+                for s in reversed(done):
+                    self._drop(s)
+                raise
+            return done
+
+    def allocate_checked(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
+        """:meth:`allocate` for a shape and dtype already validated."""
+        nbytes = math.prod(dims) * dt.itemsize
+        if nbytes == 0:
+            raise InvalidRequestError(
+                f"shape {dims} of {dt} holds no bytes; keep zero-size tensors outside the pool"
+            )
+        with self._lock:
+            align = self.slice_alignment(dt)
+            start = self._alloc.find(nbytes, align)
+            if start is not None and start + nbytes > MAX_BYTES - self.alignment:
+                raise InvalidRequestError(
+                    f"shape {dims} of {dt} ({nbytes} bytes) at offset {start} would take pool "
+                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address"
+                )
+            if start is None:
+                free = self.capacity - sum(s.nbytes for s in self._live.values())
+                largest = self._alloc.largest_fit(align)
+                raise PoolExhaustedError(
+                    f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
+                    f"alignment {align}: {free} bytes free of {self.capacity}, the largest "
+                    f"usable gap is {largest} bytes. Free slices, compact() or grow() the pool.",
+                    requested=nbytes, free=free, largest_free=largest,
+                )
+            slc = Slice(self, next(self._slice_ids), start, dims, dt)
+            self._alloc.take(start, nbytes)
+            self._insert(slc)
+            return slc
+
+    def free(self, slc: Slice) -> None:
+        """Return ``slc``'s bytes to the pool; the handle is dead afterwards."""
+        with self._lock:
+            self.check_live(slc)
+            if self._registry.holds(slc.slice_id):
+                raise InvalidRequestError(
+                    f"slice {slc.slice_id} of pool {self.name!r} still backs adopted tensors; "
+                    "call pool.disown(slice) (or release them) before freeing it"
+                )
+            self._drop(slc)
+
+    def _drop(self, slc: Slice) -> None:
+        self._remove(slc)
+        self._alloc.release(slc.offset, slc.end)
+        self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+
+    def disown(self, slc: Slice) -> None:
+        """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
+        with self._lock:
+            self.check_live(slc)
+            self._registry.unbind(slc.slice_id)
+
+    def check_live(self, slc: Slice) -> None:
+        if not isinstance(slc, Slice):
+            raise InvalidTypeError(f"expected a Slice, got {type(slc).__name__}")
+        if slc.pool is not self:
+            raise ForeignSliceError(
+                f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
+            )
+        if self._live.get(slc.slice_id) != slc:
+            raise FreedSliceError(
+                f"slice {slc.slice_id} of pool {self.name!r} (offset {slc.offset}, "
+                f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
+            )
+
+    def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
+        """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
+        return Slice(self, next(self._slice_ids), offset, shape, dtype)
+
+    def _insert(self, slc: Slice) -> None:
+        self._live[slc.slice_id] = slc
+        bisect.insort(self._offsets, slc.offset)
+        self._at_offset[slc.offset] = slc
+
+    def _remove(self, slc: Slice) -> None:
+        del self._live[slc.slice_id]
+        i = bisect.bisect_left(self._offsets, slc.offset)
+        del self._offsets[i]
+        del self._at_offset[slc.offset]
+
+    # -- storage ---------------------------------------------------------------------------
+    def materialize(self) -> None:
+        """Make the storage: one allocation of ``capacity`` bytes. Idempotent."""
+        self.byte_buffer()
+
+    def byte_buffer(self) -> torch.Tensor:
+        """The whole storage as one 1-D ``uint8`` tensor (materializes the pool)."""
+        buf = self._buffer
+        if buf is not None:
+            return buf
+        with self._lock:
+            if self._buffer is None:
+                extent = self._alloc.extent
+                # A fixed capacity is allocated as given; a planned extent is padded to alignment.
+                capacity = align_up(extent, self.alignment) if self._alloc.growable else extent
+                buf = empty_storage_tensor(capacity, self.device, self.name)
+                key = tc.storage_key(buf.untyped_storage())
+                self._alloc.fix(capacity)
+                self._buffer, self._buffer_key = buf, key
+                _index_storage(self, None, key)
+            return self._buffer
+
+    def view(self, slc: Slice) -> torch.Tensor:
+        """A fresh tensor of ``slc``'s shape and dtype on the pool's storage."""
+        with self._lock:
+            self.check_live(slc)
+            return self.view_at(slc.offset, slc.shape, slc.dtype)
+
+    def view_at(
+        self,
+        offset: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        stride: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """A base-less tensor at byte ``offset`` of the storage (no autograd view link)."""
+        storage = self.storage
+        strides = tuple(stride) if stride is not None else contiguous_strides(shape)
+        with tc.outside_inference():
+            out = torch.empty(0, dtype=dtype, device=self.device)
+            with torch.no_grad():
+                out.set_(storage, offset // dtype.itemsize, tuple(shape), strides)
+        return out
+
+    def view_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.view_at(offset, (nbytes,), torch.uint8)
+
+    def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole buffer as one 1-D tensor, for fused collectives.
+
+        ``dtype=None`` gives the slices' dtype when every live slice shares one (and the
+        capacity is a multiple of its size), else bytes. An explicit ``dtype`` other than
+        ``torch.uint8`` requires every live slice to have it.
+        """
+        with self._lock:
+            self.byte_buffer()  # first: materializing may pad the capacity
+            dtypes = {s.dtype for s in self._live.values()}
+            if dtype is None:
+                dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+                if self.capacity % dtype.itemsize:
+                    dtype = torch.uint8
+            else:
+                dtype = check_dtype(dtype)
+                if dtype != torch.uint8 and dtypes - {dtype}:
+                    raise InvalidRequestError(
+                        f"pool {self.name!r} holds slices of {sorted(map(str, dtypes))}; a flat "
+                        f"{dtype} view would reinterpret them. Use flat() or flat(torch.uint8)."
+                    )
+                if self.capacity % dtype.itemsize:
+                    raise InvalidRequestError(
+                        f"capacity {self.capacity} is not a multiple of {dtype}'s size"
+                    )
+            return self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
+
+    # -- aliasing --------------------------------------------------------------------------
+    def owns(self, t: torch.Tensor) -> bool:
+        """True when ``t``'s storage *is* this pool's storage and all its bytes lie inside."""
+        return self._placement(t) is not None
+
+    def _placement(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """``t``'s byte extent in this pool's storage, or ``None`` when it is not inside."""
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        inner = local_tensor(t)
+        with self._lock:
+            key = self._buffer_key
+            if key is None:
+                return None
+            with tc.no_torch_function():
+                if tc.impl_is_meta(inner) or tc.impl_layout(inner) != torch.strided:
+                    return None
+                if tc.storage_address(inner) != key:
+                    return None
+                rng = extent_of(inner)
+            if 0 <= rng.start and rng.end <= self.capacity:
+                return rng.start, rng.end
+            return None
+
+    def slice_of(self, t: torch.Tensor) -> Slice | None:
+        """The live slice holding all of ``t``'s bytes, or ``None``."""
+        with self._lock:
+            place = self._placement(t)
+            if place is None:
+                return None
+            start, end = place
+            i = bisect.bisect_right(self._offsets, start) - 1
+            if i < 0:
+                return None
+            slc = self._at_offset[self._offsets[i]]
+            inside = slc.offset <= start < slc.end if start == end else end <= slc.end
+            return slc if inside else None
+
+    # -- all-or-nothing support ----------------------------------------------------------
+    def capture(self) -> PoolSnapshot:
+        """Remember layout, storage, registry and traces, for :meth:`restore`."""
+        with self._lock:
+            return PoolSnapshot(self)
+
+    def restore(self, snap: PoolSnapshot) -> None:
+        """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
+        with self._lock:
+            self._alloc.restore(snap.alloc)
+            self._live = dict(snap.live)
+            self._offsets = list(snap.offsets)
+            self._at_offset = dict(snap.at_offset)
+            if self._buffer_key != snap.buffer_key:
+                _index_storage(self, self._buffer_key, snap.buffer_key)
+            self._buffer, self._buffer_key = snap.buffer, snap.buffer_key
+            self._registry.restore(snap.registry)
+            self._traces = list(snap.traces)
+
+    def install(
+        self, buffer: torch.Tensor | None, allocator: RangeAllocator, slices: Sequence[Slice]
+    ) -> None:
+        """Switch to a new storage, layout and set of handles in one step (relocation)."""
+        with self._lock:
+            key = None if buffer is None else tc.storage_key(buffer.untyped_storage())
+            if key != self._buffer_key:
+                _index_storage(self, self._buffer_key, key)
+            self._buffer, self._buffer_key, self._alloc = buffer, key, allocator
+            self._live, self._offsets, self._at_offset = {}, [], {}
+            for s in sorted(slices, key=lambda s: s.offset):
+                self._insert(s)
+
+    def check_invariants(self) -> None:
+        """The storage is exactly ``capacity`` bytes (a ``set_`` past its end would have grown
+        it silently) and the slice index matches the allocator. Raises otherwise."""
+        with self._lock:
+            if self._buffer is not None:
+                nbytes = self._buffer.untyped_storage().nbytes()
+                if nbytes != self.capacity:
+                    raise PoolInvariantError(
+                        f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
+                        f"{self.capacity}: a tensor was placed past its end"
+                    )
+            if len(self._offsets) != len(self._live) or len(self._at_offset) != len(self._live):
+                raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
+
+    # -- originals left alive --------------------------------------------------------------
+    def trace_unreleased(
+        self, info: UnreleasedOriginal, storage: torch.UntypedStorage,
+        tensor: torch.Tensor | None = None,
+    ) -> None:
+        """Remember an original an adoption left alive (``kept_by_pool``: keep it alive too,
+        until ``tensor``'s TensorImpl has no owner besides its Python object)."""
+        with self._lock:
+            self._traces = self._traces + [_Trace(info, storage, tensor)]
+
+    def unreleased_originals(self) -> tuple[UnreleasedOriginal, ...]:
+        """Adopted originals still alive: pinned by others under ``on_pinned="warn"``/``"force"``,
+        or kept by the pool because something outside Python may still read them."""
+        self.release_kept()
+        with self._lock:
+            return tuple(t.info for t in self._traces if t.alive())
+
+    def release_kept(self) -> int:
+        """Drop the originals this pool kept whose outside holders are gone; returns how many."""
+        with self._lock:
+            keep: list[_Trace] = []
+            dropped = 0
+            for t in self._traces:
+                if t.storage is not None:
+                    tensor = t.tensor_ref() if t.tensor_ref is not None else None
+                    if tensor is None or tc.tensor_impl_users(tensor) <= 1:
+                        t.storage = None
+                        dropped += 1
+                    del tensor
+                if t.alive():
+                    keep.append(t)
+            self._traces = keep
+            return dropped
+
+    # -- introspection -------------------------------------------------------------------
+    def describe(self) -> str:
+        """A table of the layout: every slice and every gap, with totals."""
+        with self._lock:
+            rows = [("offset", "end", "bytes", "kind", "dtype", "shape", "slice")]
+            pos = 0
+            for slc in self.slices():
+                if slc.offset > pos:
+                    rows.append((str(pos), str(slc.offset), str(slc.offset - pos), "gap", "", "", ""))
+                rows.append(
+                    (
+                        str(slc.offset),
+                        str(slc.end),
+                        str(slc.nbytes),
+                        "slice",
+                        str(slc.dtype).replace("torch.", ""),
+                        "x".join(map(str, slc.shape)) or "scalar",
+                        str(slc.slice_id),
+                    )
+                )
+                pos = slc.end
+            if self.capacity > pos:
+                rows.append((str(pos), str(self.capacity), str(self.capacity - pos), "gap", "", "", ""))
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            lines = [
+                f"FlatPool {self.name!r} on {self.device} "
+                f"({'materialized' if self.is_materialized else 'planned'}, "
+                f"alignment {self.alignment})"
+            ]
+            lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+            lines.append(
+                f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
+                f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"
+            )
+            return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot",
+    "PoolState", "Record", "ShapeLike", "UnreleasedOriginal", "check_dtype", "check_shape",
+    "contiguous_strides", "empty_storage_tensor", "live_pools", "pool_of_storage",
+]

@@ -1,0 +1,29 @@
+"""Test hooks for code that builds on flatpool: inject failures inside its operations.
+
+``set_fault_hook(FailAt(k))`` makes the k-th checkpoint (allocate, copy, rebind, release, ...)
+of the operations that run while it is installed raise, so an integration can prove that its
+own calls into flatpool roll back cleanly. Always clear it again with ``set_fault_hook(None)``.
+"""
+
+from __future__ import annotations
+
+from .ownership.faults import set_fault_hook
+
+
+class FailAt:
+    """A fault hook raising ``exc_type`` at checkpoint number ``k`` (0-based) of the operations
+    run while it is installed. ``steps`` records every checkpoint reached, so a sweep can raise
+    at each step in turn until an operation completes without the hook firing."""
+
+    def __init__(self, k: int, exc_type: type[BaseException] = RuntimeError) -> None:
+        self.k = k
+        self.exc_type = exc_type
+        self.steps: list[str] = []
+
+    def __call__(self, step: str) -> None:
+        self.steps.append(step)
+        if len(self.steps) == self.k + 1:
+            raise self.exc_type(f"injected at checkpoint {self.k} ({step})")
+
+
+__all__ = ["FailAt", "set_fault_hook"]

@@ -1,0 +1,250 @@
+"""Every private torch API flatpool uses, each behind a named function that says why.
+
+torch moves these between releases. Keeping them in one module makes the supported range this
+file's business (feature-detected where a release changed a signature) and keeps the rest of
+flatpool on typed, public calls. Nothing else in flatpool or its integrations touches
+``torch._C``, ``_cdata``, ``_unsafe_*`` or reference counts.
+
+Geometry readers take the *TensorImpl's* answer: a subclass may override ``shape``/``size()``
+in Python (HyperParallel's DTensor answers with the global shape) or route methods through
+``__torch_function__`` (and raise). Callers read under :func:`no_torch_function`, and the
+readers are ``torch._C.TensorBase``'s own unbound methods, which skip Python overrides.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, cast
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_traceable
+
+from .errors import FlatPoolError
+
+SUPPORTED_TORCH = (2, 4)
+"""Oldest torch release the whole test suite passes on (see docs/compatibility.md)."""
+SUPPORTED_BELOW = (2, 14)
+"""First torch release not yet verified."""
+
+
+class UnsupportedTorchError(FlatPoolError, ImportError):
+    """The installed torch is outside the range flatpool was verified on."""
+
+
+def torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+", 1)[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def check_supported() -> None:
+    """Refuse an unverified torch with one clear error at import, not deep inside adopt."""
+    have = torch_version()
+    if not SUPPORTED_TORCH <= have < SUPPORTED_BELOW:
+        lo = ".".join(map(str, SUPPORTED_TORCH))
+        hi = ".".join(map(str, SUPPORTED_BELOW))
+        raise UnsupportedTorchError(
+            f"flatpool supports torch >= {lo}, < {hi}; this is torch {torch.__version__}. "
+            f"Install a supported release (pip install 'torch>={lo},<{hi}')."
+        )
+
+
+# -- reading a tensor's TensorImpl ----------------------------------------------------------
+_Base = torch._C.TensorBase
+
+
+def outside_inference() -> AbstractContextManager[Any]:
+    """Leave ``torch.inference_mode()`` for the block, if the caller is in it: flatpool's own
+    tensors (the pool's storage, rebound tensors) must never become inference tensors.
+
+    (``inference_mode(False)`` also switches grad mode on, so only use it when needed.)"""
+    if torch.is_inference_mode_enabled():
+        return cast(AbstractContextManager[Any], torch.inference_mode(False))
+    return nullcontext()
+
+
+def no_torch_function() -> AbstractContextManager[Any]:
+    """Stop subclasses' ``__torch_function__`` for the block (it may raise or lie)."""
+    return cast(AbstractContextManager[Any], torch._C.DisableTorchFunctionSubclass())
+
+
+impl_size = cast(Callable[[torch.Tensor], torch.Size], _Base.size)
+impl_stride = cast(Callable[[torch.Tensor], tuple[int, ...]], _Base.stride)
+impl_storage_offset = cast(Callable[[torch.Tensor], int], _Base.storage_offset)
+impl_data_ptr = cast(Callable[[torch.Tensor], int], _Base.data_ptr)
+impl_numel = cast(Callable[[torch.Tensor], int], _Base.numel)
+impl_element_size = cast(Callable[[torch.Tensor], int], _Base.element_size)
+impl_is_contiguous = cast(Callable[[torch.Tensor], bool], _Base.is_contiguous)
+impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Base.untyped_storage)
+impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
+impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
+
+_getters: dict[str, Any] = {
+    name: _Base.__dict__[name].__get__
+    for name in ("dtype", "device", "is_meta", "layout", "is_quantized", "requires_grad",
+                 "is_leaf", "_base", "_version", "is_sparse", "is_nested", "is_mkldnn")
+    if name in _Base.__dict__
+}
+
+
+def _getter(name: str) -> Callable[[torch.Tensor], Any]:
+    get = _getters[name]
+    return lambda t: get(t, type(t))
+
+
+impl_dtype = cast(Callable[[torch.Tensor], torch.dtype], _getter("dtype"))
+impl_device = cast(Callable[[torch.Tensor], torch.device], _getter("device"))
+impl_is_meta = cast(Callable[[torch.Tensor], bool], _getter("is_meta"))
+impl_layout = cast(Callable[[torch.Tensor], torch.layout], _getter("layout"))
+impl_is_quantized = cast(Callable[[torch.Tensor], bool], _getter("is_quantized"))
+impl_requires_grad = cast(Callable[[torch.Tensor], bool], _getter("requires_grad"))
+impl_is_leaf = cast(Callable[[torch.Tensor], bool], _getter("is_leaf"))
+impl_base = cast(Callable[[torch.Tensor], "torch.Tensor | None"], _getter("_base"))
+impl_version = cast(Callable[[torch.Tensor], int], _getter("_version"))
+impl_is_nested = cast(Callable[[torch.Tensor], bool], _getter("is_nested"))
+
+
+def is_wrapper_subclass(t: torch.Tensor) -> bool:
+    """A traceable wrapper subclass (torch DTensor, TwoTensor): its own storage is a placeholder."""
+    wrapper: bool = _is_traceable(t)  # a TypeGuard mypy over-narrows on
+    return wrapper
+
+
+def tensor_impl_users(t: torch.Tensor) -> int:
+    """Owners of ``t``'s TensorImpl: its Python object, plus every C++ holder (an autograd view's
+    base link, a saved tensor, a DLPack capsule). DLPack consumers hold raw pointers into the
+    storage, so an unexplained owner must stop a move that would free it."""
+    use_count = cast(Callable[[], int], getattr(t, "_use_count"))
+    return int(use_count())
+
+
+# -- storages ------------------------------------------------------------------------------
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An identity for a live storage: its StorageImpl address (unique while it lives)."""
+    return int(storage._cdata)
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The key of ``t``'s storage without making a Python storage object (cheap, no gc)."""
+    return int(cast(Callable[[torch.Tensor], int], getattr(torch._C, "_storage_address"))(t))
+
+
+def storage_users(storage: torch.UntypedStorage) -> int:
+    """Owners of a StorageImpl: every TensorImpl on it and every Python storage object."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def storage_has_data(storage: torch.UntypedStorage) -> bool:
+    """False for placeholder storages (functional and fake tensors): reading them crashes."""
+    try:
+        storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def python_refs(obj: object) -> int:
+    """``obj``'s Python references as the caller sees them (this call's own not counted).
+
+    Under PyObject preservation torch adds one while C++ also owns the object's impl."""
+    return sys.getrefcount(obj) - 2
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (in a backward hook, say)."""
+    return int(torch._C._current_graph_task_id()) != -1
+
+
+# Raw storage weak references: the pair costs under a microsecond, where a
+# ``StorageWeakRef`` object costs several once thousands of them feed the cycle collector.
+def weak_storage(storage: torch.UntypedStorage) -> int:
+    return int(cast(Callable[[], int], storage._weak_ref)())
+
+
+def weak_expired(ref: int) -> bool:
+    return bool(cast(Callable[[int], bool], torch.UntypedStorage._expired)(ref))
+
+
+def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
+    """The storage again, if it still lives."""
+    if weak_expired(ref):
+        return None
+    make = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
+    return make(ref)
+
+
+def weak_free(ref: int) -> None:
+    cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)(ref)
+
+
+def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    return cast(Callable[..., torch.UntypedStorage], torch.UntypedStorage)(nbytes, device=device)
+
+
+# -- version counters ----------------------------------------------------------------------
+_set_version_counter = cast(Callable[..., None], torch._C._autograd._unsafe_set_version_counter)
+
+
+def _probe_tuple_form() -> bool:
+    probe = torch.empty(0)
+    try:
+        _set_version_counter((probe,), (0,))
+    except TypeError:
+        return False
+    return True
+
+
+_TUPLE_FORM = _probe_tuple_form()  # torch 2.4-2.6 take one (Tensor, int) per call
+
+
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Put version counters back after ``set_``/``copy_`` bumped them: the values did not change,
+    and a pending backward that saved the tensor must not fail as "modified in place"."""
+    if not tensors:
+        return
+    if _TUPLE_FORM:
+        _set_version_counter(tuple(tensors), tuple(versions))
+        return
+    for t, v in zip(tensors, versions):
+        _set_version_counter(t, v)
+
+
+# -- bulk ops ------------------------------------------------------------------------------
+def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each)."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
+    cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)(a, b)
+
+
+__all__ = [
+    "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
+    "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
+    "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
+    "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
+    "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",
+    "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
+    "outside_inference",
+    "new_storage", "no_torch_function", "python_refs", "set_versions", "storage_address",
+    "storage_has_data", "storage_key", "storage_users", "swap_impl", "swap_tensors", "tensor_impl_users",
+    "torch_version", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
+]
+
+
+def impl_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s TensorImpl: tells whether an impl swap happened."""
+    return int(t._cdata)
+
+
+def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the TensorImpls behind two Python tensor objects in one C call.
+
+    Each object keeps its identity, class, ``__dict__`` and weak references; only what it *is*
+    (storage, geometry, autograd view link, version counter) moves. flatpool uses it to move an
+    autograd view off its base (``set_`` would leave the base pinning the original) and a
+    storage-less meta tensor onto real storage, where ``set_`` refuses.
+    """
+    torch._C._swap_tensor_impl(a, b)
