@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"picture: {args.png}")
         if loud:
             print(f"flatpool.memory: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    except FlatPoolError as exc:
+    except (FlatPoolError, OSError) as exc:  # OSError: the picture could not be written
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -85,21 +85,22 @@ class PoolEntry:
         return sum(s.nbytes for s in self.slices if s.tensors)
 
     def gaps(self) -> tuple[Gap, ...]:
-        """Every byte range outside the slices, in order. A gap is ``padding`` when it only
-        aligns the next slice (shorter than that slice's alignment and ending on it) or rounds
-        the capacity up to the pool's alignment; otherwise it is ``free``."""
+        """Every byte range outside the slices, in order. A gap is ``padding`` when no slice
+        can start in it (the next multiple of the pool's alignment is at or past its end):
+        memory lost to alignment. Otherwise it is ``free``: room for more slices."""
         out: list[Gap] = []
         pos = 0
         for s in sorted(self.slices, key=lambda s: s.offset):
             if s.offset > pos:
-                padding = s.offset - pos < s.alignment and s.offset % s.alignment == 0
-                out.append(Gap(pos, s.offset - pos, "padding" if padding else "free"))
+                out.append(self._gap(pos, s.offset))
             pos = max(pos, s.end)
         if self.capacity > pos:
-            tail = self.capacity - pos
-            padding = tail < self.alignment and self.capacity % self.alignment == 0 and pos > 0
-            out.append(Gap(pos, tail, "padding" if padding else "free"))
+            out.append(self._gap(pos, self.capacity))
         return tuple(out)
+
+    def _gap(self, start: int, end: int) -> Gap:
+        first_start = -(-start // self.alignment) * self.alignment
+        return Gap(start, end - start, "padding" if first_start >= end else "free")
 
 
 @define(frozen=True)

@@ -46,6 +46,9 @@ DTYPE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#8172B2", "#937860", "#DA8BC3
                  "#64B5CD", "#C44E52")
 PADDING = "#BDBDBD"
 ROW_INCHES = 0.34
+POOL_INCHES = 2.4
+COLUMN_INCHES = 9.0
+DPI = 100
 
 
 def draw(
@@ -83,14 +86,26 @@ def render_png(
 ) -> bytes:
     """The PNG bytes :func:`draw_comparison` writes."""
     mpl = load()
+    if pool is not None:
+        for _, a in panels:
+            a.manifest.pool(pool)  # an unknown name fails before any drawing
     chosen = [_chosen(a, max_segments) for _, a in panels]
     rows = max(3, max(len(c) for c in chosen))
-    top = 1.3 + ROW_INCHES * rows
-    fig = mpl.figure(figsize=(9.0 * len(panels), top + 2.4), dpi=100, layout="constrained")
-    grid = fig.add_gridspec(2, len(panels), height_ratios=[top, 2.4])
+    # Fixed margins in inches (a layout engine costs a third of the drawing time): titles
+    # above each view, tick labels and the legend below, segment labels on the left.
+    width, height = COLUMN_INCHES * len(panels), 1.55 + ROW_INCHES * rows + POOL_INCHES
+    fig = mpl.figure(figsize=(width, height), dpi=DPI)
+
+    def box(col: int, bottom: float, top: float) -> tuple[float, float, float, float]:
+        left = col * COLUMN_INCHES + 1.8
+        return (left / width, bottom / height, (COLUMN_INCHES - 2.2) / width,
+                (top - bottom) / height)
+
+    top_bottom, top_top = POOL_INCHES + 0.85, height - 0.7
     for col, ((title, a), segs) in enumerate(zip(panels, chosen)):
-        _segments_view(fig.add_subplot(grid[0, col]), a, title, segs, rows, mpl)
-        _pool_view(fig.add_subplot(grid[1, col]), a, pool, mpl)
+        _segments_view(fig.add_axes(box(col, top_bottom, top_top)), a, title, segs, rows,
+                       top_top - top_bottom, mpl)
+        _pool_view(fig.add_axes(box(col, 0.65, POOL_INCHES - 0.6)), a, pool, mpl)
     buf = io.BytesIO()
     mpl.canvas(fig).print_png(buf)
     return buf.getvalue()
@@ -128,7 +143,7 @@ def _adopted_ranges(p: PoolEntry) -> list[tuple[int, int]]:
 
 
 def _segments_view(ax: Axes, a: MemoryAttribution, title: str, chosen: Sequence[int],
-                   rows: int, mpl: Matplotlib) -> None:
+                   rows: int, inches: float, mpl: Matplotlib) -> None:
     ticks: list[float] = []
     labels: list[str] = []
     for row, si in enumerate(chosen):
@@ -176,7 +191,7 @@ def _segments_view(ax: Axes, a: MemoryAttribution, title: str, chosen: Sequence[
     ax.set_xlim(0.0, 1.0)
     ax.set_ylim(-0.6, rows - 0.4)
     ax.set_yticks(ticks, labels, fontsize=7)
-    ax.set_xticks([0.0, 0.25, 0.5, 0.75, 1.0], ["0", "1/4", "1/2", "3/4", "segment end"],
+    ax.set_xticks([0.0, 0.25, 0.5, 0.75, 1.0], ["0", "1/4", "1/2", "3/4", "end"],
                   fontsize=7)
     totals = {t.kind: t for t in a.totals}
     shown = f"{len(chosen)} of {len(a.segments)} segment(s)" if len(chosen) < len(a.segments) \
@@ -185,11 +200,11 @@ def _segments_view(ax: Axes, a: MemoryAttribution, title: str, chosen: Sequence[
         f"{title}\nactive {fmt_bytes(a.active_bytes)}: pool {fmt_bytes(totals['pool'].nbytes)}"
         f" | STALE {fmt_bytes(totals['stale'].nbytes)} in {len(a.stale)} | tensor "
         f"{fmt_bytes(totals['tensor'].nbytes)} | unattributed "
-        f"{fmt_bytes(totals['unattributed'].nbytes)}  ({shown}, {a.source})",
-        fontsize=9, loc="left")
+        f"{fmt_bytes(totals['unattributed'].nbytes)}\n{shown} ({a.source}); one row per "
+        "segment, full width = its size", fontsize=9, loc="left")
     handles = [mpl.patch(facecolor=COLOURS[k], label=text) for k, text in LEGEND]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=6,
-              fontsize=7, frameon=False)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 / inches),
+              ncol=3, fontsize=7, frameon=False)
 
 
 def _pick_pool(a: MemoryAttribution, name: str | None) -> PoolEntry | None:
@@ -241,7 +256,7 @@ def _pool_view(ax: Axes, a: MemoryAttribution, name: str | None, mpl: Matplotlib
     handles.append(mpl.patch(facecolor=PADDING, edgecolor="#7F7F7F", hatch="////",
                              label="alignment padding"))
     handles.append(mpl.patch(facecolor=COLOURS["free"], label="free range"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25),
               ncol=len(handles), fontsize=7, frameon=False)
 
 
