@@ -120,7 +120,7 @@ def test_census_stale_copies_without_a_watch_list() -> None:
 @pytest.mark.parametrize("scan", [False, True])
 def test_flat_buffers_count_as_pool_memory(scan: bool) -> None:
     flat = torch.zeros(1 << 12)
-    a = capture(roots={"w": flat[:10]}, flats=[flat], scan=scan)
+    a = capture(roots={"w": flat[:10]}, flats=[flat], pools=[], scan=scan)
     (item,) = a.items_of("pool")
     assert (item.label, item.reason, item.attributed_bytes) == (
         "flat[0]", "flat buffer (not a flatpool pool)", 1 << 14)

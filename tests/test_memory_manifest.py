@@ -102,8 +102,9 @@ def test_objects_are_walked_through_attributes_and_slots() -> None:
     walked = walk_roots({"fused": Holder(pool, t)})
     assert [p.name for p in walked.pools] == ["inner"]
     assert [(f.name, f.role) for f in walked.tensors] == [("fused.group.shards.0", "tensor")]
-    m = build_manifest({"fused": Holder(pool, t)})
-    assert [p.name for p in m.pools] == ["inner"]  # found on the way, no pools= needed
+    m = build_manifest({"fused": Holder(pool, t)}, pools=[])
+    assert [p.name for p in m.pools] == ["inner"]  # found on the way
+    assert "inner" in [p.name for p in build_manifest().pools]  # default: every live pool
 
 
 def test_tensors_in_a_pool_name_their_slice(hp_wrap: Callable[[torch.Tensor], torch.Tensor],
@@ -244,6 +245,12 @@ def test_json_round_trip(tmp_path: Path) -> None:
     m.write(path)
     assert Manifest.read(path) == m
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temporary file left
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would have made it
+    path.chmod(0o600)
+    m.write(path)  # replacing a file keeps its permissions
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("edit, field, words", [

@@ -11,8 +11,8 @@ another machine. On CPU, :func:`cpu_snapshot` stands in for the allocator.
 Nothing here imports matplotlib, ``torch_npu`` or ``flatpool.integrations`` at import time.
 """
 
-from .attribute import Progress, attribute, attribute_manifest
-from .capture import capture
+from .attribution import Progress, attribute, attribute_manifest
+from .live import capture
 from .collect import Watches, build_manifest
 from .cpu import cpu_snapshot
 from .device import device_snapshot

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from ..errors import FlatPoolError
-from .attribute import attribute_manifest
+from .attribution import attribute_manifest
 from .manifest import Manifest
 from .mpl import load
 from .snapshot import load_snapshot

@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import torch
 
-from .. import FlatPool, InvalidTypeError, census, local_tensor, own_storage
+from .. import FlatPool, InvalidTypeError, census, live_pools, local_tensor, own_storage
 from .manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from .walk import LEGIT_OWN_STORAGE, walk_roots
 from .watch import StorageWatch, WatchedStorages
@@ -28,7 +28,7 @@ Watches = Union[StorageWatch, Iterable[StorageWatch]]
 def build_manifest(
     roots: object = None,
     *,
-    pools: Iterable[FlatPool] = (),
+    pools: Iterable[FlatPool] | None = None,
     flats: Sequence[torch.Tensor] = (),
     watch: Watches = (),
     max_depth: int = 6,
@@ -39,7 +39,8 @@ def build_manifest(
         roots: modules, optimizers, FSDP2/HSDP groups, pools, containers or objects holding
             them (see :func:`flatpool.memory.walk.walk_roots` for the naming); every pool
             found on the way is included.
-        pools: more pools to include.
+        pools: the pools to include besides those found from the roots; ``None`` (the
+            default) includes every live pool of the process, as :func:`flatpool.census` does.
         flats: flat buffers built by hand (not pools): shown as fused buffers.
         watch: one or several :class:`StorageWatch` (e.g. :class:`WatchedStorages` taken
             before a fusion step); their surviving storages are recorded as stale originals.
@@ -48,7 +49,7 @@ def build_manifest(
     """
     walked = walk_roots(roots, max_depth=max_depth)
     pool_list: list[FlatPool] = []
-    for p in [*pools, *walked.pools]:
+    for p in [*(live_pools() if pools is None else pools), *walked.pools]:
         if not isinstance(p, FlatPool):
             raise InvalidTypeError(f"pools must hold FlatPool objects, got {type(p).__name__}")
         if p.is_materialized and all(p is not q for q in pool_list):

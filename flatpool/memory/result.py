@@ -9,7 +9,7 @@ Classes (:data:`KINDS`), in the order tables list them:
 * ``unattributed``: an active block no known object touches.
 
 Every byte of every active block belongs to exactly one item, so the per-class bytes add up
-to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory.attribute` for how
+to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory.attribution` for how
 partial overlaps are split).
 """
 

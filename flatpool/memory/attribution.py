@@ -83,11 +83,12 @@ def attribute(
     :class:`Snapshot`) as pool / tensor / stale / unattributed.
 
     Name the objects either live (``roots``, ``pools``, ``flats``, ``watch``: see
-    :func:`build_manifest`) or with a ``manifest`` written earlier, not both.
+    :func:`build_manifest`; every live pool when ``pools`` is not given) or with a
+    ``manifest`` written earlier, not both.
     """
     snap = load_snapshot(snapshot)
     if manifest is None:
-        manifest = build_manifest(roots, pools=pools or (), flats=flats or (), watch=watch or ())
+        manifest = build_manifest(roots, pools=pools, flats=flats or (), watch=watch or ())
     elif roots is not None or pools is not None or flats is not None or watch is not None:
         raise InvalidRequestError("attribute() takes either a manifest or live roots/pools/"
                                   "flats/watch, not both: the manifest already names them")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .. import DeviceLike, FlatPool
-from .attribute import attribute_manifest
+from .attribution import attribute_manifest
 from .collect import Watches, build_manifest
 from .device import device_snapshot
 from .manifest import Manifest
@@ -35,7 +35,7 @@ def capture(
     out: str | os.PathLike[str] | None = None,
     *,
     roots: object = None,
-    pools: Iterable[FlatPool] = (),
+    pools: Iterable[FlatPool] | None = None,
     flats: Sequence[torch.Tensor] = (),
     watch: Watches = (),
     device: DeviceLike | None = None,
@@ -49,7 +49,8 @@ def capture(
     Args:
         out: PNG path, or ``None`` for no picture. matplotlib is checked *before* any work,
             so a missing ``viz`` extra fails fast with :class:`MissingExtraError`.
-        roots, pools, flats, watch: what to name (see :func:`build_manifest`).
+        roots, pools, flats, watch: what to name (see :func:`build_manifest`; by default
+            every live pool of the process is named).
         device: whose memory; default: the first accelerator a pool, flat buffer or tensor
             lives on, else ``"cpu"`` (the census record of :func:`cpu_snapshot`).
         scan: on CPU, also list every other live CPU storage (shown as unattributed).
