@@ -102,6 +102,8 @@ def test_objects_are_walked_through_attributes_and_slots() -> None:
     walked = walk_roots({"fused": Holder(pool, t)})
     assert [p.name for p in walked.pools] == ["inner"]
     assert [(f.name, f.role) for f in walked.tensors] == [("fused.group.shards.0", "tensor")]
+    keyed = walk_roots({"state": {t: {"m": t * 2}, 3: t}})
+    assert [f.name for f in keyed.tensors] == ["state.<Tensor #0>.m", "state.3"]
     m = build_manifest({"fused": Holder(pool, t)}, pools=[])
     assert [p.name for p in m.pools] == ["inner"]  # found on the way
     assert "inner" in [p.name for p in build_manifest().pools]  # default: every live pool

@@ -183,6 +183,7 @@ def attribute_manifest(
     for dev in {s.device for s in snapshot.segments}:
         chosen = [i for i, o in enumerate(objs) if _device_matches(o.device, dev, snapshot.source)]
         regions_by_device[dev] = _resolve(objs, chosen, extra_names)
+    starts_by_device = {dev: [r.start for r in regs] for dev, regs in regions_by_device.items()}
     winners = sorted({r.obj for regs in regions_by_device.values() for r in regs})
     item_of = {obj: n for n, obj in enumerate(winners)}
 
@@ -195,8 +196,7 @@ def attribute_manifest(
     total = snapshot.block_count
     done = 0
     for si, seg in enumerate(snapshot.segments):
-        regs = regions_by_device[seg.device]
-        starts = [r.start for r in regs]
+        regs, starts = regions_by_device[seg.device], starts_by_device[seg.device]
         segments.append(SegmentView(seg.address, seg.total_size, seg.device, len(blocks),
                                     len(seg.blocks)))
         for b in seg.blocks:

@@ -172,7 +172,8 @@ def _segments_view(ax: Axes, a: MemoryAttribution, title: str, chosen: Sequence[
                         width = max(width, 0.004)  # a stale sliver must stay visible
                     spans.setdefault(colour, []).append(((s - seg.address) * scale, width))
                 lo, hi = named.get(p.item, (p.address, p.address))
-                named[p.item] = (min(lo, p.address), max(hi, p.address + p.nbytes))
+                if p.nbytes > hi - lo:  # labels sit on an item's largest piece in the row
+                    named[p.item] = (p.address, p.address + p.nbytes)
         for colour, xs in spans.items():
             ax.broken_barh(xs, (y - 0.38, 0.76), facecolors=COLOURS[colour],
                            edgecolor="white", linewidth=0.6)

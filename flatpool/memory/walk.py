@@ -75,8 +75,8 @@ class _Walker:
         elif isinstance(obj, torch.optim.Optimizer):
             self.optimizers.append((obj, prefix))  # after modules: names its params by path
         elif isinstance(obj, Mapping):
-            for k, v in list(obj.items()):
-                self.visit(v, f"{prefix}{_key(k)}.", depth)
+            for i, (k, v) in enumerate(list(obj.items())):
+                self.visit(v, f"{prefix}{_key(k, i)}.", depth)
         elif isinstance(obj, (list, tuple, set, frozenset)):
             for i, v in enumerate(list(obj)):
                 self.visit(v, f"{prefix}{i}.", depth)
@@ -108,8 +108,14 @@ class _Walker:
                     self.add(f"{prefix}state[{pname}][{k!r}]", "optimizer state", v)
 
 
-def _key(k: object) -> str:
-    return k if isinstance(k, str) else repr(k)
+def _key(k: object, index: int) -> str:
+    """A mapping key as a path part; keys that are objects (a tensor keying optimizer state)
+    are named by type and position, never by their (possibly huge) repr."""
+    if isinstance(k, str):
+        return k
+    if isinstance(k, (int, float, bool, type(None), torch.dtype, torch.device)):
+        return repr(k)
+    return f"<{type(k).__name__} #{index}>"
 
 
 def _attributes(obj: object) -> Iterator[tuple[str, Any]]:
@@ -138,7 +144,7 @@ def walk_roots(roots: object, *, max_depth: int = 6) -> Walked:
     w = _Walker(max_depth)
     items: list[tuple[Any, str]]
     if isinstance(roots, Mapping):
-        items = [(v, f"{_key(k)}.") for k, v in roots.items()]
+        items = [(v, f"{_key(k, i)}.") for i, (k, v) in enumerate(roots.items())]
     elif isinstance(roots, (list, tuple)):
         modules = sum(isinstance(r, torch.nn.Module) for r in roots)
         optimizers = sum(isinstance(r, torch.optim.Optimizer) for r in roots)
