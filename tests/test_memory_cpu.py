@@ -32,7 +32,7 @@ def test_real_storages_laid_out_in_one_arena() -> None:
     t1 = torch.from_numpy(arena[4096:8192])     # 4 KiB storage at base + 4096
     t2 = torch.from_numpy(arena[8192:10240])    # 2 KiB storage at base + 8192
     assert (address(t1), address(t2)) == (base + 4096, base + 8192)
-    m = build_manifest({"t1": t1, "t2": t2})
+    m = build_manifest({"t1": t1, "t2": t2}, pools=[])
     snap = {"segments": [seg(base, 64 * 1024, [
         blk(base, 4096, "inactive"),
         blk(base + 4096, 8192),                          # t1, t2 and 2 KiB of slack
@@ -54,7 +54,7 @@ def test_a_real_storage_split_across_two_segments_is_one_item() -> None:
         seg(start, 1000, [blk(start, 1000)], device=None),
         seg(start + 1000, 3096, [blk(start + 1000, 3096)], device=None),
     ], "flatpool_source": "cpu census"}
-    a = attribute(snap, {"t": t})
+    a = attribute(snap, {"t": t}, pools=[])
     (item,) = a.items
     assert (item.label, item.kind, item.blocks, item.attributed_bytes) == ("t", "tensor", 2, 4096)
 
