@@ -1,0 +1,73 @@
+"""One call per rank: name this process's memory, snapshot it, attribute it, draw it.
+
+This is what a training script (or the HSDP demo's ``--png``) calls after a fusion step:
+everything it needs is what the script already holds: the model or its parameters, the flat
+buffers, the pools, and the watch list of originals taken before the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .. import DeviceLike, FlatPool
+from .attribution import attribute_manifest
+from .collect import Watches, build_manifest
+from .device import device_snapshot
+from .manifest import Manifest
+from .mpl import load
+from .result import MemoryAttribution
+from .snapshot import parse_snapshot
+from .viz import draw
+
+
+def _device_of(manifest: Manifest) -> str:
+    for device in [p.device for p in manifest.pools] + [
+            s.device for s in (*manifest.flats, *manifest.tensors)]:
+        if not device.startswith("cpu"):
+            return device
+    return "cpu"
+
+
+def capture(
+    out: str | os.PathLike[str] | None = None,
+    *,
+    roots: object = None,
+    pools: Iterable[FlatPool] | None = None,
+    flats: Sequence[torch.Tensor] = (),
+    watch: Watches = (),
+    device: DeviceLike | None = None,
+    scan: bool = True,
+    title: str | None = None,
+    pool: str | None = None,
+    manifest_out: str | os.PathLike[str] | None = None,
+) -> MemoryAttribution:
+    """Attribute ``device``'s memory now and, with ``out``, write its picture (PNG).
+
+    Args:
+        out: PNG path, or ``None`` for no picture. matplotlib is checked *before* any work,
+            so a missing ``viz`` extra fails fast with :class:`MissingExtraError`.
+        roots, pools, flats, watch: what to name (see :func:`build_manifest`; by default
+            every live pool of the process is named).
+        device: whose memory; default: the first accelerator a pool, flat buffer or tensor
+            lives on, else ``"cpu"`` (the census record of :func:`cpu_snapshot`).
+        scan: on CPU, also list every other live CPU storage (shown as unattributed).
+        title, pool: the picture's title and the pool laid out under it (default: largest).
+        manifest_out: also write the manifest as JSON there (for ``python -m flatpool.memory``).
+    """
+    if out is not None:
+        load()
+    manifest = build_manifest(roots, pools=pools, flats=flats, watch=watch)
+    snap = parse_snapshot(device_snapshot(device if device is not None else _device_of(manifest),
+                                          manifest, scan=scan))
+    result = attribute_manifest(snap, manifest)
+    if manifest_out is not None:
+        manifest.write(manifest_out)
+    if out is not None:
+        draw(result, out, title=title, pool=pool)
+    return result
+
+
+__all__ = ["capture"]

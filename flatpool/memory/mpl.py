@@ -1,0 +1,93 @@
+"""The typed boundary to matplotlib (the optional ``viz`` extra).
+
+matplotlib is imported here only, on first use, never when flatpool is imported. Drawing uses
+an explicit ``Figure`` with the non-interactive Agg canvas: no pyplot, no global backend
+switch, nothing that could open a window or disturb a caller's own plots. The protocols below
+name the few calls the pictures make, so ``mypy --strict`` checks this package whether or not
+matplotlib (and its type information) is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import IO, Any, Protocol
+
+from attrs import define
+
+from .errors import MissingExtraError
+
+PIN = "matplotlib==3.11.2"
+"""The version tested; the ``viz`` extra asks for ``matplotlib>=3.5`` (``set_yticks(labels=)``)."""
+
+
+class Axes(Protocol):
+    def broken_barh(self, xranges: Sequence[tuple[float, float]],
+                    yrange: tuple[float, float], **style: Any) -> object: ...
+
+    def text(self, x: float, y: float, s: str, **style: Any) -> object: ...
+
+    def set_xlim(self, left: float, right: float) -> object: ...
+
+    def set_ylim(self, bottom: float, top: float) -> object: ...
+
+    def set_xticks(self, ticks: Sequence[float], labels: Sequence[str] = ...,
+                   **style: Any) -> object: ...
+
+    def set_yticks(self, ticks: Sequence[float], labels: Sequence[str] = ...,
+                   **style: Any) -> object: ...
+
+    def set_title(self, label: str, **style: Any) -> object: ...
+
+    def set_xlabel(self, label: str, **style: Any) -> object: ...
+
+    def legend(self, *, handles: Sequence[object], **style: Any) -> object: ...
+
+    def tick_params(self, **style: Any) -> object: ...
+
+
+class Figure(Protocol):
+    def add_axes(self, rect: tuple[float, float, float, float], **style: Any) -> Axes: ...
+
+
+class Canvas(Protocol):
+    def print_png(self, filename_or_obj: IO[bytes]) -> None: ...
+
+
+class FigureFactory(Protocol):
+    def __call__(self, *, figsize: tuple[float, float], dpi: int,
+                 layout: str | None = ...) -> Figure: ...
+
+
+class CanvasFactory(Protocol):
+    def __call__(self, figure: Figure) -> Canvas: ...
+
+
+class PatchFactory(Protocol):
+    def __call__(self, *, facecolor: str, label: str, edgecolor: str = ...,
+                 hatch: str | None = ...) -> object: ...
+
+
+@define(frozen=True)
+class Matplotlib:
+    figure: FigureFactory
+    canvas: CanvasFactory
+    patch: PatchFactory
+
+
+def load() -> Matplotlib:
+    """matplotlib's Figure, Agg canvas and Patch, or :class:`MissingExtraError`."""
+    try:
+        figure = importlib.import_module("matplotlib.figure")
+        agg = importlib.import_module("matplotlib.backends.backend_agg")
+        patches = importlib.import_module("matplotlib.patches")
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"drawing memory pictures needs matplotlib, which is not installed ({exc}). "
+            f"Install flatpool's 'viz' extra: pip install 'flatpool[viz]' (tested with {PIN}).",
+            "viz",
+        ) from exc
+    return Matplotlib(figure.Figure, agg.FigureCanvasAgg, patches.Patch)
+
+
+__all__ = ["Axes", "Canvas", "Figure", "Matplotlib", "PIN", "load"]

@@ -1,0 +1,260 @@
+"""Read a caching-allocator snapshot into checked, typed segments and blocks.
+
+The format is the one ``torch.cuda.memory._snapshot()`` returns and ``_dump_snapshot`` pickles
+(``torch_npu.npu.memory._snapshot()`` has the same shape): a dict whose ``segments`` each have an
+``address``, a ``total_size`` and ``blocks`` with ``size``, ``state`` and usually ``address``,
+``requested_size`` and ``frames``. Older snapshots (and some backends) omit a block's
+``address``: blocks tile their segment in order, so it is recomputed. A bare list is taken as
+the segment list (what ``torch.cuda.memory_snapshot()`` returns).
+
+Every malformed entry raises :class:`SnapshotError` naming its path, so a truncated file or a
+pickle of something else is reported as such instead of failing somewhere downstream. Pickles
+are read with an unpickler that refuses every class: snapshots hold only builtin containers,
+strings and numbers, and a pickle that asks for anything else could run code.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from numbers import Integral
+from typing import Any, Union
+
+from attrs import define
+
+from .errors import SnapshotError
+
+ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
+"""States of a block that holds memory: in use, or freed but still used by a stream
+(``active_pending_free``; torch's docstring calls it ``active_awaiting_free``)."""
+STATES = ACTIVE_STATES + ("inactive",)
+
+
+@define(frozen=True)
+class Block:
+    """One allocator block: ``[address, address + size)`` in state ``state``."""
+
+    address: int
+    size: int
+    requested_size: int
+    state: str
+    where: str | None = None
+    """The first non-torch frame of the allocation's stack trace, when it was recorded."""
+
+    @property
+    def end(self) -> int:
+        return self.address + self.size
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+@define(frozen=True)
+class Segment:
+    """Memory one device allocation returned (``cudaMalloc``/``aclrtMalloc``), cut into blocks."""
+
+    address: int
+    total_size: int
+    blocks: tuple[Block, ...]
+    device: int | None = None
+    segment_type: str | None = None
+
+    @property
+    def end(self) -> int:
+        return self.address + self.total_size
+
+    @property
+    def active_bytes(self) -> int:
+        return sum(b.size for b in self.blocks if b.active)
+
+
+@define(frozen=True)
+class Snapshot:
+    """Checked segments, sorted by (device, address); blocks sorted by address."""
+
+    segments: tuple[Segment, ...]
+    source: str = "allocator"
+    """``"allocator"`` for a device snapshot, ``"cpu census"`` for :func:`cpu_snapshot`'s record."""
+
+    @property
+    def active_bytes(self) -> int:
+        return sum(s.active_bytes for s in self.segments)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.total_size for s in self.segments)
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(s.blocks) for s in self.segments)
+
+
+SnapshotSource = Union[Snapshot, Mapping[str, Any], Sequence[Any], str, "os.PathLike[str]"]
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise SnapshotError(
+            f"the pickle refers to {module}.{name}; an allocator snapshot holds only dicts, "
+            "lists, strings and numbers, so this is not one (nothing was executed)"
+        )
+
+
+def read_pickle(path: str | os.PathLike[str]) -> Any:
+    """Unpickle ``path`` refusing every class (see the module docstring)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read snapshot file {os.fspath(path)!r}: {exc}") from exc
+    try:
+        return _DataOnlyUnpickler(io.BytesIO(data)).load()
+    except SnapshotError:
+        raise
+    except Exception as exc:  # UnpicklingError, EOFError, ValueError, ... on a non-pickle
+        raise SnapshotError(
+            f"{os.fspath(path)!r} is not a pickled allocator snapshot "
+            f"({type(exc).__name__}: {exc}); write one with torch.cuda.memory._dump_snapshot()"
+        ) from exc
+
+
+def load_snapshot(source: SnapshotSource) -> Snapshot:
+    """A checked :class:`Snapshot` from a snapshot dict, a segment list, a pickle path, or a
+    :class:`Snapshot` (returned as is)."""
+    if isinstance(source, Snapshot):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return parse_snapshot(read_pickle(source))
+    return parse_snapshot(source)
+
+
+def parse_snapshot(data: object) -> Snapshot:
+    """Check ``data`` (a snapshot dict or a list of segments) and type it."""
+    source = "allocator"
+    if isinstance(data, Mapping):
+        if "segments" not in data:
+            keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+            raise SnapshotError(
+                f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
+            )
+        raw = data["segments"]
+        tag = data.get("flatpool_source")
+        if isinstance(tag, str):
+            source = tag
+    elif isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        raw = data
+    else:
+        raise SnapshotError(
+            f"expected a snapshot dict with 'segments' (or a list of segments), got "
+            f"{type(data).__name__}"
+        )
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
+        raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
+    segments = [_segment(seg, f"segments[{i}]") for i, seg in enumerate(raw)]
+    segments.sort(key=lambda s: (s.device if s.device is not None else -1, s.address))
+    for prev, nxt in zip(segments, segments[1:]):
+        if prev.device == nxt.device and nxt.address < prev.end:
+            raise SnapshotError(
+                f"segments [{prev.address:#x}, {prev.end:#x}) and [{nxt.address:#x}, "
+                f"{nxt.end:#x}) overlap on one device", "segments"
+            )
+    return Snapshot(tuple(segments), source)
+
+
+def _int(value: object, field: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise SnapshotError(f"expected an int, got {type(value).__name__}: {value!r:.60}", field)
+    out = int(value)
+    if out < minimum:
+        raise SnapshotError(f"must be >= {minimum}, got {out}", field)
+    return out
+
+
+def _dict(value: object, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SnapshotError(f"expected a dict, got {type(value).__name__}", field)
+    return value
+
+
+def _required(d: Mapping[str, Any], key: str, field: str) -> Any:
+    if key not in d:
+        raise SnapshotError("missing", f"{field}.{key}")
+    return d[key]
+
+
+def _segment(value: object, field: str) -> Segment:
+    d = _dict(value, field)
+    address = _int(_required(d, "address", field), f"{field}.address")
+    total = _int(_required(d, "total_size", field), f"{field}.total_size")
+    raw_blocks = _required(d, "blocks", field)
+    if not isinstance(raw_blocks, Sequence) or isinstance(raw_blocks, (str, bytes)):
+        raise SnapshotError(f"expected a list, got {type(raw_blocks).__name__}", f"{field}.blocks")
+    device = d.get("device")
+    dev = None if device is None else _int(device, f"{field}.device")
+    kind = d.get("segment_type")
+    blocks: list[Block] = []
+    cursor = address
+    for j, raw in enumerate(raw_blocks):
+        b = _block(raw, f"{field}.blocks[{j}]", cursor)
+        if b.address < address or b.end > address + total:
+            raise SnapshotError(
+                f"block [{b.address:#x}, {b.end:#x}) lies outside its segment "
+                f"[{address:#x}, {address + total:#x})", f"{field}.blocks[{j}]"
+            )
+        cursor = b.end
+        blocks.append(b)
+    blocks.sort(key=lambda b: b.address)
+    for prev, nxt in zip(blocks, blocks[1:]):
+        if nxt.address < prev.end:
+            raise SnapshotError(
+                f"blocks at {prev.address:#x} ({prev.size} B) and {nxt.address:#x} overlap",
+                f"{field}.blocks",
+            )
+    return Segment(address, total, tuple(blocks), dev, kind if isinstance(kind, str) else None)
+
+
+def _block(value: object, field: str, cursor: int) -> Block:
+    d = _dict(value, field)
+    size = _int(_required(d, "size", field), f"{field}.size")
+    state = _required(d, "state", field)
+    if not isinstance(state, str) or state not in STATES:
+        raise SnapshotError(f"expected one of {', '.join(STATES)}, got {state!r:.60}",
+                            f"{field}.state")
+    address = _int(d["address"], f"{field}.address") if "address" in d else cursor
+    requested = d.get("requested_size")
+    req = size if requested is None else _int(requested, f"{field}.requested_size")
+    return Block(address, size, req, state, _where(d.get("frames"), f"{field}.frames"))
+
+
+def _where(frames: object, field: str) -> str | None:
+    """``file:line (function)`` of the first frame outside torch, for naming unknown blocks."""
+    if frames is None:
+        return None
+    if not isinstance(frames, Sequence) or isinstance(frames, (str, bytes)):
+        raise SnapshotError(f"expected a list, got {type(frames).__name__}", field)
+    fallback: str | None = None
+    for frame in frames:
+        if not isinstance(frame, Mapping):
+            continue
+        filename = str(frame.get("filename", "?"))
+        text = f"{os.path.basename(filename)}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+        fallback = fallback or text
+        if "/torch/" not in filename and not filename.startswith("??"):
+            return text
+    return fallback
+
+
+__all__ = [
+    "ACTIVE_STATES",
+    "Block",
+    "STATES",
+    "Segment",
+    "Snapshot",
+    "SnapshotSource",
+    "load_snapshot",
+    "parse_snapshot",
+    "read_pickle",
+]
