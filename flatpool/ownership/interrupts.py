@@ -58,15 +58,18 @@ def signals_guarded() -> Iterator[None]:
     entry = sys.exc_info()[1]
     pending: list[tuple[int, FrameType | None]] = []
     originals: dict[int, Handler] = {}
+    done: list[bool] = []
 
     def dispatch(signum: int, frame: FrameType | None) -> None:
-        if sys.exc_info()[1] is not entry:  # unwinding: finish the rollback first
+        if done:  # the guard ended but could not put this handler back: do it now
+            signal.signal(signum, originals[signum])
+        elif sys.exc_info()[1] is not entry:  # unwinding: finish the rollback first
             pending.append((signum, frame))
             return
         originals[signum](signum, frame)
 
-    _depth.active = True
     try:
+        _depth.active = True
         for sig in _ASYNC_SIGNALS:
             handler = signal.getsignal(sig)
             if callable(handler):
@@ -74,6 +77,7 @@ def signals_guarded() -> Iterator[None]:
                 signal.signal(sig, dispatch)
         yield
     finally:
+        done.append(True)
         _depth.active = False
         for sig, handler in originals.items():
             signal.signal(sig, handler)

@@ -1,0 +1,248 @@
+"""Asynchronous interrupts at every line: an operation either completes or changes nothing.
+
+A Ctrl-C (or any asynchronous exception) can land between any two bytecodes. The tracer here
+raises :class:`Interrupt` at the k-th line executed inside flatpool during an operation (adopt
+on both paths, adopt into existing slices, readopt, grow, compact, materialize_into), for
+k = 0, 1, 2, ... Afterwards the world must be either exactly as before (every tensor's
+storage, geometry, values and identity, every holder, the pool's layout, bytes and registry)
+or fully done (everything in the pool, valid, optimizer still stepping the same objects).
+After a rollback the same operation must then succeed. A second interrupt can also be raised
+at every line of the rollback itself, which must still finish.
+
+The default run samples the lines evenly; ``--slow`` runs every line.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import flatpool
+from flatpool import FlatPool
+from flatpool.ownership import transaction
+
+from .scenarios import World, batch_world, ints, values_of
+from .state import Snapshot, check_layout
+from .test_faults import OPERATIONS, _check_after_success
+
+FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
+
+
+class Interrupt(BaseException):
+    """Stands for a KeyboardInterrupt or any asynchronous exception."""
+
+
+def _plain_world() -> World:
+    """Only plain tensors and parameters: the lean path."""
+    w = World()
+    pool = FlatPool(alignment=64, capacity=1 << 14, name="plain")
+    w.pools.append(pool)
+    lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        lin.weight.copy_(ints(3, 4))
+        lin.bias.copy_(ints(3, start=50))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5, momentum=0.9)
+    plain, strided = ints(2, 3, start=200), ints(4, 5, start=300).t()
+    w.targets = [lin.weight, lin.bias, plain, strided]
+    w.tensors = dict(weight=lin.weight, bias=lin.bias, plain=plain, strided=strided)
+    w.keep = [lin, None]
+    w.opt = opt
+    return w
+
+
+OPS: dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]] = {
+    "adopt-plain": (_plain_world, lambda w: lambda: w.pool.adopt(w.targets)),
+    **OPERATIONS,
+}
+
+
+def _done(op: str, w: World, before: dict[str, torch.Tensor]) -> None:
+    if op == "adopt-plain":
+        pool = w.pool
+        check_layout(pool)
+        assert pool.is_valid()
+        for name, t in w.tensors.items():
+            assert pool.owns(t) and torch.equal(t.detach(), before[name]), name
+        return
+    _check_after_success(op, w, before)
+
+
+class LineTracer:
+    """Raise :class:`Interrupt` at the ``k``-th line executed in flatpool's files (``k=None``:
+    only count). Raising from a trace function also removes it, as CPython does."""
+
+    def __init__(self, k: int | None) -> None:
+        self.k = k
+        self.lines = 0
+
+    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename.startswith(FLATPOOL_DIR):
+            return self.local
+        return None
+
+    def local(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            if self.lines == self.k:
+                self.lines += 1
+                raise Interrupt(f"interrupt at line {frame.f_code.co_name}:{frame.f_lineno}")
+            self.lines += 1
+        return self.local
+
+
+def _traced(run: Callable[[], Any], tracer: LineTracer) -> BaseException | None:
+    sys.settrace(tracer)
+    try:
+        run()
+    except Interrupt as exc:
+        return exc
+    finally:
+        sys.settrace(None)
+    return None
+
+
+def count_lines(op: str, second: bool = False) -> int:
+    """Lines flatpool executes for ``op`` (``second``: in the rollback after an interrupt)."""
+    build, prepare = OPS[op]
+    w = build()
+    tracer = LineTracer(None)
+    if not second:
+        _traced(prepare(w), tracer)
+        return tracer.lines
+    counter = LineTracer(None)
+    with _second_interrupt(counter):
+        _traced(prepare(w), LineTracer(0))
+    return counter.lines
+
+
+class _second_interrupt:
+    """Arm ``tracer`` for the first rollback that runs (the retry after it is not traced)."""
+
+    def __init__(self, tracer: LineTracer) -> None:
+        self.tracer = tracer
+        self.original = transaction.Transaction.rollback
+        self.fired = False
+
+    def __enter__(self) -> _second_interrupt:
+        original, me = self.original, self
+
+        def rollback(txn: transaction.Transaction) -> None:
+            if me.fired:
+                return original(txn)
+            me.fired = True
+            sys.settrace(me.tracer)
+            sys._getframe().f_trace = me.tracer.local  # this frame too
+            try:
+                return original(txn)
+            finally:
+                sys.settrace(None)
+
+        transaction.Transaction.rollback = rollback  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        transaction.Transaction.rollback = self.original  # type: ignore[method-assign]
+
+
+def _positions(n: int, budget: int, slow: bool) -> list[int]:
+    if slow or n <= budget:
+        return list(range(n))
+    step = n / budget
+    return sorted({int(i * step) for i in range(budget)} | {n - 1})
+
+
+def interrupt_at(op: str, k: int, second: int | None = None, retry: bool = True) -> str:
+    """Interrupt ``op`` at its ``k``-th line (and its rollback at line ``second``); check the
+    outcome. Returns "rolled back", "done" or "not reached"."""
+    build, prepare = OPS[op]
+    w = build()
+    run = prepare(w)
+    before = values_of(w)
+    snap = Snapshot(w.pools, w.tensors, w.places)
+    gc_was = gc.isenabled()
+    handler = signal.getsignal(signal.SIGINT)
+    if second is None:
+        exc = _traced(run, LineTracer(k))
+    else:
+        with _second_interrupt(LineTracer(second)):
+            exc = _traced(run, LineTracer(k))
+    assert gc.isenabled() == gc_was, "the gc pause was not undone"
+    assert signal.getsignal(signal.SIGINT) is handler, "a signal handler was left installed"
+    if exc is None:
+        _done(op, w, before)
+        return "not reached"
+    del exc
+    problems = snap.diff()
+    if not problems:
+        for p in w.pools:
+            check_layout(p)
+        if retry:
+            run()
+            _done(op, w, before)
+        return "rolled back"
+    try:
+        _done(op, w, before)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{op}: interrupt at line {k} (rollback line {second}) left a mix:\n"
+            + "\n".join(problems) + f"\nand not fully done: {err}"
+        ) from None
+    return "done"
+
+
+@pytest.fixture(scope="module")
+def line_counts() -> dict[str, int]:
+    return {op: count_lines(op) for op in OPS}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_interrupt_at_every_line(op: str, line_counts: dict[str, int],
+                                 request: pytest.FixtureRequest) -> None:
+    slow = bool(request.config.getoption("--slow"))
+    n = line_counts[op]
+    assert n > 100, f"{op}: only {n} traced lines"
+    outcomes: dict[str, int] = {}
+    for i, k in enumerate(_positions(n, 24, slow)):
+        outcome = interrupt_at(op, k, retry=slow or i % 4 == 0)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert outcomes.get("rolled back", 0) > 0, outcomes
+    assert outcomes.get("not reached", 0) == 0, outcomes
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_second_interrupt_during_rollback(op: str, line_counts: dict[str, int],
+                                          request: pytest.FixtureRequest) -> None:
+    slow = bool(request.config.getoption("--slow"))
+    firsts = _positions(line_counts[op], 2 if not slow else 8, False)
+    for k in firsts:
+        n = count_lines_second(op, k)
+        for j in _positions(n, 6, slow):
+            assert interrupt_at(op, k, second=j, retry=slow) in ("rolled back", "done")
+
+
+def count_lines_second(op: str, k: int) -> int:
+    build, prepare = OPS[op]
+    w = build()
+    counter = LineTracer(None)
+    with _second_interrupt(counter):
+        _traced(prepare(w), LineTracer(k))
+    return max(counter.lines, 1)
+
+
+def test_an_interrupt_leaves_no_handler_or_gc_change_behind() -> None:
+    """The guard restores the user's SIGINT handler and gc setting exactly, interrupted or not."""
+    gc.disable()
+    try:
+        w = batch_world()
+        exc = _traced(lambda: w.pool.adopt(w.targets), LineTracer(50))
+        assert exc is not None
+        assert not gc.isenabled() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        gc.enable()
