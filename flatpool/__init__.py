@@ -16,6 +16,8 @@ from .aliasing import (
     same_storage,
     storage_of,
 )
+from . import checkpoint
+from .checkpoint import compact_copy
 from .devices import DeviceLike, allocator_counters, resolve_device
 from .errors import (
     AdoptionError,
@@ -37,6 +39,8 @@ from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools
 from .slices import Slice
 
 __all__ = [
+    "checkpoint",
+    "compact_copy",
     "Census",
     "StorageRecord",
     "census",
@@ -77,3 +81,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+checkpoint.install()  # torch.save / deepcopy of pooled tensors write their own bytes only
