@@ -86,17 +86,24 @@ def _extent(t: torch.Tensor) -> int:
 def pool_of(t: torch.Tensor) -> FlatPool | None:
     """The live, materialized pool whose storage ``t`` (a plain tensor) views, else ``None``.
 
-    Cheap for ordinary tensors: a tensor that is not smaller than its storage is never looked
-    up (saving or copying its storage costs nothing extra), so the pool scan runs only for
-    views into larger storages.
+    Cheap for ordinary tensors: a tensor that reaches its whole storage is never looked up
+    (saving or copying its storage costs nothing extra), so the pool scan runs only for views
+    into larger storages.
     """
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return None
     if t.is_quantized or t.is_nested:
         return None
-    storage = t.untyped_storage()
-    if storage.nbytes() <= t.numel() * t.element_size():
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # backends without storages
         return None
+    nbytes, item = storage.nbytes(), t.element_size()
+    if t.storage_offset() == 0:  # a tensor that reaches its whole storage is saved as it is
+        if t.numel() * item >= nbytes and t.is_contiguous():
+            return None
+        if _extent(t) * item >= nbytes:
+            return None
     key = storage._cdata
     for pool in live_pools():
         if pool.is_materialized and pool.storage._cdata == key:
@@ -119,7 +126,9 @@ def _twin_on(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
     return out
 
 
-def _bytes(storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def _bytes(
+    storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device
+) -> torch.Tensor:
     out = torch.empty(0, dtype=torch.uint8, device=device)
     out.set_(storage, start, (nbytes,), (1,))
     return out

@@ -97,7 +97,8 @@ def test_bf16_fp32_tied_model_saves_like_its_unadopted_twin() -> None:
     loaded = load(got)
     assert isinstance(loaded, dict)
     # tied weights cover the same bytes: written once, loaded sharing one storage, as unpooled
-    assert loaded["emb.weight"].untyped_storage()._cdata == loaded["head.weight"].untyped_storage()._cdata
+    emb, head = loaded["emb.weight"], loaded["head.weight"]
+    assert emb.untyped_storage()._cdata == head.untyped_storage()._cdata
     for k, v in ref.state_dict().items():
         assert torch.equal(loaded[k], v)
     # whole modules pickle the same way
@@ -290,3 +291,16 @@ def test_compact_copy_helper() -> None:
     assert c.stride() == (1, 6) and torch.equal(c, w.t())
     assert c.untyped_storage().nbytes() == 96 and not pool.owns(c)
     assert flatpool.compact_copy is compact_copy
+
+
+def test_expanded_view_of_a_small_pool_is_compact() -> None:
+    """More elements than the pool has bytes (stride 0) still reach only a few of them."""
+    pool = FlatPool()
+    a, b = torch.arange(4.0), torch.ones(3, dtype=torch.int64)
+    pool.adopt([a, b])
+    wide = a.expand(1000, 4)
+    assert wide.numel() * 4 > pool.capacity
+    out = load(saved({"wide": wide, "b": b}))  # two dtypes: torch alone would refuse
+    assert isinstance(out, dict)
+    assert out["wide"].stride() == (0, 1) and torch.equal(out["wide"], wide)
+    assert out["wide"].untyped_storage().nbytes() == 16

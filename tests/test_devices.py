@@ -15,7 +15,7 @@ import torch
 
 from flatpool import DeviceError, FlatPool, InvalidTypeError, live_pools, resolve_device
 
-HAS_ACCELERATOR = getattr(torch, "accelerator", None) is not None and torch.accelerator.is_available()
+HAS_ACCELERATOR = hasattr(torch, "accelerator") and torch.accelerator.is_available()
 
 
 def _pools() -> set[int]:
@@ -26,7 +26,8 @@ def _pools() -> set[int]:
 @pytest.mark.parametrize("index", [0, 1, np.int64(0)], ids=repr)
 def test_int_without_accelerator_is_a_clear_device_error(index: Any) -> None:
     before = _pools()
-    with pytest.raises(DeviceError, match=r"accelerator index.*no accelerator.*'cpu'.*'npu:") as info:
+    match = r"accelerator index.*no accelerator.*'cpu'.*'npu:"
+    with pytest.raises(DeviceError, match=match) as info:
         FlatPool(index)
     assert f"device {int(index)} " in str(info.value)
     assert _pools() <= before

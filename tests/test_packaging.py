@@ -164,7 +164,7 @@ def test_consumer_type_checks_strictly_against_the_installed_wheel(
     assert len(errors) == 1 and errors[0].startswith(f"consumer.py:{line}: error:"), proc.stdout
     assert "[assignment]" in errors[0]
     # without the py.typed markers the same install is opaque to mypy: the check above is real
-    for marker in (installed / "flatpool" / "py.typed", installed / "flatpool/integrations/py.typed"):
-        marker.unlink()
+    (installed / "flatpool" / "py.typed").unlink()
+    (installed / "flatpool" / "integrations" / "py.typed").unlink()
     proc = run_mypy(tmp_path, installed)
     assert "py.typed" in proc.stdout or "import-untyped" in proc.stdout, proc.stdout

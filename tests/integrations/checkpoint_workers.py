@@ -29,7 +29,8 @@ from hsdp_workers import build, check_aliasing, train
 
 def _shared_dir() -> str:
     """A fresh directory every rank agrees on (rank 0 makes it)."""
-    box: list[str | None] = [tempfile.mkdtemp(prefix="flatpool-dcp-") if dist.get_rank() == 0 else None]
+    made = tempfile.mkdtemp(prefix="flatpool-dcp-") if dist.get_rank() == 0 else None
+    box: list[str | None] = [made]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return box[0]

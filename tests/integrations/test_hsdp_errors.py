@@ -10,6 +10,7 @@ from flatpool.integrations.hsdp import lazy_init
 
 
 def test_lazy_init_of_an_unsharded_module() -> None:
-    with pytest.raises(InvalidTypeError, match="Linear is not a fully_shard-ed module.*fully_shard") as info:
+    match = "Linear is not a fully_shard-ed module.*fully_shard"
+    with pytest.raises(InvalidTypeError, match=match) as info:
         lazy_init(nn.Linear(2, 2))
     assert isinstance(info.value, FlatPoolError) and isinstance(info.value, TypeError)

@@ -103,11 +103,12 @@ def test_demo_runs_under_torchrun(tmp_path: Path) -> None:
         timeout=300,
     )
     out = proc.stdout
-    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
-    assert out.count("flatpool demo: 2 ranks on cpu (gloo)") == 1, "only rank 0 prints"
+    report = f"exit code {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert out.count("flatpool demo: 2 ranks on cpu (gloo)") == 1, "only rank 0 prints\n" + report
     for rank in (0, 1):
-        assert f"rank {rank}:" in out
-    assert out.count("BUG (as reported)") == 2
-    assert out.count("flatpool adopt  1") == 2 and out.count("meta init       1") == 2
-    assert "FAIL" not in out
-    assert "flatpool rows: no stale shard storage, training bit-identical to no fusion." in out
+        assert f"rank {rank}:" in out, report
+    assert out.count("BUG (as reported)") == 2, report
+    assert out.count("flatpool adopt  1") == 2 and out.count("meta init       1") == 2, report
+    assert "FAIL" not in out, report
+    assert "flatpool rows: no stale shard storage, training bit-identical to no fusion." in out, report
