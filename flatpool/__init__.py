@@ -25,6 +25,8 @@ from .aliasing import (  # noqa: E402  (after the torch check: one clear error f
     same_storage,
     storage_of,
 )
+from . import checkpoint  # noqa: E402
+from .checkpoint import compact_copy  # noqa: E402
 from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
 from .errors import (  # noqa: E402
     AdoptionError,
@@ -49,6 +51,8 @@ from .slices import Slice  # noqa: E402
 from .state import UnreleasedOriginal  # noqa: E402
 
 __all__ = [
+    "checkpoint",
+    "compact_copy",
     "Census",
     "StorageRecord",
     "census",
@@ -106,3 +110,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(testing, name)
     raise AttributeError(f"module 'flatpool' has no attribute {name!r}")
+
+
+checkpoint.install()  # torch.save / deepcopy of pooled tensors write their own bytes only

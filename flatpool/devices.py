@@ -8,13 +8,16 @@ Huawei's CANN libraries, so its absence must be a clear error at that moment, ne
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Union
 
 import torch
 
 from .errors import DeviceError, InvalidTypeError
 
-DeviceLike = Union[str, torch.device]
+DeviceLike = Union[str, torch.device, int]
+"""What ``torch.device`` accepts: ``"cuda:1"``, ``torch.device("npu", 0)``, or an int, which
+names an index of the current accelerator (``torch.device(1)`` is ``cuda:1`` on a CUDA machine)."""
 
 _SUPPORTED = ("cpu", "cuda", "npu")
 
@@ -50,13 +53,45 @@ def _current_index(kind: str) -> int:
     return int(getattr(_load_npu_backend(), "current_device")())
 
 
+def _accelerator_type() -> str | None:
+    """The accelerator torch would put an int device on, without importing any backend.
+
+    ``torch_npu`` registers NPU as torch's accelerator only once imported; flatpool never
+    imports it for an int (only for an explicit "npu"), so on an Ascend machine where nothing
+    imported it yet an int finds no accelerator and the error says to pass "npu:<index>".
+    """
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return None if current is None else str(current.type)
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _from_index(index: int) -> torch.device:
+    if index < 0:
+        raise DeviceError(f"device index {index} is negative: give an index from 0, or 'cpu'")
+    kind = _accelerator_type()
+    if kind is None:
+        raise DeviceError(
+            f"device {index} names an accelerator index, but torch sees no accelerator on this "
+            "machine (no CUDA device; NPU only once torch_npu is imported). Use device='cpu', or "
+            f"'npu:{index}' on Ascend (flatpool then imports torch_npu)."
+        )
+    return torch.device(kind, index)
+
+
 def resolve_device(device: DeviceLike) -> torch.device:
     """Return ``device`` as a concrete, available ``torch.device`` or raise :class:`DeviceError`.
 
-    ``"cuda"``/``"npu"`` without an index resolve to the current device of that backend, so two
-    pools made the same way compare equal.
+    Accepts what ``torch.device`` accepts: a string, a ``torch.device``, or an int (an index
+    of the current accelerator). ``"cuda"``/``"npu"`` without an index resolve to the current
+    device of that backend, so two pools made the same way compare equal.
     """
-    if isinstance(device, str):
+    if isinstance(device, bool):  # an int to Python, never meant as a device index
+        raise InvalidTypeError(f"device must be a str, torch.device or int index, got {device!r}")
+    if isinstance(device, numbers.Integral):  # int, numpy integers
+        dev = _from_index(int(device))
+    elif isinstance(device, str):
         if device.split(":", 1)[0].strip() == "npu":
             # torch knows the 'npu' type only once torch_npu registered it: load it first so a
             # missing backend is reported with its import error, not as an unknown device.
@@ -72,7 +107,8 @@ def resolve_device(device: DeviceLike) -> torch.device:
         dev = device
     else:
         raise InvalidTypeError(
-            f"device must be a str or torch.device, got {type(device).__name__}: {device!r}"
+            f"device must be a str, torch.device or int (an accelerator index), got "
+            f"{type(device).__name__}: {device!r}"
         )
 
     if dev.type == "cpu":

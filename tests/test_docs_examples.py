@@ -24,7 +24,9 @@ def blocks(name: str) -> list[str]:
     return BLOCK.findall((DOCS / name).read_text())
 
 
-@pytest.mark.parametrize("doc", ["../README.md", "pool.md", "ownership.md", "census.md", "meta.md"])
+@pytest.mark.parametrize(
+    "doc", ["../README.md", "pool.md", "ownership.md", "census.md", "meta.md", "checkpoints.md"]
+)
 def test_doc_examples_run(doc: str) -> None:
     code = blocks(doc)
     assert code, f"{doc} has no python example"

@@ -13,19 +13,23 @@ report. Four modes are compared:
   storages proven dead, training bit-identical.
 * ``meta init``: built on meta and materialized straight into the pool, then loaded.
 
-Each rank prints a table; the process exits non-zero if a flatpool row fails its checks.
+Each rank's table is printed; the process exits non-zero if a flatpool row fails its checks.
+Under ``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that
+sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints
+the same tables, and every rank exits with the same code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from attrs import define
+from attrs import define, evolve
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -35,7 +39,7 @@ from flatpool import local_tensor
 
 from .census import OriginalStorages, live_storages
 from .fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
-from .launch import launch
+from .launch import launch, set_local_device
 from .naive import naive_rebase
 
 MODES = ("no fusion", "naive rebase", "flatpool adopt", "meta init")
@@ -227,29 +231,68 @@ def parse(argv: Sequence[str] | None) -> Config:
     return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse(argv)
+def header(cfg: Config) -> str:
     per_weight = cfg.hidden * cfg.ffn * 4
-    print(
+    return (
         f"flatpool demo: {cfg.world_size} ranks on {cfg.device} ({cfg.backend}); two weights of "
         f"{cfg.ffn}x{cfg.hidden} fp32 ({_mib(per_weight)} each, about {_mib(per_weight // cfg.world_size)} "
         f"per rank); {cfg.steps} Adam steps per mode.\n"
         "Live shard storages are the distinct storages reachable from the FSDP2 params (padded\n"
         "data, local tensors, their autograd bases) plus the flat buffers; stale originals are\n"
-        "the per-parameter storages that existed before fusion and are still alive after it.\n",
-        flush=True,
+        "the per-parameter storages that existed before fusion and are still alive after it.\n"
     )
-    t0 = time.perf_counter()
-    results = launch(rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend)
+
+
+def report(results: Sequence[Sequence[Row]], seconds: float) -> int:
+    """Print every rank's table and the verdict; the exit code (1 if a flatpool row failed)."""
     for rank, rows in enumerate(results):
         print(render(rank, rows) + "\n")
     failed = [(rank, r) for rank, rows in enumerate(results) for r in rows if r.checks]
-    print(f"done in {time.perf_counter() - t0:.1f} s")
+    print(f"done in {seconds:.1f} s")
     if failed:
         print(f"FAILED: {len(failed)} flatpool row(s) did not pass their checks", file=sys.stderr)
         return 1
     print("flatpool rows: no stale shard storage, training bit-identical to no fusion.")
     return 0
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process started by torchrun (or another launcher setting the env protocol)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def main_torchrun(cfg: Config) -> int:
+    """One rank of a torchrun job: env:// rendezvous, rank 0 gathers and prints the tables."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = evolve(cfg, world_size=world_size)  # the launcher decides the world size
+    set_local_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(cfg.backend)  # MASTER_ADDR / MASTER_PORT from the launcher
+    try:
+        if rank == 0:
+            print(header(cfg), flush=True)
+        t0 = time.perf_counter()
+        rows = rank_main(cfg)
+        gathered: list[list[Row] | None] = [None] * world_size
+        dist.gather_object(rows, gathered if rank == 0 else None, dst=0)
+        code = [0]
+        if rank == 0:
+            code[0] = report([g or [] for g in gathered], time.perf_counter() - t0)
+        dist.broadcast_object_list(code, src=0)
+        return int(code[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse(argv)
+    if launched_by_torchrun():
+        return main_torchrun(cfg)
+    print(header(cfg), flush=True)
+    t0 = time.perf_counter()
+    results = launch(
+        rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend, device=cfg.device
+    )
+    return report(results, time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from flatpool import PinnedStorageError
+from flatpool import InvalidTypeError, PinnedStorageError
 
 from .group import GroupBuffers, adopt_group
 from .meta import materialize_group
@@ -50,7 +50,10 @@ def lazy_init(module: nn.Module) -> None:
     its flat buffer at that point too. Uses FSDP2's private ``FSDPState._lazy_init``.
     """
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"{type(module).__name__} is not a fully_shard-ed module")
+        raise InvalidTypeError(
+            f"{type(module).__name__} is not a fully_shard-ed module: call "
+            "torch.distributed.fsdp.fully_shard(module) first"
+        )
     module._get_fsdp_state()._lazy_init()
 
 

@@ -1,56 +1,77 @@
-"""Start ``world_size`` local ranks on 127.0.0.1 with real process groups and collect results.
+"""Start ``world_size`` local ranks with real process groups and collect their results.
 
-The demo and the integration tests both need real collectives (no mocks): each rank is a
-spawned process (a clean interpreter, so no thread state is inherited from the parent, which
-``fork`` would risk once torch started threads) that joins a TCP-store process group, runs one
-picklable function and sends back its return value, or its traceback.
+The demo and the integration tests both need real collectives (no mocks). Each rank is a
+process started by ``torch.multiprocessing.start_processes`` with ``spawn`` (a clean
+interpreter: ``fork`` would inherit torch's threads and can hang). The ranks meet through a
+``file://`` rendezvous in a temporary directory made for this run, so concurrent runs never
+race for a TCP port (picking a free port and letting the ranks bind it later did). Each rank
+runs one picklable function and sends back its return value, or its traceback.
+
+For multi-node or production runs use ``torchrun``; the demo runs under it too.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessContext
+
+_start_processes: Callable[..., ProcessContext | None] = getattr(mp, "start_processes")
+
+from flatpool.errors import FlatPoolError, InvalidRequestError, InvalidTypeError
 
 R = TypeVar("R")
 
 
-class RankFailedError(RuntimeError):
-    """One or more ranks raised, crashed or timed out; ``failures`` maps rank to its traceback."""
+class RankFailedError(FlatPoolError, RuntimeError):
+    """One or more ranks raised, crashed or timed out.
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    ``failures`` maps each failed rank to its traceback (or how it died); ``results`` holds what
+    the other ranks returned.
+    """
+
+    def __init__(self, failures: dict[int, str], results: dict[int, Any] | None = None) -> None:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
         self.failures = failures
+        self.results = dict(results or {})
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def set_local_device(device: str, local_rank: int) -> None:
+    """Make ``local_rank``'s accelerator current (one device per rank); nothing on CPU."""
+    kind = device.split(":", 1)[0]
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif kind == "npu":
+        from flatpool.devices import resolve_device
+
+        resolve_device(f"npu:{local_rank}")  # imports torch_npu, checks the index exists
+        getattr(torch, "npu").set_device(local_rank)
 
 
 def _child(
     rank: int,
     world_size: int,
-    port: int,
+    init_method: str,
     backend: str,
+    device: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        set_local_device(device, rank)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         try:
             out = fn(*args)
         finally:
@@ -65,47 +86,79 @@ def launch(
     *args: Any,
     world_size: int = 2,
     backend: str = "gloo",
+    device: str = "cpu",
     timeout_s: float = 300.0,
 ) -> list[R]:
-    """Run ``fn(*args)`` on ``world_size`` fresh ranks and return their results by rank.
+    """Run ``fn(*args)`` on ``world_size`` fresh local ranks and return their results by rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function). The process group is
-    initialized before ``fn`` runs and destroyed after. Raises :class:`RankFailedError` naming
-    every failing rank with its traceback.
+    initialized before ``fn`` runs and destroyed after; on ``device`` "cuda"/"npu" rank ``r``
+    first makes device ``r`` current. Raises :class:`RankFailedError` naming every failing
+    rank with its traceback, and kills ranks still running after ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, results))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, R] = {}
-    failures: dict[int, str] = {}
-    try:
-        for _ in range(world_size):
-            try:
-                rank, ok, payload = results.get(timeout=timeout_s)
-            except queue.Empty:
-                break
-            if ok:
-                got[rank] = payload
-            else:
-                failures[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(got) + len(failures) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for r, p in enumerate(procs):
-        if r not in got and r not in failures:
-            failures[r] = f"no result (exit code {p.exitcode}, timeout {timeout_s} s)"
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise InvalidTypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise InvalidRequestError(f"world_size must be at least 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="flatpool-launch-") as rendezvous:
+        # The file must not exist yet: init_process_group creates it (and never deletes it).
+        init_method = "file://" + os.path.join(rendezvous, "store")
+        results = mp.get_context("spawn").SimpleQueue()
+        procs = _start_processes(
+            _child,
+            args=(world_size, init_method, backend, device, fn, args, results),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        assert procs is not None, "start_processes(join=False) returns its ProcessContext"
+        got: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        try:
+            _collect(results, procs.processes, timeout_s, got, failures)
+        finally:
+            complete = len(got) + len(failures) == world_size
+            for p in procs.processes:
+                p.join(timeout=10 if complete else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        for r, p in enumerate(procs.processes):
+            if r not in got and r not in failures:
+                failures[r] = f"no result (exit code {p.exitcode}, timeout {timeout_s} s)"
     if failures:
-        raise RankFailedError(failures)
+        raise RankFailedError(failures, got)
     return [got[r] for r in range(world_size)]
 
 
-__all__ = ["RankFailedError", "free_port", "launch"]
+def _collect(
+    results: Any,
+    processes: list[Any],
+    timeout_s: float,
+    got: dict[int, Any],
+    failures: dict[int, str],
+) -> None:
+    """Read one result per rank until all arrived, a rank died silently, or time ran out.
+
+    Ranks ``put`` synchronously before they exit, so a dead rank whose result is not in the
+    queue by then never sends one (a segfault, ``os._exit``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while len(got) + len(failures) < len(processes) and time.monotonic() < deadline:
+        if results.empty():
+            dead = [r for r, p in enumerate(processes)
+                    if not p.is_alive() and r not in got and r not in failures]
+            if dead and results.empty():
+                for r in dead:  # crashed (segfault, os._exit) before reporting
+                    failures[r] = f"rank exited with code {processes[r].exitcode} without a result"
+                continue
+            time.sleep(0.01)
+            continue
+        rank, ok, payload = results.get()
+        if ok:
+            got[rank] = payload
+        else:
+            failures[rank] = payload
+
+
+__all__ = ["RankFailedError", "launch", "set_local_device"]

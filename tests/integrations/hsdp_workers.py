@@ -226,6 +226,9 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     from hp_double import hp_bug_case  # noqa: PLC0415
 
     out["hyperparallel-double"] = hp_bug_case
+    from checkpoint_workers import scenarios as checkpoint_scenarios  # noqa: PLC0415
+
+    out.update(checkpoint_scenarios(mesh))
     return out
 
 

@@ -24,6 +24,9 @@ SCENARIOS = [
     "load_state_dict-inplace",
     "load_state_dict-assign",
     "hyperparallel-double",
+    "dcp-two_dtypes-eager",  # checkpoint_workers.py
+    "dcp-mlp_bias-meta",
+    "torch_save-two_dtypes",
 ]
 
 

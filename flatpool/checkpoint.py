@@ -1,0 +1,256 @@
+"""Checkpoints of pooled tensors: pickle and deep-copy them as if they were ordinary tensors.
+
+torch serializes a tensor together with its *whole* storage. For a tensor that lives in a pool
+that storage is the pool: ``torch.save`` of one 4 KB bias writes the whole pool, and refuses
+outright once the pool holds two dtypes (a BatchNorm's int64 counter next to its fp32 weights,
+bf16 next to fp32): torch cannot save one storage viewed as two types. ``copy.deepcopy`` of a
+plain tensor copies its whole storage too. ``Module.state_dict()`` returns fresh ``detach()``-ed
+tensors on the pool's storage, so neither module hooks nor attributes set on adopted tensors
+reach what gets saved; and ``pool.adopt`` sees tensors, not modules. What every save and copy
+does reach is the tensor itself, so the fix sits there, narrowly:
+
+* **pickling** (``torch.save``, ``pickle``): a reducer for plain ``torch.Tensor`` registered
+  with :mod:`copyreg` (the standard extension point; torch registers none). ``nn.Parameter``
+  pickles its ``.data``, a plain tensor, so parameters are covered too.
+  ``torch.multiprocessing``'s ``ForkingPickler`` puts torch's own shared-memory reducer above
+  the copyreg table, so tensors sent to other processes still share memory, never copied.
+* **deep copies**: ``torch.Tensor.__deepcopy__`` is wrapped (there is no registry for it).
+  ``nn.Parameter.__deepcopy__`` already clones only the parameter's own bytes.
+
+Both act only on a plain, strided, leaf ``torch.Tensor`` whose storage is the storage of a live
+materialized pool and is larger than the tensor's own bytes. Such a tensor is replaced by a
+*compact twin*: a copy of the bytes it can reach (its strided extent), same shape, stride,
+dtype, ``requires_grad``, conj/neg bits and Python attributes, on the same device. Everything
+else goes to torch's code untouched. The twin is what gets written, so a checkpoint holds the
+tensor's own bytes and loads anywhere, with or without flatpool, ``weights_only=True`` included.
+
+Sharing: tensors covering exactly the same bytes of a pool as the same dtype (tied weights,
+``w`` and ``w.t()``) share one twin within one ``torch.save`` and one ``deepcopy``, so they stay
+tied after loading, as they would without a pool. Views that overlap only partly are written
+separately (each its own bytes) and load as independent tensors.
+
+Costs: a transient copy of each saved pooled tensor's own bytes, held until the save finishes
+(torch writes storages after pickling), so bounded by what is written. Tensor subclasses
+(DTensor, HyperParallel's DTensor, user subclasses) are delegated to torch as they are; torch's
+DTensor pickles its ``_local_tensor``, a plain tensor, which is compacted.
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function_unary
+
+from .pool import FlatPool, live_pools
+
+Reducer = Callable[[torch.Tensor], Any]
+DeepCopy = Callable[[torch.Tensor, Optional[dict[Any, Any]]], torch.Tensor]
+
+_get_metadata: Callable[[torch.Tensor], dict[str, bool]] = getattr(
+    torch._C, "_get_tensor_metadata"
+)
+_set_metadata: Callable[[torch.Tensor, dict[str, bool]], None] = getattr(
+    torch._C, "_set_tensor_metadata"
+)
+
+_lock = threading.Lock()
+_prior_reducer: Reducer | None = None
+"""What ``copyreg.dispatch_table[torch.Tensor]`` held before :func:`install` (normally none)."""
+_prior_deepcopy: DeepCopy | None = None
+"""``torch.Tensor.__deepcopy__`` as it was before :func:`install`."""
+
+_twins: weakref.WeakValueDictionary[tuple[int, int, int, torch.dtype], torch.UntypedStorage] = (
+    weakref.WeakValueDictionary()
+)
+"""Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype).
+
+torch.save keeps every storage it pickled alive until it has written them, so an entry lives
+exactly as long as some save (or pickle) still holds its twin; a hit is reused only if its bytes
+still equal the pool's, so an entry kept alive by something else can never serve stale data."""
+_twins_lock = threading.Lock()
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of ``t``'s storage its strided view can reach, from its storage offset."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def pool_of(t: torch.Tensor) -> FlatPool | None:
+    """The live, materialized pool whose storage ``t`` (a plain tensor) views, else ``None``.
+
+    Cheap for ordinary tensors: a tensor that reaches its whole storage is never looked up
+    (saving or copying its storage costs nothing extra), so the pool scan runs only for views
+    into larger storages.
+    """
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
+        return None
+    if t.is_quantized or t.is_nested:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # backends without storages
+        return None
+    nbytes, item = storage.nbytes(), t.element_size()
+    if t.storage_offset() == 0:  # a tensor that reaches its whole storage is saved as it is
+        if t.numel() * item >= nbytes and t.is_contiguous():
+            return None
+        if _extent(t) * item >= nbytes:
+            return None
+    key = storage._cdata
+    for pool in live_pools():
+        if pool.is_materialized and pool.storage._cdata == key:
+            return pool
+    return None
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A base-less 1-D tensor over the elements ``t`` can reach (no copy)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset(), (_extent(t),), (1,))
+    return out
+
+
+def _twin_on(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A leaf tensor with ``t``'s geometry at the start of ``storage`` (a copy of t's span)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(storage, 0, t.shape, t.stride())
+    _set_metadata(out, _get_metadata(t))  # conj / neg bits
+    return out
+
+
+def _bytes(
+    storage: torch.UntypedStorage, start: int, nbytes: int, device: torch.device
+) -> torch.Tensor:
+    out = torch.empty(0, dtype=torch.uint8, device=device)
+    out.set_(storage, start, (nbytes,), (1,))
+    return out
+
+
+def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.UntypedStorage:
+    """A fresh storage holding a copy of ``t``'s span, shared by equal spans (see ``_twins``)."""
+    span = _span(t)
+    start = int(t.storage_offset()) * t.element_size()
+    nbytes = span.numel() * t.element_size()
+    key = (int(t.untyped_storage()._cdata), start, start + nbytes, t.dtype)
+    if memo is not None:  # deepcopy: its memo lives exactly as long as the copy
+        memo_key = ("flatpool.checkpoint", *key)
+        found = memo.get(memo_key)
+        if found is None:
+            found = memo[memo_key] = span.clone().untyped_storage()
+        return found
+    with _twins_lock:
+        cached = _twins.get(key)
+    if cached is not None and cached.nbytes() == nbytes:
+        mine = _bytes(t.untyped_storage(), start, nbytes, t.device)
+        if torch.equal(_bytes(cached, 0, nbytes, t.device), mine):
+            return cached
+    fresh = span.clone().untyped_storage()
+    with _twins_lock:
+        _twins[key] = fresh
+    return fresh
+
+
+def compact_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` holding only the bytes ``t`` can reach, with its shape and strides.
+
+    Unlike ``clone()`` it keeps the strides (a transposed view stays transposed), and unlike
+    torch's pickling and ``deepcopy`` it never copies the rest of ``t``'s storage. Keeps
+    ``requires_grad``, the conj/neg bits and the Python attributes; the result is a leaf.
+    """
+    with torch.no_grad():
+        out = _twin_on(t, _span(t).clone().untyped_storage())
+    return _finish(t, out, None)
+
+
+def _finish(t: torch.Tensor, out: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Tensor:
+    if t.requires_grad:
+        out.requires_grad_(True)
+    state = t.__dict__
+    if state:
+        out.__dict__ = copy.deepcopy(state, memo) if memo is not None else dict(state)
+    return out
+
+
+def _reduce(t: torch.Tensor) -> Any:
+    """copyreg reducer for ``torch.Tensor``: compact pooled tensors, delegate the rest."""
+    if pool_of(t) is not None:
+        from torch.utils.hooks import warn_if_has_hooks
+
+        warn_if_has_hooks(t)  # as torch does: hooks are never saved
+        with torch.no_grad():
+            twin = _twin_on(t, _twin_storage(t, None))
+        t = _finish(t, twin, None)
+    if _prior_reducer is not None:
+        return _prior_reducer(t)
+    return t.__reduce_ex__(2)  # type: ignore[no-untyped-call]
+
+
+def _deepcopy(self: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Tensor:
+    """``torch.Tensor.__deepcopy__`` that copies a pooled tensor's own bytes, not its pool."""
+    prior = _prior_deepcopy
+    assert prior is not None, "flatpool.checkpoint: __deepcopy__ wrapper without an original"
+    if memo is None:
+        memo = {}
+    if type(self) is torch.Tensor and self.is_leaf and pool_of(self) is not None:
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        with torch.no_grad():
+            out = _twin_on(self, _twin_storage(self, memo))
+        if self.requires_grad:
+            out.requires_grad_(True)
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        if self.__dict__:
+            out.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = out
+        return out
+    if has_torch_function_unary(self):
+        # Hand subclasses and modes torch's own function, so tables keyed on it still match.
+        return handle_torch_function(prior, (self,), self, memo)
+    return prior(self, memo)
+
+
+def is_installed() -> bool:
+    """True while both the reducer and the ``__deepcopy__`` wrapper are in place."""
+    return (
+        copyreg.dispatch_table.get(torch.Tensor) is _reduce
+        and getattr(torch.Tensor, "__deepcopy__", None) is _deepcopy
+    )
+
+
+def install() -> None:
+    """Make pickling and deep copies of pooled tensors compact. Idempotent; ``import flatpool``
+    calls it, because a pooled tensor can only exist once flatpool is imported and a save may
+    happen anywhere after that."""
+    global _prior_reducer, _prior_deepcopy
+    with _lock:
+        if copyreg.dispatch_table.get(torch.Tensor) is not _reduce:
+            _prior_reducer = copyreg.dispatch_table.get(torch.Tensor)
+            copyreg.pickle(torch.Tensor, _reduce)
+        current = torch.Tensor.__deepcopy__
+        if current is not _deepcopy:
+            _prior_deepcopy = current
+            torch.Tensor.__deepcopy__ = _deepcopy  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Give torch its own behaviour back (whole storages; mixed-dtype pools refuse to save)."""
+    with _lock:
+        if copyreg.dispatch_table.get(torch.Tensor) is _reduce:
+            if _prior_reducer is None:
+                del copyreg.dispatch_table[torch.Tensor]
+            else:
+                copyreg.dispatch_table[torch.Tensor] = _prior_reducer
+        if torch.Tensor.__deepcopy__ is _deepcopy and _prior_deepcopy is not None:
+            torch.Tensor.__deepcopy__ = _prior_deepcopy  # type: ignore[method-assign]
+
+
+__all__ = ["compact_copy", "install", "is_installed", "pool_of", "uninstall"]
