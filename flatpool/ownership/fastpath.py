@@ -76,10 +76,15 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
                     or tc.impl_is_quantized(t) or tc.impl_device(t) != device
                     or tc.impl_is_inference(t)):
                 return None
-            size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+            try:
+                size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+            except RuntimeError:
+                return None  # a nested tensor has no single size: validate() names it
             if any(s == 0 for s in size):
                 return None
             storage = tc.impl_untyped_storage(t)
+            if not tc.storage_pointer_valid(storage):
+                return None  # a C++ functional tensor's placeholder: validate() names it
             key = tc.storage_key(storage)
             if key in seen or not storage.resizable() or pool_of_storage(key) is not None:
                 return None
