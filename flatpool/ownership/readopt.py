@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import torch_compat as tc
+from ..aliasing import check_no_wrapper, check_strided, extent_of
 from ..errors import InvalidRequestError
 from ..registry import Record, current, make_record, record_holder
 from ..slices import Slice
@@ -27,6 +28,7 @@ from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
 from .transaction import Transaction
+from .validate import data_storage
 
 Moved = tuple[Slice, Record, torch.Tensor]
 
@@ -101,6 +103,9 @@ def readopt(
 
 
 def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
+    what = f"a tensor bound to slice {slc.slice_id}"
+    check_strided(obj, what)
+    check_no_wrapper(obj, what)
     with tc.no_torch_function():
         if tc.impl_is_meta(obj):
             raise InvalidRequestError(
@@ -114,6 +119,9 @@ def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
             f"{rec[2]} {rec[4]} on {pool.device}); re-adoption keeps shape, dtype and device. "
             f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
         )
+    with tc.no_torch_function():
+        extent = extent_of(obj)
+    data_storage(obj, extent, what)  # a storage resized away would be read past its end
 
 
 def _readopt(
