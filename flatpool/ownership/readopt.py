@@ -127,12 +127,15 @@ def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
 def _readopt(
     pool: PoolState, todo: list[Moved], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport:
+    for slc, rec, obj in todo:
+        # Everything refused before this frame holds the pool's storage: a kept exception's
+        # traceback keeps its locals, and would pin the pool against a later grow().
+        _check(slc, rec, obj, pool)
     target = pool.storage
     feeds: dict[int, list[int]] = {}  # original storage key -> slice ids it fed
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for slc, rec, obj in todo:
-        _check(slc, rec, obj, pool)
         with tc.no_torch_function():
             storage = tc.impl_untyped_storage(obj)
         if not tc.storage_has_data(storage):
