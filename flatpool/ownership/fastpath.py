@@ -69,6 +69,7 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
     items: list[_Item] = []
     seen: set[int] = set()
     device = pool.device
+    cpu = device.type == "cpu"
     strided = torch.strided
     with tc.no_torch_function():
         for t in tensors:
@@ -86,8 +87,9 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
             if not tc.storage_pointer_valid(storage):
                 return None  # a C++ functional tensor's placeholder: validate() names it
             key = tc.storage_key(storage)
-            if key in seen or not storage.resizable() or pool_of_storage(key) is not None:
-                return None
+            if (key in seen or not storage.resizable() or (cpu and storage.is_shared())
+                    or pool_of_storage(key) is not None):
+                return None  # shared or external memory: the general path reports it external
             seen.add(key)
             dtype = tc.impl_dtype(t)
             item = dtype.itemsize
