@@ -186,7 +186,9 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         raise InvalidRequestError(
             f"{p.label} already lives in {where}; use readopt() to bring moved members back"
         )
-    p.external = not storage.resizable()
+    # Memory another owner keeps: numpy's (from_numpy), a buffer's (frombuffer), or shared
+    # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
+    p.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     p.storage = storage
     return p
 
