@@ -638,18 +638,24 @@ def _inference_tensor(c: Ctx) -> Call:
 def _inference_mode_pool(c: Ctx) -> Call:
     p = c.pool()
     a, b, w = ints(4), ints(8), nn.Parameter(ints(4))
+    with torch.device("meta"):
+        lin = nn.Linear(2, 2)
 
     def call() -> None:
         with torch.inference_mode():
-            p.adopt(a)
+            p.adopt(a)  # materializes the pool
             p.compact()
             p.grow(p.capacity + 1024)
             v = p.allocate(4, torch.float32).tensor()
+            p.materialize_into([lin.weight, lin.bias])
         p.adopt([b, w])  # outside: the pool's storage is a normal tensor
         assert not p.flat().is_inference() and not v.is_inference()
+        assert not lin.weight.is_inference()
         v.add_(1)
         (w * 2).sum().backward()
-        assert w.grad is not None and p.is_valid()
+        nn.init.ones_(lin.weight)
+        lin(torch.ones(1, 2)).sum().backward()
+        assert w.grad is not None and lin.weight.grad is not None and p.is_valid()
 
     return call
 
@@ -1048,8 +1054,8 @@ ROWS: tuple[Row, ...] = (
     # Inference mode.
     Row("inference-tensor", "adopt() of an inference tensor (made under torch.inference_mode())",
         _inference_tensor, flatpool.InvalidRequestError, r"inference tensor.*clone"),
-    Row("inference-mode-pool", "a pool adopted into, grown, compacted and viewed under "
-        "torch.inference_mode(), then used outside", _inference_mode_pool, None, "",
+    Row("inference-mode-pool", "a pool materialized by an adoption, compacted, grown, viewed and "
+        "materialized into under torch.inference_mode(), then used outside", _inference_mode_pool, None, "",
         "works: the pool's storage is never an inference tensor (a later adoption outside "
         "raised a raw RuntimeError before)"),
     # Readers while a writer relocates; the gc pause.
