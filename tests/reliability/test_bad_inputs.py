@@ -19,6 +19,9 @@ def _params() -> list[object]:
     ]
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 @pytest.mark.parametrize("row", _params())
 def test_bad_input(row: Row) -> None:
     ctx = Ctx()
