@@ -70,6 +70,26 @@ def check_strided(t: torch.Tensor, what: str = "tensor") -> None:
         )
 
 
+def _inner_names(t: torch.Tensor) -> str:
+    """The attributes a traceable wrapper subclass keeps its data in (``a, b`` for TwoTensor)."""
+    try:
+        names = t.__tensor_flatten__()[0]  # type: ignore[attr-defined]
+        return ", ".join(f".{n}" for n in names) or "its inner tensors"
+    except Exception:  # a subclass whose flatten fails still gets a message
+        return "its inner tensors"
+
+
+def check_no_wrapper(t: torch.Tensor, what: str) -> None:
+    """Refuse a traceable wrapper subclass without ``_local_tensor`` (TwoTensor; check a jagged
+    NestedTensor with :func:`check_strided` first): its own storage is a placeholder that
+    crashes when read and says nothing about where its data lives."""
+    if tc.is_wrapper_subclass(t):
+        raise InvalidTypeError(
+            f"{what} is a {type(t).__name__}, a wrapper tensor subclass with no data of its own "
+            f"(it keeps its data in {_inner_names(t)}): pass those inner tensors instead"
+        )
+
+
 def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors, storage-less wrappers and
     placeholder storages (functional/fake tensors).
@@ -97,6 +117,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """The untyped storage behind ``t`` (through DTensor and storage-sharing subclasses)."""
     inner = local_tensor(t)
     check_strided(inner)
+    check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         return tc.impl_untyped_storage(inner)
 
@@ -120,6 +141,7 @@ def byte_range(t: torch.Tensor) -> ByteRange:
     """The bytes of ``t``'s storage its elements can touch (the strided extent)."""
     inner = local_tensor(t)
     check_strided(inner)
+    check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         return extent_of(inner)
 
@@ -160,6 +182,7 @@ def check_no_aliasing(tensors: NamedTensors) -> None:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
         check_strided(local_tensor(t), name)
+        check_no_wrapper(local_tensor(t), name)
         storage = storage_of(t)
         keep_alive.append(storage)
         rng = byte_range(t)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from attrs import define, field
@@ -52,5 +52,23 @@ class Slice:
 
     def bytes(self) -> torch.Tensor:
         """The slice's bytes as a 1-D ``uint8`` view."""
-        self.pool.check_live(self)  # a freed range may already belong to another slice
-        return self.pool.view_bytes(self.offset, self.nbytes)
+        return self.pool.slice_bytes(self)
+
+    # -- copying: a handle is a value; its pool's memory cannot be duplicated ------------------
+    def __copy__(self) -> Slice:
+        """The same handle: equal to the original, live as long as it is."""
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Slice:
+        """The same handle, like ``copy.copy``: a deep copy cannot duplicate the pool's memory
+        (and copying the pool is refused), so the handle keeps naming the original slice."""
+        return self
+
+    def __reduce__(self) -> Any:
+        from .errors import InvalidTypeError
+
+        raise InvalidTypeError(
+            f"slice {self.slice_id} of pool {self.pool.name!r} cannot be pickled: it is a handle "
+            "on a live pool's memory, which another process cannot see. Save its values "
+            "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead"
+        )

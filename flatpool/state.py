@@ -26,7 +26,7 @@ import torch
 from attrs import define
 
 from . import torch_compat as tc
-from .aliasing import extent_of, local_tensor
+from .aliasing import check_strided, extent_of, local_tensor
 from .allocator import RangeAllocator, align_up
 from .devices import DeviceLike, resolve_device
 from .errors import (
@@ -55,6 +55,9 @@ MAX_BYTES = 1 << 62
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_SHELL = {getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in range(1, 8)
+          if isinstance(getattr(torch, f"{sign}int{bits}", None), torch.dtype)}
+"""Sub-byte dtypes torch declares but implements no operator for (torch >= 2.3)."""
 _pool_ids = itertools.count()
 _all_pools: weakref.WeakSet[PoolState] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
@@ -108,8 +111,14 @@ def check_shape(shape: ShapeLike) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_dtype(dtype: object) -> torch.dtype:
-    """A dtype a plain byte storage can hold (quantized ones need quantizer parameters)."""
+def check_dtype(dtype: object, what: str | None = None) -> torch.dtype:
+    """A dtype a plain byte storage can hold and torch can copy.
+
+    The one dtype rule of flatpool: ``allocate``, ``allocate_like``, ``flat``, ``adopt``,
+    ``materialize_into`` and (through the slice it keeps) ``readopt`` all refuse the same ones.
+    Quantized dtypes need quantizer parameters a storage cannot carry; the sub-byte shell dtypes
+    (``torch.int1``..``torch.uint7``) have no kernels at all, not even ``copy_``.
+    """
     if not isinstance(dtype, torch.dtype):
         raise InvalidTypeError(
             f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__}: "
@@ -117,8 +126,13 @@ def check_dtype(dtype: object) -> torch.dtype:
         )
     if dtype in _QUANTIZED:
         raise InvalidTypeError(
-            f"quantized dtype {dtype} needs quantizer parameters a plain storage cannot carry; "
-            "store its integer representation (int_repr()) instead"
+            f"{what + ': ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
+            "plain storage cannot carry; store its integer representation (int_repr()) instead"
+        )
+    if dtype in _SHELL:
+        raise InvalidTypeError(
+            f"{what + ': ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
+            "for (not even copy_); store the packed values as torch.uint8 instead"
         )
     return dtype
 
@@ -275,12 +289,14 @@ class PoolState:
 
     @property
     def is_materialized(self) -> bool:
-        return self._buffer is not None
+        with self._lock:
+            return self._buffer is not None
 
     @property
     def capacity(self) -> int:
         """Bytes of the storage (planned extent while unmaterialized and growable)."""
-        return self._alloc.extent
+        with self._lock:
+            return self._alloc.extent
 
     @property
     def used_bytes(self) -> int:
@@ -304,26 +320,34 @@ class PoolState:
             return tuple(self._at_offset[o] for o in self._offsets)
 
     def is_live(self, slc: Slice) -> bool:
-        return slc.pool is self and self._live.get(slc.slice_id) == slc
+        """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
+        same handle)."""
+        with self._lock:  # a relocation rebuilds the index: never look at it half-built
+            return slc.pool is self and self._live.get(slc.slice_id) == slc
 
     def live_slice(self, slice_id: int) -> Slice | None:
-        return self._live.get(slice_id)
+        with self._lock:
+            return self._live.get(slice_id)
 
     @property
     def storage(self) -> torch.UntypedStorage:
-        """The pool's storage (materializes the pool)."""
-        return self.byte_buffer().untyped_storage()
+        """The pool's storage (materializes the pool). Holding it pins it: a later
+        relocation then fails, or keeps it alive with ``on_pinned="warn"``."""
+        with self._lock:
+            return self.byte_buffer().untyped_storage()
 
     @property
     def storage_key(self) -> int | None:
         """The identity of the pool's current storage; ``None`` before materialization."""
-        return self._buffer_key
+        with self._lock:
+            return self._buffer_key
 
     @property
     def base_address(self) -> int | None:
         """The data pointer of the pool's storage; ``None`` before materialization."""
-        buf = self._buffer
-        return None if buf is None else tc.impl_data_ptr(buf)
+        with self._lock:  # a reference to the old buffer, even a brief one, would pin it
+            buf = self._buffer
+            return None if buf is None else tc.impl_data_ptr(buf)
 
     @property
     def registry(self) -> AdoptionRegistry:
@@ -331,11 +355,12 @@ class PoolState:
         return self._registry
 
     def __repr__(self) -> str:
-        state = "materialized" if self.is_materialized else "planned"
-        return (
-            f"FlatPool(name={self.name!r}, device={str(self.device)!r}, {state}, "
-            f"capacity={self.capacity}, used={self.used_bytes}, slices={len(self._live)})"
-        )
+        with self._lock:
+            state = "materialized" if self.is_materialized else "planned"
+            return (
+                f"FlatPool(name={self.name!r}, device={str(self.device)!r}, {state}, "
+                f"capacity={self.capacity}, used={self.used_bytes}, slices={len(self._live)})"
+            )
 
     # -- allocation ------------------------------------------------------------------------
     def slice_alignment(self, dtype: torch.dtype) -> int:
@@ -354,6 +379,7 @@ class PoolState:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"allocate_like() needs a tensor, got {type(t).__name__}")
         inner = local_tensor(t)
+        check_strided(inner, f"allocate_like()'s {type(t).__name__}")  # no single dense shape
         with tc.no_torch_function():
             return self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
 
@@ -470,10 +496,10 @@ class PoolState:
         self.byte_buffer()
 
     def byte_buffer(self) -> torch.Tensor:
-        """The whole storage as one 1-D ``uint8`` tensor (materializes the pool)."""
-        buf = self._buffer
-        if buf is not None:
-            return buf
+        """The whole storage as one 1-D ``uint8`` tensor (materializes the pool).
+
+        Under the lock: taken while another thread relocates, even a brief reference to the
+        old buffer would pin the storage that relocation is proving dead."""
         with self._lock:
             if self._buffer is None:
                 extent = self._alloc.extent
@@ -510,6 +536,13 @@ class PoolState:
 
     def view_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.view_at(offset, (nbytes,), torch.uint8)
+
+    def slice_bytes(self, slc: Slice) -> torch.Tensor:
+        """``slc``'s bytes as a 1-D ``uint8`` view, checked live in the same locked step (a
+        freed range may already belong to another slice)."""
+        with self._lock:
+            self.check_live(slc)
+            return self.view_bytes(slc.offset, slc.nbytes)
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole buffer as one 1-D tensor, for fused collectives.

@@ -136,12 +136,32 @@ def storage_users(storage: torch.UntypedStorage) -> int:
 
 
 def storage_has_data(storage: torch.UntypedStorage) -> bool:
-    """False for placeholder storages (functional and fake tensors): reading them crashes."""
+    """False for placeholder storages: reading them crashes or reads nothing.
+
+    A C++ functional tensor's or a wrapper subclass's storage raises on ``data_ptr()``; a
+    ``FakeTensor``'s is a meta storage (checked first: its ``data_ptr()`` warns). A real storage
+    with bytes has a non-null pointer; one resized to 0 bytes has none and no bytes (callers
+    compare ``nbytes()`` with the extent they need)."""
+    if storage.device.type == "meta":
+        return False
+    return storage_pointer_valid(storage)
+
+
+def storage_pointer_valid(storage: torch.UntypedStorage) -> bool:
+    """:func:`storage_has_data` without the meta check (the device read costs half a
+    microsecond): for tensors already known not to be meta or fake."""
     try:
-        storage.data_ptr()
+        ptr = storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return True
+    return ptr != 0 or storage.nbytes() == 0
+
+
+def is_functional(t: torch.Tensor) -> bool:
+    """A C++ functional tensor (``torch.func.functionalize``, compile tracing): its storage is a
+    placeholder; the data lives in the tensor it wraps."""
+    check = cast(Callable[[torch.Tensor], bool], getattr(torch, "_is_functional_tensor"))
+    return bool(check(t))
 
 
 def python_refs(obj: object) -> int:
@@ -229,7 +249,7 @@ __all__ = [
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
     "outside_inference",
     "new_storage", "no_torch_function", "python_refs", "set_versions", "storage_address",
-    "storage_has_data", "storage_key", "storage_users", "swap_impl", "swap_tensors", "tensor_impl_users",
+    "storage_has_data", "storage_key", "storage_pointer_valid", "is_functional", "storage_users", "swap_impl", "swap_tensors", "tensor_impl_users",
     "torch_version", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
 ]
 

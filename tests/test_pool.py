@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -32,7 +33,9 @@ ALL_DTYPES = sorted(
 )
 # Quantized dtypes need quantizer parameters a plain storage cannot carry: rejected by design.
 QUANTIZED = [dt for dt in ALL_DTYPES if str(dt).startswith(("torch.qint", "torch.quint"))]
-PLAIN_DTYPES = [dt for dt in ALL_DTYPES if dt not in QUANTIZED]
+# Sub-byte shell dtypes (torch.int1..torch.uint7) have no kernels, not even copy_: rejected too.
+SHELL = [dt for dt in ALL_DTYPES if re.fullmatch(r"torch\.u?int[1-7]", str(dt))]
+PLAIN_DTYPES = [dt for dt in ALL_DTYPES if dt not in QUANTIZED and dt not in SHELL]
 
 
 def state(pool: FlatPool) -> tuple[Any, ...]:
@@ -166,6 +169,14 @@ def test_alignment_every_dtype(dtype: torch.dtype, alignment: int) -> None:
 def test_quantized_dtypes_rejected(dtype: torch.dtype, populated: FlatPool) -> None:
     before = state(populated)
     with pytest.raises(InvalidTypeError, match="quantized"):
+        populated.allocate(4, dtype)
+    assert state(populated) == before
+
+
+@pytest.mark.parametrize("dtype", SHELL, ids=str)
+def test_shell_dtypes_rejected(dtype: torch.dtype, populated: FlatPool) -> None:
+    before = state(populated)
+    with pytest.raises(InvalidTypeError, match="no kernels"):
         populated.allocate(4, dtype)
     assert state(populated) == before
 

@@ -9,16 +9,20 @@ never called stale.
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from attrs import define
 
 from .. import torch_compat as tc
-from ..aliasing import local_tensor, own_storage
+from ..aliasing import extent_of, local_tensor, own_storage
 from ..devices import allocator_counters
+from ..errors import InvalidTypeError
+from ..slices import Slice
 from ..state import PoolState, live_pools
 from .gcpause import gc_paused
 
@@ -121,12 +125,54 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 def census(*roots: Any, pools: Iterable[PoolState] | None = None) -> Census:
     """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
-    lists, objects), or from every tensor in the process when no root is given."""
-    with gc_paused():
-        return _census(roots, pools)
+    lists, objects), or from every tensor in the process when no root is given.
+
+    Runs holding the lock of every live pool: the storage objects and byte views a census makes
+    would otherwise pin a storage another thread's adoption or relocation is proving dead (and
+    make it fail), and the answer sees each pool before or after such an operation, never
+    half-way. Nothing made here outlives the call.
+    """
+    pool_list = list(pools) if pools is not None else None
+    if pool_list is not None:
+        for p in pool_list:
+            if not isinstance(p, PoolState):
+                raise InvalidTypeError(f"census(pools=...) takes pools, got {type(p).__name__}")
+    with gc_paused(), all_locked({id(p): p for p in live_pools() + (pool_list or [])}.values()):
+        return _census(roots, pool_list)
 
 
-def _census(roots: tuple[Any, ...], pools: Iterable[PoolState] | None) -> Census:
+LOCK_RETRY = 0.05
+"""Seconds to wait for one pool's lock before letting go of the others and starting over."""
+
+
+@contextmanager
+def all_locked(pools: Iterable[PoolState]) -> Iterator[None]:
+    """Hold every pool's lock, taken in one global order. A lock that does not come within
+    :data:`LOCK_RETRY` (a thread holding it waits for one we hold) makes us release all and
+    retry after a pause, so two threads each holding a pool and taking a census cannot
+    deadlock."""
+    ordered = sorted(pools, key=id)
+    pause = 0.001
+    while True:
+        held: list[PoolState] = []
+        for p in ordered:
+            if not p.lock.acquire(timeout=LOCK_RETRY):
+                break
+            held.append(p)
+        else:
+            break
+        for p in reversed(held):
+            p.lock.release()
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    try:
+        yield
+    finally:
+        for p in reversed(held):
+            p.lock.release()
+
+
+def _census(roots: tuple[Any, ...], pools: list[PoolState] | None) -> Census:
     found: list[tuple[str, str, torch.Tensor]] = []
     if roots:
         for i, root in enumerate(roots):
@@ -137,36 +183,35 @@ def _census(roots: tuple[Any, ...], pools: Iterable[PoolState] | None) -> Census
             for obj in gc.get_objects():
                 if isinstance(obj, torch.Tensor):
                     found.append((f"{type(obj).__name__}{tuple(obj.shape)}", "tensor", obj))
-    pool_list = list(pools) if pools is not None else live_pools()
+    pool_list = pools if pools is not None else live_pools()
     pool_keys = {p.storage_key: p for p in pool_list if p.storage_key is not None}
 
     groups: dict[int, dict[str, Any]] = {}
-    storages: dict[int, torch.UntypedStorage] = {}
+    sizes: dict[int, tuple[str, int]] = {}  # key -> (device, nbytes); no storage object kept
     for name, role, t in found:
         s = _storage(t)
         if s is None:
             continue
         key = tc.storage_key(s)
-        storages.setdefault(key, s)
+        if key not in sizes:
+            sizes[key] = (str(s.device), s.nbytes())
+        del s
         g = groups.setdefault(key, {"names": [], "roles": [], "tensors": []})
         if name not in g["names"]:
             g["names"].append(name)
             g["roles"].append(role)
             g["tensors"].append(local_tensor(t))
 
-    # Slices by byte size, for the stale check.
-    by_size: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    # Slices by byte size, for the stale check; their bytes are viewed only to compare.
+    by_size: dict[int, list[tuple[str, PoolState, Slice]]] = {}
     for p in pool_list:
         if p.is_materialized:
-            with p.lock:  # another thread may free a listed slice before we view its bytes
-                for slc in p.slices():
-                    by_size.setdefault(slc.nbytes, []).append(
-                        (f"{p.name}:{slc.slice_id}", slc.bytes())
-                    )
+            for slc in p.slices():
+                by_size.setdefault(slc.nbytes, []).append((f"{p.name}:{slc.slice_id}", p, slc))
 
     records: list[StorageRecord] = []
     for key, g in groups.items():
-        s = storages[key]
+        device, nbytes = sizes[key]
         pool = pool_keys.get(key)
         slices: tuple[int, ...] = ()
         stale_of: str | None = None
@@ -176,7 +221,7 @@ def _census(roots: tuple[Any, ...], pools: Iterable[PoolState] | None) -> Census
         elif any(r not in _LEGIT_ROLES for r in g["roles"]):
             stale_of = _duplicate_of(g["tensors"], g["roles"], by_size)
         records.append(StorageRecord(
-            device=str(s.device), nbytes=s.nbytes(), pool=pool.name if pool else None,
+            device=device, nbytes=nbytes, pool=pool.name if pool else None,
             slices=slices, referrers=tuple(g["names"]), roles=tuple(g["roles"]), stale_of=stale_of,
         ))
     allocator: dict[str, dict[str, int]] = {}
@@ -189,18 +234,23 @@ def _census(roots: tuple[Any, ...], pools: Iterable[PoolState] | None) -> Census
 
 def _duplicate_of(
     tensors: list[torch.Tensor], roles: list[str],
-    by_size: dict[int, list[tuple[str, torch.Tensor]]],
+    by_size: dict[int, list[tuple[str, PoolState, Slice]]],
 ) -> str | None:
     for t, role in zip(tensors, roles):
-        if role in _LEGIT_ROLES or t.is_meta:
+        if role in _LEGIT_ROLES:
             continue
         with tc.no_torch_function():
-            nbytes = t.numel() * t.element_size()
-            candidates = by_size.get(nbytes)
-            if not candidates or not t.is_contiguous():
+            if tc.impl_is_meta(t):
                 continue
+            nbytes = tc.impl_numel(t) * tc.impl_element_size(t)
+            candidates = by_size.get(nbytes)
+            if not candidates or not tc.impl_is_contiguous(t):
+                continue
+            if tc.impl_untyped_storage(t).nbytes() < extent_of(t).end:
+                continue  # storage resized away (FSDP frees unsharded parameters so): unreadable
             raw = t.reshape(-1).view(torch.uint8)
-            for label, slice_bytes in candidates:
-                if slice_bytes.device == raw.device and torch.equal(slice_bytes, raw):
+            for label, pool, slc in candidates:
+                if pool.device == raw.device and torch.equal(pool.slice_bytes(slc), raw):
                     return label
+            del raw
     return None

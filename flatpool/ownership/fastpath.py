@@ -69,6 +69,7 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
     items: list[_Item] = []
     seen: set[int] = set()
     device = pool.device
+    cpu = device.type == "cpu"
     strided = torch.strided
     with tc.no_torch_function():
         for t in tensors:
@@ -76,13 +77,19 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
                     or tc.impl_is_quantized(t) or tc.impl_device(t) != device
                     or tc.impl_is_inference(t)):
                 return None
-            size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+            try:
+                size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
+            except RuntimeError:
+                return None  # a nested tensor has no single size: validate() names it
             if any(s == 0 for s in size):
                 return None
             storage = tc.impl_untyped_storage(t)
+            if not tc.storage_pointer_valid(storage):
+                return None  # a C++ functional tensor's placeholder: validate() names it
             key = tc.storage_key(storage)
-            if key in seen or not storage.resizable() or pool_of_storage(key) is not None:
-                return None
+            if (key in seen or not storage.resizable() or (cpu and storage.is_shared())
+                    or pool_of_storage(key) is not None):
+                return None  # shared or external memory: the general path reports it external
             seen.add(key)
             dtype = tc.impl_dtype(t)
             item = dtype.itemsize

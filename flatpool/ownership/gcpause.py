@@ -1,13 +1,16 @@
-"""Pause Python's cycle collector around batch work that creates many small objects.
+"""Pause Python's automatic cycle collection around batch work that creates many small objects.
 
 A batch over thousands of tensors (adoption, a census) creates a few Python objects per tensor;
 the growing heap triggers full gc passes that cost more than the work itself. Nothing in
 flatpool relies on the cycle collector for correctness (release proofs go by reference counts,
 and an explicit ``gc.collect()`` is used where cycles matter), so it is paused for the batch.
 
-The pause is reference-counted across threads: the first pause remembers whether collection
-was enabled, the last one restores exactly that, so two overlapping batches never turn a
-user's ``gc.disable()`` back on, nor leave collection off.
+The pause sets the first collection threshold to 0 (``gc.set_threshold(0, ...)``: no automatic
+collection) instead of calling ``gc.disable()``, so it never touches the flag a user sets with
+``gc.disable()``/``gc.enable()``: a user's call in another thread while an adoption runs stands.
+It is reference-counted across threads: the first pause saves the thresholds, the last one puts
+them back, unless someone set other thresholds meanwhile (then theirs stand). Overlapping
+batches in two threads therefore stay paused until both end.
 """
 
 from __future__ import annotations
@@ -19,22 +22,32 @@ from contextlib import contextmanager
 
 _lock = threading.Lock()
 _depth = 0
-_was_enabled = False
+_saved: tuple[int, ...] = ()
+_paused: tuple[int, ...] = ()
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Disable automatic collection for the block; the outermost pause restores it."""
-    global _depth, _was_enabled
+    """No automatic collection for the block; the outermost pause restores the thresholds."""
+    global _depth, _saved, _paused
     with _lock:
         if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
+            _saved = tuple(gc.get_threshold())
+            _paused = (0, *_saved[1:])
+            gc.set_threshold(*_paused)
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+            if _depth == 0 and tuple(gc.get_threshold()) == _paused:
+                gc.set_threshold(*_saved)
+
+
+def paused() -> bool:
+    """True while some thread is inside :func:`gc_paused` (for tests and diagnostics)."""
+    return _depth > 0
+
+
+__all__ = ["gc_paused", "paused"]

@@ -15,11 +15,12 @@ from typing import Callable, Union, cast
 import torch
 
 from .. import torch_compat as tc
+from ..aliasing import check_strided
 from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
 from ..holder import Holder
 from ..registry import make_record
 from ..slices import Slice
-from ..state import PoolState
+from ..state import PoolState, check_dtype
 from .faults import checkpoint
 from .gcpause import gc_paused
 from .moves import ImplSwap, SlotSet, fresh_on, swap_many
@@ -48,6 +49,9 @@ def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
             f"target #{i} is a {type(t).__name__}: a wrapper subclass without a _local_tensor "
             "cannot be given storage; materialize the tensors it wraps"
         )
+    check_strided(local, f"target #{i}")
+    with tc.no_torch_function():
+        check_dtype(tc.impl_dtype(local), f"target #{i}")  # what allocate() and adopt() refuse
     return local
 
 

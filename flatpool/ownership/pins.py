@@ -23,6 +23,14 @@ from ..aliasing import own_storage
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+NUMPY_BASE = (
+    "held by an object gc cannot see, such as the numpy array of t.numpy() or "
+    "numpy.asarray(t) (it reads this memory through a raw pointer, so flatpool never moves "
+    "that tensor; drop the array to release the original)"
+)
+"""A tensor without nameable holders on a storage torch marked non-resizable for numpy."""
+
+
 def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tensor]:
     """Every Python-visible tensor object whose own storage is the one with ``key``."""
     exclude = set(exclude)
@@ -165,8 +173,9 @@ def name_pins(
     key = tc.storage_key(storage)
     found = tensors_on_storage(key, skip)
     skip = skip | {id(found)}
+    unseen = NUMPY_BASE if not storage.resizable() else "held only from C++ (autograd saved tensors, hooks)"
     for t in found:
-        where = name_referrers(t, skip) or ["held only from C++ (autograd saved tensors, hooks)"]
+        where = name_referrers(t, skip) or [unseen]
         with tc.no_torch_function():
             desc = f"tensor {tuple(tc.impl_size(t))} {str(tc.impl_dtype(t)).replace('torch.', '')}"
         reasons.extend(f"{w} ({desc})" for w in where)

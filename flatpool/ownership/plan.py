@@ -20,7 +20,7 @@ from ..errors import AliasingError, InvalidRequestError, InvalidTypeError
 from ..holder import Holder
 from ..slices import Slice
 from ..state import PoolState
-from .pins import tensors_on_storage
+from .pins import name_referrers, tensors_on_storage
 from .spec import AdoptSpec
 from .validate import Primary, validate
 
@@ -126,14 +126,30 @@ def _check_holder(h: Holder, p: Plan) -> torch.Tensor:
 
 
 def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[Member]:
-    """Every Python-visible tensor on storage ``key`` inside ``extent`` (a gc scan)."""
+    """Every Python-visible tensor on storage ``key`` inside ``extent`` (a gc scan) that is
+    safe to move.
+
+    Not safe: on a storage torch marked non-resizable (``t.numpy()``, ``numpy.asarray(t)``,
+    ``torch.from_numpy``), a tensor nothing gc can see refers to. ``t.numpy()`` makes exactly
+    such a tensor, the ndarray's base, and the ndarray reads the storage through a raw
+    pointer: moving its base would free the memory under it. It stays, and pins the original.
+    """
     found: list[Member] = []
-    for t in tensors_on_storage(key, set(known)):
+    candidates = tensors_on_storage(key, set(known))
+    for t in candidates:
         with tc.no_torch_function():
             if not extent.contains(extent_of(t)):
                 continue
+        if not _resizable(t) and not name_referrers(t, {id(candidates)}):
+            continue
         found.append(_member(t, None, False, key))
+    del candidates
     return found
+
+
+def _resizable(t: torch.Tensor) -> bool:
+    storage = own_storage(t)
+    return storage is None or storage.resizable()
 
 
 def plan_all(

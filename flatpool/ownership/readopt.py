@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import torch_compat as tc
+from ..aliasing import check_no_wrapper, check_strided, extent_of
 from ..errors import InvalidRequestError
 from ..registry import Record, current, make_record, record_holder
 from ..slices import Slice
@@ -27,6 +28,7 @@ from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
 from .transaction import Transaction
+from .validate import data_storage
 
 Moved = tuple[Slice, Record, torch.Tensor]
 
@@ -101,6 +103,9 @@ def readopt(
 
 
 def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
+    what = f"a tensor bound to slice {slc.slice_id}"
+    check_strided(obj, what)
+    check_no_wrapper(obj, what)
     with tc.no_torch_function():
         if tc.impl_is_meta(obj):
             raise InvalidRequestError(
@@ -114,17 +119,23 @@ def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
             f"{rec[2]} {rec[4]} on {pool.device}); re-adoption keeps shape, dtype and device. "
             f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
         )
+    with tc.no_torch_function():
+        extent = extent_of(obj)
+    data_storage(obj, extent, what)  # a storage resized away would be read past its end
 
 
 def _readopt(
     pool: PoolState, todo: list[Moved], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport:
+    for slc, rec, obj in todo:
+        # Everything refused before this frame holds the pool's storage: a kept exception's
+        # traceback keeps its locals, and would pin the pool against a later grow().
+        _check(slc, rec, obj, pool)
     target = pool.storage
     feeds: dict[int, list[int]] = {}  # original storage key -> slice ids it fed
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for slc, rec, obj in todo:
-        _check(slc, rec, obj, pool)
         with tc.no_torch_function():
             storage = tc.impl_untyped_storage(obj)
         if not tc.storage_has_data(storage):

@@ -25,10 +25,11 @@ is kept alive by the pool until that holder lets go.
 
 
 def _sequence(value: Any, what: str) -> tuple[Any, ...]:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):  # a tensor iterates over rows; a 0-d one raises
+        fix = "views=[t]" if what == "views" else "holders=[Holder(owner, key)] for its places"
         raise InvalidTypeError(
             f"AdoptSpec.{what} must be a sequence, got a single tensor (it would be split into "
-            f"rows): pass {what}=[t]"
+            f"rows): pass {fix}"
         )
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidTypeError(

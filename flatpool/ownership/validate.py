@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 from .. import torch_compat as tc
-from ..aliasing import ByteRange, check_strided, extent_of, local_tensor, own_storage
+from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import InvalidRequestError, InvalidTypeError
 from ..state import PoolState, check_dtype, pool_of_storage
 from .spec import AdoptSpec
@@ -95,19 +95,52 @@ class Primary:
         return label(self.spec.tensor, self.index)
 
 
+def data_storage(t: torch.Tensor, extent: ByteRange, what: str) -> torch.UntypedStorage:
+    """The storage that holds ``t``'s bytes, refusing what would crash or adopt garbage.
+
+    A placeholder (C++ functional tensor, FakeTensor) is refused by type; a real storage smaller
+    than ``t``'s extent (``untyped_storage().resize_(0)``, as FSDP frees unsharded parameters)
+    by value, before anything is allocated or moved. ``t`` is already known to be strided,
+    not a wrapper subclass and not meta.
+    """
+    with tc.no_torch_function():
+        storage = tc.impl_untyped_storage(t)
+    if tc.is_functional(t):
+        raise InvalidTypeError(
+            f"{what} is a functional tensor (made by torch.func.functionalize or compile "
+            "tracing): its storage is a placeholder and its data lives in the tensor it wraps; "
+            "adopt the real tensor, outside the functionalized region"
+        )
+    if storage.device.type == "meta":
+        raise InvalidTypeError(
+            f"{what} has only metadata (a {type(t).__name__} made under FakeTensorMode, or "
+            "another tensor on a meta storage): there is no data to adopt; adopt real tensors "
+            "outside the fake mode"
+        )
+    if not tc.storage_pointer_valid(storage):
+        raise InvalidTypeError(
+            f"{what} ({type(t).__name__}) has no real storage (a placeholder that crashes when "
+            "read): adopt the tensor that holds its data"
+        )
+    if storage.nbytes() < extent.end:
+        raise InvalidRequestError(
+            f"{what} reaches byte {extent.end} of a storage that holds only "
+            f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(), as FSDP does "
+            "for unsharded parameters): there is no data to adopt; resize the storage back "
+            "(or let the framework re-materialize it) first, or adopt the tensor that has the data"
+        )
+    return storage
+
+
 def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
     """Check one primary; everything the adoption needs to know about it."""
     p = Primary(spec, index)
     inner = p.inner = local_tensor(spec.tensor)
-    if tc.is_wrapper_subclass(inner):
-        raise InvalidTypeError(
-            f"{p.label} is a tensor subclass with no data of its own (its data lives in inner "
-            "tensors, e.g. TwoTensor): adopt the inner tensors it wraps instead"
-        )
     check_strided(inner, p.label)
+    check_no_wrapper(inner, p.label)
     with tc.no_torch_function():
         if tc.impl_is_quantized(inner):
-            check_dtype(tc.impl_dtype(inner))  # raises the same error as allocate()
+            check_dtype(tc.impl_dtype(inner), p.label)  # raises the same error as allocate()
         if tc.impl_is_meta(inner):
             raise InvalidRequestError(
                 f"{p.label} is a meta tensor (or a fake one) and has no data to adopt; use "
@@ -127,7 +160,7 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
                 f"{p.label} is an inference tensor (made under torch.inference_mode()); it "
                 "cannot be rebound in place: adopt a clone() made outside inference mode"
             )
-        p.dtype = check_dtype(tc.impl_dtype(inner))
+        p.dtype = check_dtype(tc.impl_dtype(inner), p.label)
         p.contiguous = tc.impl_is_contiguous(inner)
         if not p.contiguous and self_overlapping(inner):
             raise InvalidRequestError(
@@ -137,18 +170,7 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         p.extent = extent_of(inner)
         p.shape = (tuple(tc.impl_size(inner)) if p.contiguous
                    else (p.extent.nbytes // p.dtype.itemsize,))
-    storage = own_storage(inner)
-    if storage is None:
-        raise InvalidTypeError(
-            f"{p.label} has no real storage (a functional, fake or otherwise storage-less "
-            "tensor): adopt the tensor that holds its data"
-        )
-    if storage.nbytes() < p.extent.end:
-        raise InvalidRequestError(
-            f"{p.label} reaches byte {p.extent.end} of a storage that holds only "
-            f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(0), as FSDP does): "
-            "there is no data to adopt; resize the storage back or adopt the tensor that has it"
-        )
+    storage = data_storage(inner, p.extent, p.label)
     key = tc.storage_key(storage)
     if inner is not spec.tensor:
         wrapper = own_storage(spec.tensor)
@@ -164,10 +186,12 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         raise InvalidRequestError(
             f"{p.label} already lives in {where}; use readopt() to bring moved members back"
         )
-    p.external = not storage.resizable()
+    # Memory another owner keeps: numpy's (from_numpy), a buffer's (frombuffer), or shared
+    # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
+    p.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     p.storage = storage
     return p
 
 
-__all__ = ["AdoptTargets", "Adoptable", "Primary", "label", "normalize", "self_overlapping",
-           "validate"]
+__all__ = ["AdoptTargets", "Adoptable", "Primary", "data_storage", "label", "normalize",
+           "self_overlapping", "validate"]

@@ -15,26 +15,65 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import FlatPool, Slice
 from flatpool.aliasing import local_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
-def storage_ident(t: torch.Tensor) -> tuple[int, Any] | None:
+def storage_ident(t: torch.Tensor) -> tuple[int, Any, int] | None:
+    """(StorageImpl address, weak reference, bytes) of ``t``'s own storage; ``None`` for tensors
+    without one (meta, sparse, nested, wrapper subclasses)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if t.is_meta or t.layout != torch.strided or t.is_nested or is_traceable_wrapper_subclass(t):
+            return None
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+    return int(s._cdata), StorageWeakRef(s), s.nbytes()
+
+
+def _readable(s: torch.UntypedStorage, t: torch.Tensor) -> bool:
+    """``s`` holds real bytes covering all of ``t``'s elements."""
+    if s.device.type == "meta":
+        return False
+    try:
+        if s.data_ptr() == 0 and s.nbytes():
+            return False
+    except (RuntimeError, NotImplementedError):
+        return False
+    end = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.numel() == 0 or s.nbytes() >= end * t.element_size()
+
+
+def _values(t: torch.Tensor, ident: tuple[int, Any, int] | None) -> torch.Tensor | None:
+    """A copy of ``t``'s values, or ``None`` where reading would crash or has nothing to read
+    (a storage resized below the tensor's extent, a functional or fake placeholder)."""
     with torch._C.DisableTorchFunctionSubclass():
         if t.is_meta:
             return None
-        s = t.untyped_storage()
-    return int(s._cdata), StorageWeakRef(s)
+        if ident is not None and not _readable(t.untyped_storage(), t):
+            return None
+        try:
+            return t.detach().clone()
+        except (RuntimeError, NotImplementedError):
+            return None
 
 
 class TensorState:
-    """One tensor object: identity, storage identity, geometry, values, autograd flags."""
+    """One tensor object: identity, storage identity and size, geometry, values, autograd
+    flags; robust to tensors that have no strided storage or whose storage was resized away."""
 
     def __init__(self, name: str, t: torch.Tensor) -> None:
         self.name, self.obj_id, self.type = name, id(t), type(t)
+        self.meta = bool(t.is_meta)
         self.ident = storage_ident(t)
         with torch._C.DisableTorchFunctionSubclass():
-            self.geometry = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
+            try:
+                self.geometry: Any = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()),
+                                      t.dtype)
+            except (RuntimeError, NotImplementedError):  # sparse, nested: no strides
+                self.geometry = (t.layout, t.dtype)
             self.requires_grad = t.requires_grad
-            self.values = None if t.is_meta else t.detach().clone()
+        self.values = _values(t, self.ident)
 
     def diff(self, t: torch.Tensor) -> list[str]:
         now = TensorState(self.name, t)
@@ -43,19 +82,35 @@ class TensorState:
             out.append(f"{self.name}: a different object")
         if now.type is not self.type:
             out.append(f"{self.name}: type {self.type} -> {now.type}")
-        if (self.ident is None) != (now.ident is None):
-            out.append(f"{self.name}: meta-ness changed")
+        if now.meta != self.meta or (self.ident is None) != (now.ident is None):
+            out.append(f"{self.name}: meta-ness or storage kind changed")
         elif self.ident is not None and now.ident is not None:
             if self.ident[0] != now.ident[0] or self.ident[1].expired():
                 out.append(f"{self.name}: moved to another storage")
+            elif self.ident[2] != now.ident[2]:
+                out.append(f"{self.name}: storage resized {self.ident[2]} -> {now.ident[2]} bytes")
         if now.geometry != self.geometry:
             out.append(f"{self.name}: geometry {self.geometry} -> {now.geometry}")
         if now.requires_grad != self.requires_grad:
             out.append(f"{self.name}: requires_grad changed")
-        if self.values is not None and now.values is not None:
-            if not torch.equal(self.values, now.values):
+        if (self.values is None) != (now.values is None):
+            out.append(f"{self.name}: readability changed")
+        elif self.values is not None and now.values is not None:
+            if not _equal(self.values, now.values):
                 out.append(f"{self.name}: values changed")
         return out
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.layout != torch.strided or a.is_nested:
+        a, b = _dense(a), _dense(b)
+    return bool(torch.equal(a, b))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    if t.is_nested:
+        return torch.cat([c.reshape(-1) for c in t.unbind()])
+    return t.to_dense()
 
 
 def _registry_state(pool: FlatPool) -> list[tuple[int, tuple[Any, ...]]]:

@@ -19,10 +19,20 @@ def _params() -> list[object]:
     ]
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 @pytest.mark.parametrize("row", _params())
 def test_bad_input(row: Row) -> None:
     ctx = Ctx()
     call = row.arrange(ctx)
+    if row.error is None:  # accepted: the call asserts its own outcome
+        call()
+        return
+    if issubclass(row.error, Warning):
+        with pytest.warns(row.error, match=row.match):
+            call()
+        return
     snap = Snapshot(ctx.pools, ctx.tensors, ctx.places)
     with pytest.raises(BaseException) as info:
         call()
