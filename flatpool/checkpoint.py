@@ -47,17 +47,13 @@ from typing import Any, Optional
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from .pool import FlatPool, live_pools
+from . import torch_compat as tc
+from .pool import FlatPool
+from .state import pool_of_storage
 
 Reducer = Callable[[torch.Tensor], Any]
 DeepCopy = Callable[[torch.Tensor, Optional[dict[Any, Any]]], torch.Tensor]
 
-_get_metadata: Callable[[torch.Tensor], dict[str, bool]] = getattr(
-    torch._C, "_get_tensor_metadata"
-)
-_set_metadata: Callable[[torch.Tensor, dict[str, bool]], None] = getattr(
-    torch._C, "_set_tensor_metadata"
-)
 
 _lock = threading.Lock()
 _prior_reducer: Reducer | None = None
@@ -104,11 +100,8 @@ def pool_of(t: torch.Tensor) -> FlatPool | None:
             return None
         if _extent(t) * item >= nbytes:
             return None
-    key = storage._cdata
-    for pool in live_pools():
-        if pool.is_materialized and pool.storage._cdata == key:
-            return pool
-    return None
+    pool = pool_of_storage(tc.storage_key(storage))
+    return pool if isinstance(pool, FlatPool) else None
 
 
 def _span(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +115,7 @@ def _twin_on(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
     """A leaf tensor with ``t``'s geometry at the start of ``storage`` (a copy of t's span)."""
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     out.set_(storage, 0, t.shape, t.stride())
-    _set_metadata(out, _get_metadata(t))  # conj / neg bits
+    tc.copy_tensor_flags(t, out)  # conj / neg bits
     return out
 
 
@@ -139,7 +132,7 @@ def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Untyped
     span = _span(t)
     start = int(t.storage_offset()) * t.element_size()
     nbytes = span.numel() * t.element_size()
-    key = (int(t.untyped_storage()._cdata), start, start + nbytes, t.dtype)
+    key = (tc.storage_key(t.untyped_storage()), start, start + nbytes, t.dtype)
     if memo is not None:  # deepcopy: its memo lives exactly as long as the copy
         memo_key = ("flatpool.checkpoint", *key)
         found = memo.get(memo_key)

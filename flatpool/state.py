@@ -385,31 +385,32 @@ class PoolState:
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
-        planned from scratch (a batch adoption), else one by one; all or none."""
+        planned from scratch (a batch adoption), else one by one; all or none (a failure puts
+        the layout back as it was, whichever step it interrupted)."""
         with self._lock:
-            sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
-            if all(n > 0 for n, _ in sizes):
-                before = self._alloc.snapshot()
-                starts = self._alloc.append_many(sizes)
-                if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
-                    ids = self._slice_ids
-                    out = [Slice(self, next(ids), start, dims, dt)
-                           for (dims, dt), start in zip(requests, starts)]
-                    self._live.update((s.slice_id, s) for s in out)
-                    self._at_offset.update(zip(starts, out))
-                    self._offsets.extend(starts)  # past every existing slice, already sorted
-                    return out
-                if starts is not None:  # over the address limit: undo, report per request
-                    self._alloc.restore(before)
-            done: list[Slice] = []
+            before = PoolSnapshot(self)
             try:
-                for d, t in requests:
-                    done.append(self.allocate_checked(d, t))
+                return self._allocate_many(requests)
             except BaseException:
-                for s in reversed(done):
-                    self._drop(s)
+                self.restore(before)
                 raise
-            return done
+
+    def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
+        sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
+        if all(n > 0 for n, _ in sizes):
+            before = self._alloc.snapshot()
+            starts = self._alloc.append_many(sizes)
+            if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
+                ids = self._slice_ids
+                out = [Slice(self, next(ids), start, dims, dt)
+                       for (dims, dt), start in zip(requests, starts)]
+                self._live.update((s.slice_id, s) for s in out)
+                self._at_offset.update(zip(starts, out))
+                self._offsets.extend(starts)  # past every existing slice, already sorted
+                return out
+            if starts is not None:  # over the address limit: undo, report per request
+                self._alloc.restore(before)
+        return [self.allocate_checked(d, t) for d, t in requests]
 
     def allocate_checked(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
         """:meth:`allocate` for a shape and dtype already validated."""

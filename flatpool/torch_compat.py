@@ -236,6 +236,17 @@ def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
     torch._foreach_copy_(list(dst), list(src))
 
 
+_get_tensor_metadata = cast(Callable[[torch.Tensor], dict[str, bool]],
+                            getattr(torch._C, "_get_tensor_metadata"))
+_set_tensor_metadata = cast(Callable[[torch.Tensor, dict[str, bool]], None],
+                            getattr(torch._C, "_set_tensor_metadata"))
+
+
+def copy_tensor_flags(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Give ``dst`` ``src``'s lazy conj/neg bits (a copy of the bytes alone would drop them)."""
+    _set_tensor_metadata(dst, _get_tensor_metadata(src))
+
+
 def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
     cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)(a, b)
 
@@ -243,7 +254,7 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 __all__ = [
     "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
     "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
-    "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
+    "copy_tensor_flags", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
     "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
     "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",

@@ -17,6 +17,7 @@ import torch
 from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .. import torch_compat as tc
 from .. import InvalidTypeError, local_tensor, own_storage
 
 
@@ -72,7 +73,7 @@ class WatchedStorages:
             storage = own_storage(local_tensor(t))
             if storage is None:
                 continue
-            key = int(storage._cdata)
+            key = tc.storage_key(storage)
             if key in self._keys:
                 continue
             self._keys.add(key)

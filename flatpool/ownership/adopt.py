@@ -22,7 +22,6 @@ from ..state import PoolState
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .fastpath import adopt_plain, plain_batch
-from .gcpause import gc_paused
 from .moves import ImplSwap, Place, SetMove, fresh_on, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
@@ -37,7 +36,7 @@ from .settle import (
     settle_pins,
 )
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
-from .transaction import Transaction, byte_view
+from .transaction import Transaction, atomic, byte_view
 from .validate import AdoptTargets, normalize
 
 
@@ -73,16 +72,16 @@ def adopt(
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     check_not_in_backward()
     specs = normalize(targets)
-    with gc_paused(), pool.lock:
-        pool.release_kept()
-        if not (discover or into_bound or on_pinned == "force"):
-            plain = plain_batch(specs)
-            if plain is not None:
-                report = adopt_plain(pool, plain, on_pinned)
-                if report is not None:
-                    return report
-        txn = Transaction(pool)
-        return txn.run(lambda: _adopt(pool, specs, txn, discover, on_pinned, into_bound))
+    plain = None if discover or into_bound or on_pinned == "force" else plain_batch(specs)
+
+    def body(txn: Transaction) -> AdoptionReport:
+        if plain is not None:
+            report = adopt_plain(pool, plain, txn, on_pinned)
+            if report is not None:
+                return report
+        return _adopt(pool, specs, txn, discover, on_pinned, into_bound)
+
+    return atomic(pool, body)
 
 
 def _adopt(

@@ -115,16 +115,15 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
 
 
 def adopt_plain(
-    pool: PoolState, tensors: list[torch.Tensor], on_pinned: OnPinned
+    pool: PoolState, tensors: list[torch.Tensor], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport | None:
-    """Adopt plain tensors; ``None`` (nothing done) when one needs the general path."""
+    """Adopt plain tensors in ``txn``; ``None`` (nothing done) when one needs the general path."""
     items = _eligible(pool, tensors)
     if items is None:
         return None
     held = {id(t) for t in held_outside_python([it.t for it in items])}
     outside = {it.key: [it.t] for it in items if id(it.t) in held}
-    txn = Transaction(pool)
-    return txn.run(lambda: _adopt(pool, items, txn, on_pinned, outside))
+    return _adopt(pool, items, txn, on_pinned, outside)
 
 
 def _adopt(
@@ -151,12 +150,12 @@ def _adopt(
     txn.journal.extend(records)  # write-ahead: the record exists before the move
     place_many(places)
     del places
+    check_placed(pool, [(it.t, s.offset, s.end) for it, s in zip(items, slices)])
     checkpoint("copy")
     for first in range(0, len(tensors), COPY_CHUNK):
         copy_all(tensors[first:first + COPY_CHUNK], srcs[first:first + COPY_CHUNK])
     del srcs
     tc.set_versions(tensors, [it.version for it in items])
-    check_placed(pool, [(it.t, s.offset, s.end) for it, s in zip(items, slices)])
 
     index = {it.key: i for i, it in enumerate(items)}
 

@@ -49,11 +49,24 @@ class RollbackError(FlatPoolError, RuntimeError):
         self.errors = errors
 
 
+class Guard:
+    """What :func:`signals_guarded` yields: call :meth:`finishing` once the operation's work is
+    done, so that signals are deferred through its epilogue too (releasing locks)."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+
+    def finishing(self) -> None:
+        self.deferring = True
+
+
 @contextmanager
-def signals_guarded() -> Iterator[None]:
-    """Defer Python-level signal handlers while the current thread unwinds (see module doc)."""
+def signals_guarded() -> Iterator[Guard]:
+    """Defer Python-level signal handlers while the current thread unwinds, or after
+    :meth:`Guard.finishing` (see module doc)."""
+    guard = Guard()
     if threading.current_thread() is not threading.main_thread() or _depth.active:
-        yield
+        yield guard
         return
     entry = sys.exc_info()[1]
     pending: list[tuple[int, FrameType | None]] = []
@@ -63,8 +76,8 @@ def signals_guarded() -> Iterator[None]:
     def dispatch(signum: int, frame: FrameType | None) -> None:
         if done:  # the guard ended but could not put this handler back: do it now
             signal.signal(signum, originals[signum])
-        elif sys.exc_info()[1] is not entry:  # unwinding: finish the rollback first
-            pending.append((signum, frame))
+        elif guard.deferring or sys.exc_info()[1] is not entry:
+            pending.append((signum, frame))  # unwinding or finishing: deliver afterwards
             return
         originals[signum](signum, frame)
 
@@ -75,7 +88,7 @@ def signals_guarded() -> Iterator[None]:
             if callable(handler):
                 originals[sig] = handler
                 signal.signal(sig, dispatch)
-        yield
+        yield guard
     finally:
         done.append(True)
         _depth.active = False
@@ -103,4 +116,4 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["RollbackError", "run_undo", "signals_guarded"]
+__all__ = ["Guard", "RollbackError", "run_undo", "signals_guarded"]

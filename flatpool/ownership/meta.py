@@ -22,10 +22,9 @@ from ..registry import make_record
 from ..slices import Slice
 from ..state import PoolState, check_dtype
 from .faults import checkpoint
-from .gcpause import gc_paused
 from .moves import ImplSwap, SlotSet, fresh_on, swap_many
 from .settle import check_placed
-from .transaction import Transaction
+from .transaction import Transaction, atomic
 
 MetaTargets = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -81,9 +80,7 @@ def materialize_into(
                 f"target #{i} ({type(t).__name__}) is held outside Python (an autograd graph "
                 "or C++ hook): materialize before running anything on it"
             )
-    with gc_paused(), pool.lock:
-        txn = Transaction(pool)
-        return txn.run(lambda: _materialize(pool, txn, items, locals_, slices))
+    return atomic(pool, lambda txn: _materialize(pool, txn, items, locals_, slices))
 
 
 def _materialize(

@@ -22,12 +22,11 @@ from ..state import PoolState
 from .adopt import adopt, check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
-from .gcpause import gc_paused
 from .moves import ImplSwap, SetMove, fresh_on, place_many, swap_many
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
-from .transaction import Transaction
+from .transaction import Transaction, atomic
 from .validate import data_storage
 
 Moved = tuple[Slice, Record, torch.Tensor]
@@ -93,13 +92,14 @@ def readopt(
             return AdoptionReport(())
         return adopt(pool, specs, on_pinned=on_pinned, into_bound=True)
     check_not_in_backward()
-    with gc_paused(), pool.lock:
-        pool.release_kept()
+
+    def body(txn: Transaction) -> AdoptionReport:
         todo = moved(pool)
         if not todo:
             return AdoptionReport(())
-        txn = Transaction(pool)
-        return txn.run(lambda: _readopt(pool, todo, txn, on_pinned))
+        return _readopt(pool, todo, txn, on_pinned)
+
+    return atomic(pool, body)
 
 
 def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:

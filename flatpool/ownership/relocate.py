@@ -19,13 +19,12 @@ from ..state import MAX_BYTES, PoolState, empty_storage_tensor
 from .adopt import check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
-from .gcpause import gc_paused
 from .moves import Place, SetMove, place_many
 from .readopt import is_in_place
 from .proof import held_outside_python
 from .settle import Placed, check_placed, keep_unreleased, release, settle_pins
 from .spec import OnPinned
-from .transaction import Transaction, byte_view
+from .transaction import Transaction, atomic, byte_view
 
 
 def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
@@ -63,10 +62,7 @@ def relocate(
     """Move ``pool`` to a new storage of ``capacity`` bytes with slices at ``layout``."""
     check_policy(on_pinned)
     check_not_in_backward()
-    with gc_paused(), pool.lock:
-        pool.release_kept()
-        txn = Transaction(pool)
-        return txn.run(lambda: _relocate(pool, txn, capacity, layout, on_pinned))
+    return atomic(pool, lambda txn: _relocate(pool, txn, capacity, layout, on_pinned))
 
 
 def _relocate(

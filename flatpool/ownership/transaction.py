@@ -8,7 +8,7 @@ Its life: open -> (moves) -> :meth:`commit` -> :meth:`release` (drop the origina
 references) -> closed. An exception before ``commit`` rolls everything back; after it the
 operation stands (every tensor is in the pool), except where the operation itself decides to
 undo a release that did not go through (:meth:`rollback` then recovers the originals).
-:meth:`run` is the guard every operation's body runs in.
+:func:`atomic` is the guard every operation's body runs in.
 """
 
 from __future__ import annotations
@@ -20,10 +20,37 @@ import torch
 
 from .. import torch_compat as tc
 from ..state import PoolSnapshot, PoolState
+from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
 from .moves import ImplSwap, Record, Replace, SetMove, fresh_on, undo
 
 T = TypeVar("T")
+
+
+def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
+    """Run ``body`` as one all-or-nothing operation on ``pool`` and return what it returns.
+
+    Under the pool's lock, with the cycle collector paused and outside inference and grad
+    mode. An exception before the transaction commits rolls everything back; an exception
+    landing inside the rollback only makes it start over (it is idempotent). Signals that
+    arrive while the rollback runs, or once the body has returned (while the lock and the gc
+    pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
+    after the operation, as their original handlers would have run.
+    """
+    with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
+        with gc_paused(), pool.lock:
+            pool.release_kept()
+            txn = Transaction(pool)
+            try:
+                result = body(txn)
+            except BaseException:
+                if not txn.committed:
+                    run_undo(txn.rollback)
+                txn.close()
+                raise
+            guard.finishing()
+            txn.close()
+    return result
 
 
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
@@ -45,25 +72,6 @@ class Transaction:
         self.weak: dict[int, int] = {}
         self.committed = False
         self.closed = False
-
-    # -- the guard ---------------------------------------------------------------------------
-    def run(self, body: Callable[[], T]) -> T:
-        """Run ``body``; roll back if it raises before :meth:`commit`, close the transaction.
-
-        Signals arriving while a rollback runs are delivered after it (see
-        :mod:`flatpool.ownership.interrupts`), and an exception landing inside the rollback
-        only makes it start over: the undo is idempotent.
-        """
-        with signals_guarded(), tc.outside_inference(), torch.no_grad():
-            try:
-                result = body()
-            except BaseException:
-                if not self.committed:
-                    run_undo(self.rollback)
-                self.close()
-                raise
-            self.close()
-            return result
 
     # -- originals -------------------------------------------------------------------------
     def track(self, storage: torch.UntypedStorage) -> int:
@@ -174,4 +182,4 @@ class Transaction:
                 return
 
 
-__all__ = ["Transaction", "byte_view"]
+__all__ = ["Transaction", "atomic", "byte_view"]
