@@ -229,8 +229,8 @@ def _chain(t: torch.Tensor | None) -> list[torch.Tensor]:
     out = []
     while isinstance(t, torch.Tensor):
         out.append(t)
-        with torch._C.DisableTorchFunctionSubclass():
-            t = torch.Tensor._base.__get__(t)  # type: ignore[attr-defined]
+        with torch._C.DisableTorchFunctionSubclass():  # the wrapper's own _base, not the local's
+            t = t._base
     return out
 
 
@@ -282,7 +282,7 @@ class Originals:
                 if s is None or s.nbytes() == 0 or int(s._cdata) in seen:
                     continue
                 seen.add(int(s._cdata))
-                out.refs.append((p.param_name, s.nbytes(), int(s._cdata), StorageWeakRef(s)))
+                out.refs.append((p.param_name, s.nbytes(), int(s._cdata), StorageWeakRef(s)))  # type: ignore[no-untyped-call]
         return out
 
     def alive(self) -> list[tuple[str, int]]:

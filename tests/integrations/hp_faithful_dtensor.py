@@ -142,7 +142,7 @@ class HPDTensorBase(torch.Tensor):
         t = torch.Tensor._make_subclass(cls, local, local.requires_grad)  # shares the storage
         t._local_tensor = local
         t._layout = layout
-        return t  # type: ignore[no-any-return]
+        return t
 
     @classmethod
     def from_local(cls, local: torch.Tensor, layout: ShardLayout) -> HPDTensorBase:
@@ -175,7 +175,7 @@ class HPDTensorBase(torch.Tensor):
 
     # ---- Python-level overrides (answer from the local tensor, or globally) ----------------
     @property
-    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
         return self._local_tensor.grad
 
     @grad.setter
@@ -183,7 +183,7 @@ class HPDTensorBase(torch.Tensor):
         self._local_tensor.grad = value
 
     @property
-    def requires_grad(self) -> bool:  # type: ignore[override]
+    def requires_grad(self) -> bool:
         return self._local_tensor.requires_grad
 
     @requires_grad.setter
@@ -208,7 +208,7 @@ class HPDTensorBase(torch.Tensor):
         return type(self)(self._local_tensor.detach(), self._layout)
 
     def backward(self, *args: Any, **kwargs: Any) -> None:
-        self._local_tensor.backward(*args, **kwargs)
+        self._local_tensor.backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -227,7 +227,7 @@ class HPDTensorBase(torch.Tensor):
         """The *global* shape (the TensorImpl holds the local one)."""
         return torch.Size(self._layout.global_shape)
 
-    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
+    def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
@@ -252,7 +252,7 @@ class HPDTensorBase(torch.Tensor):
         self._local_tensor.fill_(value)
         return self
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"HPDTensor(local={tuple(self._local_tensor.shape)}, global={tuple(self.shape)}, "
                 f"dtype={self.dtype}, device={self.device})")
 
@@ -279,7 +279,7 @@ class _RebindData:
     @property
     def data(self) -> torch.Tensor:
         if getattr(self, "_is_fake_wrapper", False):
-            return self._local_tensor.data  # type: ignore[attr-defined, no-any-return]
+            return self._local_tensor.data  # type: ignore[no-any-return]
         return torch.Tensor.data.__get__(self, type(self))  # type: ignore[attr-defined, no-any-return]
 
     @data.setter
@@ -322,7 +322,8 @@ class _Flatten:
     @classmethod
     def storage_less(cls, local: torch.Tensor, layout: ShardLayout) -> Any:
         """A ``_make_wrapper_subclass`` wrapper on meta, like HyperParallel's FakeTensor wrapper."""
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        make: Any = torch.Tensor._make_wrapper_subclass
+        t = make(
             cls, local.size(), strides=local.stride(), storage_offset=local.storage_offset(),
             dtype=local.dtype, device=torch.device("meta"), requires_grad=local.requires_grad)
         t._local_tensor = local

@@ -312,8 +312,8 @@ class HSDPParamGroupBucketed:
             p.init_dtype_attrs(self.mp_policy)
 
     def _init_all_gather_buckets(self) -> None:
-        by_key: dict[tuple[int, torch.dtype], list[HSDPParam]] = {}
-        groups: dict[tuple[int, torch.dtype], Any] = {}
+        by_key: dict[tuple[int, torch.dtype | None], list[HSDPParam]] = {}
+        groups: dict[tuple[int, torch.dtype | None], Any] = {}
         for p in self.hsdp_params:
             if p.shard_world_size <= 1:
                 continue
@@ -325,9 +325,11 @@ class HSDPParamGroupBucketed:
         for key, params in by_key.items():
             numels = [[p._sharded_param_data.numel()] for p in params]
             splits = [n[0] for n in numels]
-            md = AllGatherMetadata([[key[1]] for _ in params], numels, key[1], splits, sum(splits))
+            dtype = key[1]
+            assert dtype is not None
+            md = AllGatherMetadata([[dtype] for _ in params], numels, dtype, splits, sum(splits))
             group = groups[key]
-            bucket = self.bucket_cls(params, group, group.rank(), group.size(), key[1], md)
+            bucket = self.bucket_cls(params, group, group.rank(), group.size(), dtype, md)
             _bind(bucket, "init_flat_param_buffer", self._init_flat_hook)
             _bind(bucket, "is_flat_buffer_valid", self._is_valid_hook)
             self.all_gather_buckets.append(bucket)

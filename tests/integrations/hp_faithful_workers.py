@@ -19,7 +19,7 @@ from hp_faithful_dtensor import wrapper_storage_key
 
 REPORT = Config()  # two 2048x1024 fp32 weights: HyperParallel as shipped before the fix
 NEWEST = Config(group="bucketed", setter="rebind", flavor="padded")
-SMALL = {"rows": 64, "cols": 32}
+SMALL = Config(rows=64, cols=32)  # as shipped, small
 
 
 def _upstream_alias_assert(unit: FullyShardUnit) -> bool:
@@ -73,10 +73,10 @@ def _hook_calls() -> dict[str, Any]:
         return AllGatherBucket.is_flat_buffer_valid(bucket)
 
     out: dict[str, Any] = {}
-    r = _scenario(Config(**SMALL), init_flat=v1_init, is_valid=v1_valid)
+    r = _scenario(SMALL, init_flat=v1_init, is_valid=v1_valid)
     out["v1"] = (list(seen), r["calls"], r["error"])
     seen.clear()
-    r = _scenario(evolve(NEWEST, **SMALL), init_flat=b_init, is_valid=b_valid)
+    r = _scenario(evolve(NEWEST, rows=64, cols=32), init_flat=b_init, is_valid=b_valid)
     out["bucketed"] = (list(seen), r["calls"], r["error"])
     return out
 
@@ -86,21 +86,21 @@ def run_all() -> dict[str, Any]:
         "report/as_shipped": (REPORT, {}),
         "report/unfused": (evolve(REPORT, group="none"), {}),
         "report/newest": (NEWEST, {}),
-        "meta_to_empty/as_shipped": (Config(materialize="to_empty", **SMALL), {}),
-        "meta_to_empty/unfused": (Config(group="none", materialize="to_empty", **SMALL), {}),
-        "meta_local_assign/as_shipped": (Config(materialize="local_assign", **SMALL), {}),
-        "meta_to_empty/newest": (evolve(NEWEST, materialize="to_empty", **SMALL), {}),
-        "meta_local_assign/newest": (evolve(NEWEST, materialize="local_assign", **SMALL), {}),
-        "bf16/as_shipped": (Config(param_dtype=torch.bfloat16, **SMALL), {}),
-        "bf16/newest": (evolve(NEWEST, param_dtype=torch.bfloat16, **SMALL), {}),
+        "meta_to_empty/as_shipped": (evolve(SMALL, materialize="to_empty"), {}),
+        "meta_to_empty/unfused": (evolve(SMALL, group="none", materialize="to_empty"), {}),
+        "meta_local_assign/as_shipped": (evolve(SMALL, materialize="local_assign"), {}),
+        "meta_to_empty/newest": (evolve(NEWEST, materialize="to_empty", rows=64, cols=32), {}),
+        "meta_local_assign/newest": (evolve(NEWEST, materialize="local_assign", rows=64, cols=32), {}),
+        "bf16/as_shipped": (evolve(SMALL, param_dtype=torch.bfloat16), {}),
+        "bf16/newest": (evolve(NEWEST, param_dtype=torch.bfloat16, rows=64, cols=32), {}),
         "uneven/newest": (evolve(NEWEST, rows=63, cols=32), {}),
         "uneven/unfused": (Config(group="none", flavor="padded", rows=63, cols=32), {}),
-        "even_members/bucketed": (Config(group="bucketed", setter="rebind", **SMALL), {}),
-        "rules_sgd/as_shipped": (Config(dispatch="rules", optimizer="sgd", **SMALL), {}),
-        "skip_sgd/as_shipped": (Config(optimizer="sgd", **SMALL), {}),
-        "rules_adam/as_shipped": (Config(dispatch="rules", **SMALL), {}),
-        "zero_copy/as_shipped": (Config(group="zero_copy", **SMALL), {}),
-        "small/unfused": (Config(group="none", **SMALL), {}),
+        "even_members/bucketed": (evolve(SMALL, group="bucketed", setter="rebind"), {}),
+        "rules_sgd/as_shipped": (evolve(SMALL, dispatch="rules", optimizer="sgd"), {}),
+        "skip_sgd/as_shipped": (evolve(SMALL, optimizer="sgd"), {}),
+        "rules_adam/as_shipped": (evolve(SMALL, dispatch="rules"), {}),
+        "zero_copy/as_shipped": (evolve(SMALL, group="zero_copy"), {}),
+        "small/unfused": (evolve(SMALL, group="none"), {}),
     }
     out: dict[str, Any] = {}
     for name, (cfg, kw) in scenarios.items():

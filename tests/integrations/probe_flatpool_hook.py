@@ -153,7 +153,11 @@ def scenario(cfg: Config, steps: int, **unit_kwargs: Any) -> dict[str, Any]:
         out["locals"] = [digest(t) for t in unit.local_values()]
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
-        out["where"] = traceback.format_exc().strip().splitlines()[-3:]
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if not f.filename.endswith(("hp_faithful_dtensor.py", "hp_faithful_group.py"))
+                  or f.name not in ("__torch_function__", "agreed")]
+        out["where"] = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}"
+                        for f in frames[-2:]]
     if unit is not None:
         out["calls"] = list(getattr(unit.group, "calls", []))
         out["final"] = _safe(lambda: census(unit))
@@ -208,9 +212,11 @@ def scenarios(rows: int, cols: int) -> list[tuple[str, Config, dict[str, Any]]]:
     return out
 
 
-def worker(rows: int, cols: int, steps: int) -> dict[str, Any]:
+def worker(rows: int, cols: int, steps: int, only: str = "") -> dict[str, Any]:
     res: dict[str, Any] = {}
     for name, cfg, kw in scenarios(rows, cols):
+        if only not in name:
+            continue
         res[name] = scenario(cfg, steps, **kw)
         ref = scenario(_reference(cfg), steps)
         got = res[name]
@@ -228,17 +234,36 @@ def _reference(cfg: Config) -> Config:
     return evolve(cfg, group="none")
 
 
-def _fmt_step(i: int, st: dict[str, Any]) -> str:
-    truth = st["truth"]
-    if isinstance(truth, dict):
-        mem = " ".join(f"[d={m['data']} l={m['local']} w={m['wrapper']} wg={m['wrapper_geom']}]"
-                       for m in truth["members"])
-        pools = " ".join(f"{p['name']}:{p['storage_nbytes']}/{p['capacity']}B" for p in truth["pools"])
-    else:
-        mem, pools = truth, ""
-    return (f"    step {i}: loss={st['loss']:.6f} hook_valid={st['hook_valid']} live={st['live']} "
-            f"({st['live_mib']:.4f} MiB) originals_alive={st['originals_alive']} "
-            f"stale_wrappers={st['stale_wrappers']}\n      members {mem}\n      pools {pools}")
+def _fmt_rank(rank: int, r: dict[str, Any]) -> str:
+    err = r["error"].splitlines()[0] if r["error"] else None
+    lines = [f"  rank {rank}: " + (f"ERROR {err}" if err else "ok")
+             + f"  matches_unfused={r.get('matches_unfused')}"]
+    if r.get("where"):
+        lines.append("    raised at: " + " <- ".join(reversed(r["where"])))
+    lines.append(f"    calls={r.get('calls')}  adopt_group.skipped={r.get('skipped')}")
+    steps = r["steps"]
+    if steps:
+        lines.append("    per step: hook_valid=" + str([st["hook_valid"] for st in steps])
+                     + " live=" + str([st["live"] for st in steps])
+                     + " MiB=" + str([round(st["live_mib"], 4) for st in steps])
+                     + " originals_alive=" + str([st["originals_alive"] for st in steps])
+                     + " stale_wrappers=" + str([st["stale_wrappers"] for st in steps]))
+        truth = steps[-1]["truth"]
+        if isinstance(truth, dict):
+            mem = "; ".join(f"data={m['data']} local={m['local']} wrapper={m['wrapper']} "
+                            f"wrapper_impl={m['wrapper_geom']}" for m in truth["members"])
+            pools = ", ".join(f"{p['name']} storage {p['storage_nbytes']} B / capacity "
+                              f"{p['capacity']} B" for p in truth["pools"])
+            lines.append(f"    last step, on a pool storage: {mem}")
+            lines.append(f"    pools: {pools}")
+        else:
+            lines.append(f"    truth: {truth}")
+    fin = r.get("final")
+    if isinstance(fin, dict):
+        lines.append(f"    final live={fin['live']} ({fin['live_mib']:.4f} MiB): {fin['rows']}")
+    elif fin is not None:
+        lines.append(f"    final: {fin}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -248,26 +273,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", default="", help="run the scenarios whose name contains this")
     a = ap.parse_args()
-    per_rank = launch(worker, a.rows, a.cols, a.steps, world_size=2, timeout_s=600)
-    print(f"rows={a.rows} cols={a.cols} fp32; shard per rank {a.rows // 2}x{a.cols} = "
-          f"{a.rows // 2 * a.cols * 4 / MiB:.4f} MiB")
+    per_rank = launch(worker, a.rows, a.cols, a.steps, a.only, world_size=2, timeout_s=900)
+    print(f"rows={a.rows} cols={a.cols} fp32, 2 ranks: shard {a.rows // 2}x{a.cols} = "
+          f"{a.rows // 2 * a.cols * 4} B per weight per rank")
     for name, _, _ in scenarios(a.rows, a.cols):
+        if a.only not in name:
+            continue
         print(f"\n=== {name}")
         for rank, res in enumerate(per_rank):
-            r = res[name]
-            print(f"  rank {rank}: error={r['error']}")
-            if r.get("where"):
-                print("    at " + " | ".join(r["where"]))
-            print(f"    calls={r.get('calls')} skipped={r.get('skipped')} "
-                  f"matches_unfused={r.get('matches_unfused')}")
-            for i, st in enumerate(r["steps"]):
-                print(_fmt_step(i, st))
-            fin = r.get("final")
-            if isinstance(fin, dict):
-                print(f"    final live={fin['live']} ({fin['live_mib']:.4f} MiB) rows={fin['rows']}")
-            else:
-                print(f"    final {fin}")
+            print(_fmt_rank(rank, res[name]))
 
 
 if __name__ == "__main__":
