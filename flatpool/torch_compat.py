@@ -229,9 +229,18 @@ __all__ = [
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
     "outside_inference",
     "new_storage", "no_torch_function", "python_refs", "set_versions", "storage_address",
-    "storage_has_data", "storage_key", "storage_users", "swap_impl", "swap_tensors", "tensor_impl_users",
+    "storage_has_data", "storage_key", "storage_users", "subclass_alias", "swap_impl", "swap_tensors", "tensor_impl_users",
     "torch_version", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
 ]
+
+
+def subclass_alias(cls: type[torch.Tensor], t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A ``cls`` object on ``t``'s storage and geometry, built the way ``Tensor._make_subclass``
+    builds a storage-sharing wrapper (HyperParallel's DTensor): its TensorImpl carries the
+    dispatch keys of ``cls`` (the Python key when it defines ``__torch_dispatch__``), so an impl
+    swap onto a wrapper object keeps how the wrapper dispatches."""
+    make = cast(Callable[..., torch.Tensor], torch.Tensor._make_subclass)
+    return make(cls, t, requires_grad)
 
 
 def impl_address(t: torch.Tensor) -> int:

@@ -36,8 +36,8 @@ def is_in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None
     if obj is None:
         return True  # the object is gone: nothing to keep valid
     with tc.no_torch_function():
-        if tc.impl_is_meta(obj) or tc.is_wrapper_subclass(obj):
-            return False
+        if tc.impl_is_meta(obj):
+            return False  # (a storage-less wrapper's placeholder storage is never the pool's)
         dtype = tc.impl_dtype(obj)
         return (
             tc.storage_address(obj) == pool_key
