@@ -2,7 +2,7 @@
 
 Every scenario returns plain data (picklable) that the tests assert on; one spawned job runs
 them all. A scenario that raises is reported, not re-raised, so the others still run (the
-double raises on every rank together, see ``hp_faithful_group.agreed``).
+simulation raises on every rank together, see ``hyperparallel_sim.group.agreed``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from attrs import evolve
 
-from hp_faithful import Config, FullyShardUnit, measure
-from hp_faithful_dtensor import wrapper_storage_key
+from flatpool.integrations.hsdp.hyperparallel_sim import Config, FullyShardUnit, measure
+from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import wrapper_storage_key
 
 REPORT = Config()  # two 2048x1024 fp32 weights: HyperParallel as shipped before the fix
 NEWEST = Config(group="bucketed", setter="rebind", flavor="padded")
@@ -39,7 +39,7 @@ def _upstream_alias_assert(unit: FullyShardUnit) -> bool:
 
 
 def _scenario(cfg: Config, steps: int = 2, **kw: Any) -> dict[str, Any]:
-    """``hp_faithful.measure`` plus the upstream alias assertion and the cast buffer, if any."""
+    """``hyperparallel_sim.measure`` plus the upstream alias assertion and the cast buffer, if any."""
     unit = FullyShardUnit(cfg, **kw)
     res = measure(unit, steps)
     res["upstream_alias_assert"] = _upstream_alias_assert(unit)
@@ -52,7 +52,7 @@ def _scenario(cfg: Config, steps: int = 2, **kw: Any) -> dict[str, Any]:
 
 def _hook_calls() -> dict[str, Any]:
     """A hook plugged in through the constructor sees the calls at HyperParallel's points."""
-    from hp_faithful_group import AllGatherBucket, HSDPParamGroupV1
+    from flatpool.integrations.hsdp.hyperparallel_sim.group import AllGatherBucket, HSDPParamGroupV1
 
     seen: list[str] = []
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from hp_faithful import (  # noqa: E402
+from flatpool.integrations.hsdp.hyperparallel_sim import (  # noqa: E402
     Config,
     FullyShardUnit,
     HSDPParamGroupV1,
@@ -33,8 +33,8 @@ from hp_faithful import (  # noqa: E402
     census,
     digest,
 )
-from hp_faithful_dtensor import wrapper_local_geometry, wrapper_storage_key  # noqa: E402
-from hp_faithful_group import agreed  # noqa: E402
+from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key  # noqa: E402
+from flatpool.integrations.hsdp.hyperparallel_sim.group import agreed  # noqa: E402
 
 
 # ---- the hook, as docs/integration.md writes it (V1 group: methods of the group) -----------
@@ -154,7 +154,7 @@ def scenario(cfg: Config, steps: int, **unit_kwargs: Any) -> dict[str, Any]:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
         frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if not f.filename.endswith(("hp_faithful_dtensor.py", "hp_faithful_group.py"))
+                  if not f.filename.endswith(("hyperparallel_sim/dtensor.py", "hyperparallel_sim/group.py"))
                   or f.name not in ("__torch_function__", "agreed")]
         out["where"] = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}"
                         for f in frames[-2:]]

@@ -1,4 +1,4 @@
-"""The faithful HyperParallel double: it is hostile where HyperParallel is, and it reproduces
+"""The HyperParallel simulation (flatpool.integrations.hsdp.hyperparallel_sim): it is hostile where HyperParallel is, and it reproduces
 HyperParallel as shipped (the bug report) and its newest upstream behaviour, eager and meta.
 
 Single-process tests exercise the DTensor and the member; the 2-rank tests share one spawned
@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from flatpool.integrations.hsdp.launch import launch
-from hp_faithful_dtensor import (
+from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (
     HPDTensorRebind,
     HPDTensorRouted,
     LayoutInferError,
@@ -27,7 +27,7 @@ from hp_faithful_dtensor import (
     wrapper_own_values,
     wrapper_storage_key,
 )
-from hp_faithful_param import HSDPParam, ShardMesh
+from flatpool.integrations.hsdp.hyperparallel_sim.param import HSDPParam, ShardMesh
 
 LAYOUT = ShardLayout(world=2, shard_dim=0, global_shape=(8, 3))
 NO_RULE = "dose not contain parallel layout infer func"

@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 from attrs import define
 
+from flatpool import torch_compat as tc
+
 Setter = Literal["routed", "rebind"]
 DataPtr = Literal["local", "dispatch"]
 
@@ -291,7 +293,7 @@ class _RebindData:
                                  f"got {local_value.dtype}")
             self._local_tensor = local_value
             return
-        with torch._C.DisableTorchFunctionSubclass():
+        with tc.no_torch_function():  # HyperParallel: torch._C.DisableTorchFunctionSubclass()
             torch.Tensor.data.__set__(self, local_value)  # type: ignore[attr-defined]
             torch.Tensor.data.__set__(self._local_tensor, local_value)  # type: ignore[attr-defined]
 
@@ -316,7 +318,7 @@ class _Flatten:
             if not _SKIP_DISPATCH.get():
                 raise LayoutInferError(f"Operator {func} dose not contain parallel layout infer func.")
             return func(*[_to_local(a) for a in args], **kwargs)
-        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+        with tc.no_torch_function(), tc.no_torch_dispatch():
             return func(*args, **kwargs)
 
     @classmethod
@@ -361,23 +363,22 @@ HPDTensorRebind = dtensor_class("rebind", "local")
 
 def wrapper_storage_key(t: torch.Tensor) -> int | None:
     """The key of the wrapper's *own* storage (its TensorImpl), or None when it has none."""
-    with torch._C.DisableTorchFunctionSubclass():
-        if torch.Tensor.is_meta.__get__(t):  # type: ignore[attr-defined]
+    with tc.no_torch_function():
+        if tc.impl_is_meta(t):
             return None
-        return int(t.untyped_storage()._cdata)
+        return tc.storage_address(t)
 
 
 def wrapper_own_values(t: torch.Tensor) -> torch.Tensor:
     """What the wrapper's own TensorImpl reads (a plain copy), bypassing every override."""
-    with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+    with tc.no_torch_function(), tc.no_torch_dispatch():
         return torch.Tensor.clone(t).as_subclass(torch.Tensor)
 
 
 def wrapper_local_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(size, stride, storage_offset) of the wrapper's own TensorImpl."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return (tuple(torch._C.TensorBase.size(t)), tuple(torch._C.TensorBase.stride(t)),
-                int(torch._C.TensorBase.storage_offset(t)))
+    with tc.no_torch_function():
+        return (tuple(tc.impl_size(t)), tuple(tc.impl_stride(t)), int(tc.impl_storage_offset(t)))
 
 
 __all__ = [

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from attrs import define
 from torch import nn
 
-from hp_faithful_dtensor import HPDTensorBase, ShardLayout
+from .dtensor import HPDTensorBase, ShardLayout
 
 Flavor = Literal["even", "padded"]
 

@@ -1,53 +1,33 @@
-"""A faithful test double of HyperParallel's torch fully_shard / HSDP comm-fusion path.
+"""One simulated fully_shard unit (HyperParallel's ``HSDPState``) over the bug report's model.
 
-The parts (each its own module, facts and sources in HP-NOTES.md):
+Builds a two-weight module (eagerly, or on meta for deferred init), shards it into
+:class:`~.param.HSDPParam` members, groups them in one of HyperParallel's three group shapes
+(or none: per-parameter all-gathers, the reference), materializes meta parameters the two ways
+HyperParallel's defer-init tests do, and trains: ``lazy_init`` -> unshard (the group's fused
+all-gather) -> forward -> backward -> reduce-scatter -> reshard -> optimizer step.
 
-* ``hp_faithful_dtensor``: the ``_make_subclass`` DTensor: shares the local shard's storage,
-  answers ``shape``/``size()``/``numel()`` globally, dispatches ops through a whitelist + rule
-  table and raises for the rest; ``data`` setter routed (pre-fix) or rebinding (newest).
-* ``hp_faithful_param``: ``TorchHSDPParamV2`` (even-only or padded generation, reset logic).
-* ``hp_faithful_group``: ``HSDPParamGroup`` in the V1 / ``enable_zero_copy`` shape and in the
-  newest bucketed shape, with the flat-buffer init/validity methods replaceable.
-
-This module adds the ``HSDPState`` part a test needs (build a module, shard it, materialize
-meta parameters the two ways HyperParallel's tests do, ``lazy_init``, unshard -> forward ->
-backward -> reduce-scatter -> reshard -> optimizer step) and the measurements (live storages,
-originals still alive and who holds them, what the Parameter wrapper reads).
-
-Plugging a hook in: ``FullyShardUnit(cfg, init_flat=fn, is_valid=fn)``. For the V1 group the
-functions take the group (``fn(group)``); for the bucketed group they take a bucket and the
-device (``fn(bucket, device)`` / ``fn(bucket)``). A group subclass works as well.
+Plugging a flat-buffer implementation in: ``FullyShardUnit(cfg, init_flat=fn, is_valid=fn)``.
+For the one-buffer group the functions take the group (``fn(group)``); for the bucketed group a
+bucket and the device (``fn(bucket, device)`` / ``fn(bucket)``). A group subclass works too.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-from attrs import define, field
+from attrs import define
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from hp_faithful_dtensor import (
-    HPDTensorBase,
-    dtensor_class,
-    skip_dtensor_dispatch,
-    wrapper_local_geometry,
-    wrapper_own_values,
-    wrapper_storage_key,
-)
-from hp_faithful_group import AllGatherBucket, HSDPParamGroupBucketed, HSDPParamGroupV1
-from hp_faithful_param import HSDPParam, MixedPrecisionPolicy, ShardMesh
+from .dtensor import dtensor_class, skip_dtensor_dispatch
+from .group import HSDPParamGroupBucketed, HSDPParamGroupV1
+from .measure import Originals, census, digest
+from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
 
 GroupKind = Literal["none", "v1", "zero_copy", "bucketed"]
 Materialize = Literal["eager", "to_empty", "local_assign"]
-MiB = 1 << 20
-
 
 @define(frozen=True)
 class Config:
@@ -69,6 +49,7 @@ class Config:
     dispatch: Literal["skip", "rules"] = "skip"
     """``skip``: optimizer steps under SkipDTensorDispatch, as HyperParallel's tests do."""
     seed: int = 0
+    device: str = "cpu"
 
 
 class TwoWeights(nn.Module):
@@ -104,7 +85,8 @@ class FullyShardUnit:
         self.dtensor_cls = dtensor_class(cfg.setter, cfg.data_ptr)
         mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype)
         meta = cfg.materialize != "eager"
-        with torch.device("meta") if meta else nullcontext():
+        self.device = torch.device(cfg.device)
+        with torch.device("meta") if meta else self.device:
             self.module = TwoWeights(cfg.rows, cfg.cols)
         if not meta:
             with torch.no_grad():
@@ -119,12 +101,12 @@ class FullyShardUnit:
         self.group: Any = None
         if cfg.group in ("v1", "zero_copy"):
             cls = group_cls or HSDPParamGroupV1
-            self.group = cls(self.hsdp_params, self.mesh, torch.device("cpu"), mp,
+            self.group = cls(self.hsdp_params, self.mesh, self.device, mp,
                              None if cfg.group == "v1" else True,
                              init_flat=init_flat, is_valid=is_valid)
         elif cfg.group == "bucketed":
             cls = group_cls or HSDPParamGroupBucketed
-            self.group = cls(self.hsdp_params, torch.device("cpu"), True, mp_policy=mp,
+            self.group = cls(self.hsdp_params, self.device, True, mp_policy=mp,
                              init_flat=init_flat, is_valid=is_valid)
         else:
             for p in self.hsdp_params:
@@ -135,13 +117,14 @@ class FullyShardUnit:
     def materialize(self) -> None:
         """Give meta parameters memory the way HyperParallel's defer-init tests do, then fill."""
         if self.cfg.materialize == "to_empty":
-            self.module.to_empty(device="cpu")
+            self.module.to_empty(device=self.device)
         elif self.cfg.materialize == "local_assign":  # init_empty_weights + replace _local_tensor
             for p in self.module.parameters():
                 local = p._local_tensor  # type: ignore[attr-defined]
                 if local.is_meta:
                     p._local_tensor = torch.empty(  # type: ignore[attr-defined]
-                        local.shape, dtype=local.dtype, requires_grad=local.requires_grad)
+                        local.shape, dtype=local.dtype, device=self.device,
+                        requires_grad=local.requires_grad)
         self.fill_in_place()
 
     @torch.no_grad()
@@ -189,7 +172,7 @@ class FullyShardUnit:
 
     def train_step(self, step: int, opt: torch.optim.Optimizer) -> float:
         self.lazy_init()
-        x, y = batch(self.cfg, step, self.mesh.shard_mesh_rank)
+        x, y = (t.to(self.device) for t in batch(self.cfg, step, self.mesh.shard_mesh_rank))
         self.unshard()
         out = self.module(x.to(self.cfg.param_dtype or torch.float32))
         loss = nn.functional.mse_loss(out.float(), y)
@@ -215,117 +198,6 @@ class FullyShardUnit:
     def local_values(self) -> list[torch.Tensor]:
         return [p.sharded_param._local_tensor.detach().clone()  # type: ignore[attr-defined]
                 for p in self.hsdp_params]
-
-
-# ---- measurements ------------------------------------------------------------------------------
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    with torch._C.DisableTorchFunctionSubclass():
-        if torch.Tensor.is_meta.__get__(t):  # type: ignore[attr-defined]
-            return None
-        return t.untyped_storage()
-
-
-def _chain(t: torch.Tensor | None) -> list[torch.Tensor]:
-    out = []
-    while isinstance(t, torch.Tensor):
-        out.append(t)
-        with torch._C.DisableTorchFunctionSubclass():  # the wrapper's own _base, not the local's
-            t = t._base
-    return out
-
-
-def member_holders(p: HSDPParam) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor through which a member reaches a storage, named by role."""
-    rows = [(f"{p.param_name}.data", t) for t in _chain(p._sharded_param_data)]
-    rows += [(f"{p.param_name}.local", t)
-             for t in _chain(p.sharded_param._local_tensor)]  # type: ignore[attr-defined]
-    rows.append((f"{p.param_name}.wrapper", p.sharded_param))
-    return rows
-
-
-@define(frozen=True)
-class StorageRow:
-    key: int
-    nbytes: int
-    holders: tuple[str, ...]
-
-
-def live_storages(unit: FullyShardUnit, extra: list[tuple[str, torch.Tensor]] = ()) -> list[StorageRow]:  # type: ignore[assignment]
-    """Distinct live storages reachable from the unit's members and its group's buffers."""
-    found: dict[int, tuple[int, list[str]]] = {}
-    named: list[tuple[str, torch.Tensor]] = []
-    for p in unit.hsdp_params:
-        named += member_holders(p)
-    named += [(f"group.flat{i}", t) for i, t in enumerate(unit.flat_buffers())]
-    named += list(extra)
-    for name, t in named:
-        s = _storage(t)
-        if s is None or s.nbytes() == 0:
-            continue
-        key = int(s._cdata)
-        found.setdefault(key, (s.nbytes(), []))[1].append(name)
-    return [StorageRow(k, n, tuple(sorted(set(h)))) for k, (n, h) in found.items()]
-
-
-@define
-class Originals:
-    """Weak references to the members' storages taken before fusion."""
-
-    refs: list[tuple[str, int, int, Any]] = field(factory=list)
-
-    @classmethod
-    def of(cls, unit: FullyShardUnit) -> Originals:
-        out, seen = cls(), set()
-        for p in unit.hsdp_params:
-            for name, t in member_holders(p):
-                s = _storage(t)
-                if s is None or s.nbytes() == 0 or int(s._cdata) in seen:
-                    continue
-                seen.add(int(s._cdata))
-                out.refs.append((p.param_name, s.nbytes(), int(s._cdata), StorageWeakRef(s)))  # type: ignore[no-untyped-call]
-        return out
-
-    def alive(self) -> list[tuple[str, int]]:
-        return [(n, b) for n, b, _, r in self.refs if not r.expired()]
-
-    def alive_held_by_wrappers(self, unit: FullyShardUnit) -> int:
-        """How many live originals are exactly the storage a Parameter wrapper sits on."""
-        wrappers = {wrapper_storage_key(p.sharded_param) for p in unit.hsdp_params}
-        alive = {k for _, _, k, r in self.refs if not r.expired()}
-        return len(alive & {k for k in wrappers if k is not None})
-
-
-def wrapper_is_stale(p: HSDPParam) -> bool | None:
-    """Does the Parameter wrapper's own memory differ from the local tensor it fronts?"""
-    if wrapper_storage_key(p.sharded_param) is None:
-        return None
-    own = wrapper_own_values(p.sharded_param)
-    local = p.sharded_param._local_tensor.detach()  # type: ignore[attr-defined]
-    return not torch.equal(own, local)
-
-
-def wrapper_view(p: HSDPParam) -> dict[str, Any]:
-    """What the wrapper says about itself, through each door."""
-    w = p.sharded_param
-    geom = None if wrapper_storage_key(w) is None else wrapper_local_geometry(w)
-    return {"shape": tuple(w.shape), "size": tuple(w.size()), "impl_geometry": geom,
-            "meta": wrapper_storage_key(w) is None}
-
-
-def census(unit: FullyShardUnit, originals: Originals | None = None) -> dict[str, Any]:
-    rows = live_storages(unit)
-    out: dict[str, Any] = {
-        "live": len(rows),
-        "live_mib": sum(r.nbytes for r in rows) / MiB,
-        "rows": [(r.nbytes / MiB, r.holders) for r in sorted(rows, key=lambda r: -r.nbytes)],
-        "valid": unit.is_valid(),
-        "stale_wrappers": [wrapper_is_stale(p) for p in unit.hsdp_params],
-        "wrappers": [wrapper_view(p) for p in unit.hsdp_params],
-    }
-    if originals is not None:
-        out["originals_alive"] = len(originals.alive())
-        out["originals_held_by_wrappers"] = originals.alive_held_by_wrappers(unit)
-    return out
 
 
 def run(cfg: Config, steps: int = 2, **unit_kwargs: Any) -> dict[str, Any]:
@@ -356,20 +228,5 @@ def measure(unit: FullyShardUnit, steps: int = 2) -> dict[str, Any]:
     return res
 
 
-def digest(t: torch.Tensor) -> str:
-    """Bit-exact fingerprint of a tensor (results cross process boundaries as plain data)."""
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def expected_flat_mib(cfg: Config) -> float:
-    world = dist.get_world_size()
-    per = math.ceil(cfg.rows / world)
-    return 2 * per * cfg.cols * 4 / MiB
-
-
-__all__ = [
-    "AllGatherBucket", "Config", "FullyShardUnit", "HPDTensorBase", "HSDPParam",
-    "HSDPParamGroupBucketed", "HSDPParamGroupV1", "MiB", "Originals", "StorageRow", "TwoWeights",
-    "batch", "census", "digest", "full_weights", "live_storages", "measure", "member_holders", "run",
-    "wrapper_is_stale", "wrapper_view",
-]
+__all__ = ["Config", "FullyShardUnit", "GroupKind", "Materialize", "TwoWeights", "batch",
+           "full_weights", "measure", "run"]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
-from hp_faithful_param import HSDPParam, MixedPrecisionPolicy, ShardMesh
+from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
 
 
 @define
