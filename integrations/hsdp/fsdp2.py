@@ -25,9 +25,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from flatpool import PinnedStorageError
+from flatpool import InvalidTypeError, PinnedStorageError
 
 from .group import GroupBuffers, adopt_group
+from .members import data_of, is_meta
 from .meta import materialize_group
 from .validity import is_valid, readopt_group
 
@@ -50,7 +51,8 @@ def lazy_init(module: nn.Module) -> None:
     its flat buffer at that point too. Uses FSDP2's private ``FSDPState._lazy_init``.
     """
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"{type(module).__name__} is not a fully_shard-ed module")
+        raise InvalidTypeError(
+            f"{type(module).__name__} is not a fully_shard-ed module: call fully_shard() on it first")
     module._get_fsdp_state()._lazy_init()
 
 
@@ -80,7 +82,7 @@ class FusedModule:
     def _adopt(self, i: int, materialize: bool = False) -> None:
         g = self.groups[i]
         if materialize and g.fsdp_params and all(
-            p._sharded_param_data.is_meta for p in g.fsdp_params
+            is_meta(data_of(p, j)) for j, p in enumerate(g.fsdp_params)
         ):
             self.buffers[i] = materialize_group(
                 g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
@@ -95,7 +97,11 @@ class FusedModule:
         )
 
     def revalidate(self) -> None:
-        """Bring every group back into its pools: adopt late groups, re-adopt moved members."""
+        """Bring every group back into its pools: adopt late groups, re-adopt moved members.
+
+        On a healthy rank this is :func:`is_valid` per group: a few TensorImpl reads a member
+        (storage keys and offsets, so an empty shard on a trailing rank reads as in place); the
+        diagnosis and re-adoption run only when a member did move."""
         for i, g in enumerate(self.groups):
             buf = self.buffers[i]
             if not buf.adopted:
