@@ -2,12 +2,11 @@
 HyperParallel as shipped (the bug report) and its newest upstream behaviour, eager and meta.
 
 Single-process tests exercise the DTensor and the member; the 2-rank tests share one spawned
-gloo job (``hp_faithful_workers.run_all``) and check each scenario on both ranks.
+gloo job (``hp_jobs.run_all``, with test_hp_hook.py) and check each scenario on both ranks.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from flatpool.integrations.hsdp.launch import launch
 from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (
     HPDTensorRebind,
     HPDTensorRouted,
@@ -183,13 +181,8 @@ def test_padded_member_on_a_trailing_rank() -> None:
 
 # ---- 2 ranks -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    import hp_faithful_workers
-
-    t0 = time.perf_counter()
-    out = launch(hp_faithful_workers.run_all, world_size=2, timeout_s=240)
-    print(f"2-rank job: {time.perf_counter() - t0:.1f} s")
-    return out
+def results(hp_job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [per_rank["faithful"] for per_rank in hp_job]
 
 
 def _each(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
