@@ -22,7 +22,7 @@ from .adopt import adopt, check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
 from .gcpause import gc_paused
-from .moves import ImplSwap, SetMove, fresh_on, place_many, swap_many
+from .moves import ImplSwap, SetMove, fresh_on, geometry_of, place_many, swap_many
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
@@ -129,14 +129,16 @@ def _readopt(
             storage = tc.impl_untyped_storage(obj)
         if not tc.storage_has_data(storage):
             raise InvalidRequestError(f"a tensor bound to slice {slc.slice_id} has no storage")
+        # The object's own bytes, by its TensorImpl: a subclass's detach() may answer for
+        # another tensor (HyperParallel's DTensor detaches its local tensor) or raise.
+        with tc.no_torch_function():
+            src.append(fresh_on(storage, *geometry_of(obj), rec[4]))
         key = txn.track(storage)
         del storage
         feeds.setdefault(key, []).append(slc.slice_id)
         view = pool.view_at(slc.offset + rec[1], rec[2], rec[4], rec[3])
         txn.save_bytes(view)  # a rollback must give the slice its old bytes back
         dst.append(view)
-        with tc.no_torch_function():
-            src.append(obj.detach())
     checkpoint("copy")
     copy_all(dst, src)
     del dst, src
