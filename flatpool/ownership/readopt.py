@@ -168,6 +168,7 @@ def _readopt(
                 fresh = fresh_on(target, offset, rec[2], rec[3], rec[4], grad)
                 records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
                 swaps.append((obj, fresh))
+                del fresh  # after the swap it carries the old impl: only the journal may hold it
             else:
                 records.append(SetMove(obj, key, *old, version))
                 places.append((obj, target, offset, rec[2], rec[3]))
