@@ -140,25 +140,30 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
 
 def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec | None:
     """How to bring member ``p`` back: a spec when its data left the pool (the local tensor and
-    a wrapper with memory left with it, or stayed in place), ``None`` when only holders the
-    pool's registry knows moved (``pool.readopt()`` brings those back)."""
+    a wrapper with memory left with it, or stayed in place), ``None`` when its data is in place
+    and only a local tensor or wrapper the pool's registry knows moved (``pool.readopt()``
+    brings those back). A typed error, before anything moves, when neither applies."""
     assert m.slice is not None
     key = pool.storage_key
     if key is None or pool.live_slice(m.slice.slice_id) is not m.slice:
         raise InvalidRequestError(
             f"member {m.index}: its slice was freed; adopt the group anew with adopt_group()")
     data = data_of(p, m.index)
-    if is_meta(data):
-        return None
-    with tc.no_torch_function():
-        moved_to = tc.storage_address(data)
-    if moved_to == key:
-        return None
     wrapper = p.sharded_param
     local = local_of(wrapper)
+    with tc.no_torch_function():
+        moved_to = None if is_meta(data) else tc.storage_address(data)
+    if moved_to == key or moved_to is None:
+        wrong = _place(data, key, m.offset, (m.numel,))
+        if wrong:
+            raise InvalidRequestError(
+                f"member {m.index}: its _sharded_param_data {wrong}; give it its slice's view "
+                "again (or its own storage) before re-adopting. Nothing was changed.")
+        return None
     others = [("local tensor", local)]
     if local is not wrapper and has_memory(wrapper) and not is_meta(wrapper):
         others.append(("parameter wrapper", wrapper))
+    along = False
     for what, t in others:
         with tc.no_torch_function():
             where = tc.storage_address(t)
@@ -168,7 +173,11 @@ def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec 
                 "different storages, so which values are current is unknown; point them at one "
                 "storage (as reset_sharded_param does) and call again. Nothing was changed."
             )
-    return adopt_spec(p, m.slice)
+        along = along or where == moved_to
+    spec = adopt_spec(p, m.slice)
+    # The parameter is named only when something of it moved with the data; what stayed in
+    # place stays (its bytes are the slice's, which the data's values now overwrite).
+    return spec if along else AdoptSpec(spec.tensor, holders=spec.holders, slice=spec.slice)
 
 
 def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
@@ -176,11 +185,14 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
 
     The member's *current* values (a freshly loaded or re-initialized shard) are copied into
     its slice and every holder is rebound, with the same release proof as the first adoption:
-    the storage the member had moved to must die. Members whose data moved are re-adopted with
-    the holders they have *now* (FSDP2 may have installed a new Parameter object); a local
-    tensor or wrapper that moved alone is brought back through the pool's registry. Raises a
-    :class:`flatpool.FlatPoolError` (nothing changed for that bucket) when a member cannot be
-    brought back, or is still out of place afterwards.
+    the storage the member had moved to must die. Members whose data moved (what
+    ``reset_sharded_param`` does) are re-adopted with the holders they have *now* (FSDP2 may
+    have installed a new Parameter object), in one all-or-nothing step per bucket; a local
+    tensor or wrapper that moved alone is brought back through the pool's registry first, in a
+    step of its own (if the second step then fails, those members stay repaired).
+
+    Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
+    changed for it), or is still out of place afterwards.
     """
     if not buffers.adopted:
         return 0
@@ -189,18 +201,12 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
         stale = [m for m in b.members if member_problems(params[m.index], m, b.pool)]
         if not stale:
             continue
-        specs = []
-        rest = False
-        for m in stale:
-            spec = _repair_spec(params[m.index], m, b.pool)
-            if spec is None:
-                rest = True
-            else:
-                specs.append(spec)
+        plans = [(m, _repair_spec(params[m.index], m, b.pool)) for m in stale]
+        if any(spec is None for _, spec in plans):
+            b.pool.readopt()
+        specs = [spec for _, spec in plans if spec is not None]
         if specs:
             b.pool.readopt(specs)
-        if rest:
-            b.pool.readopt()
         left = {m.index: member_problems(params[m.index], m, b.pool) for m in stale}
         left = {i: found for i, found in left.items() if found}
         if left:
