@@ -1,4 +1,4 @@
-"""Probe: plug the *current* docs/integration.md hook into the faithful HyperParallel double.
+"""Probe: plug the docs/integration.md drop-in lines into the HyperParallel simulation.
 
 Not a test (pytest does not collect it; it runs only as a script). It runs 2 gloo ranks and
 prints, per scenario and rank: errors, live storages and MiB, pool storage bytes vs capacity,
@@ -27,94 +27,40 @@ import torch  # noqa: E402
 from flatpool.integrations.hsdp.hyperparallel_sim import (  # noqa: E402
     Config,
     FullyShardUnit,
-    HSDPParamGroupV1,
-    MiB,
     Originals,
     census,
     digest,
 )
-from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key  # noqa: E402
+from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (  # noqa: E402
+    wrapper_local_geometry,
+    wrapper_storage_key,
+)
 from flatpool.integrations.hsdp.hyperparallel_sim.group import agreed  # noqa: E402
 
+# ---- the hook: the drop-in lines of docs/integration.md, executed as written -----------------
+import hp_doc_lines  # noqa: E402
 
-# ---- the hook, as docs/integration.md writes it (V1 group: methods of the group) -----------
-def doc_init_flat_param_buffer(self: Any) -> None:
-    from flatpool.integrations.hsdp.group import adopt_group
-    from flatpool.integrations.hsdp.validity import readopt_group
-
-    if self._flat_buffers is not None and self._flat_buffers.adopted:   # lazy re-validation
-        readopt_group(self._flat_buffers, self.hsdp_params)
-    else:
-        self._flat_buffers = adopt_group(self.hsdp_params, device=self.device,
-                                         world_size=self.shard_world_size, name="hsdp")
-    self._flat_param_buffer = (self._flat_buffers.flats()[0]      # one bucket: uniform dtype
-                               if self._flat_buffers.adopted else None)
-
-
-def doc_is_flat_buffer_valid(self: Any) -> bool:
-    from flatpool.integrations.hsdp.validity import is_valid
-
-    return self._flat_buffers is not None and is_valid(self._flat_buffers, self.hsdp_params)
-
-
-def disabled_is_flat_buffer_valid(self: Any) -> bool:
-    """The doc's validity line, run under DisableTorchFunctionSubclass (a probe-only patch)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return doc_is_flat_buffer_valid(self)
-
-
-def disabled_bucket_is_flat_buffer_valid(self: Any) -> bool:
-    with torch._C.DisableTorchFunctionSubclass():
-        return bucket_is_flat_buffer_valid(self)
-
-
-class V1WithBuffersAttr(HSDPParamGroupV1):
-    """The doc lines read ``self._flat_buffers`` before anything set it: give it a None first."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._flat_buffers = None
-        super().__init__(*args, **kwargs)
-
-
-# ---- the same lines adapted to the newest shape (methods of an AllGatherBucket) -------------
-def bucket_init_flat_param_buffer(self: Any, device: Any) -> None:
-    from flatpool.integrations.hsdp.group import adopt_group
-    from flatpool.integrations.hsdp.validity import readopt_group
-
-    buffers = self.extra.get("buffers")
-    if buffers is not None and buffers.adopted:
-        readopt_group(buffers, self.hsdp_params)
-    else:
-        buffers = self.extra["buffers"] = adopt_group(
-            self.hsdp_params, device=device, world_size=self.shard_world_size, name="hsdp")
-    self.flat_param_buffer = buffers.flats()[0] if buffers.adopted else None
-
-
-def bucket_is_flat_buffer_valid(self: Any) -> bool:
-    from flatpool.integrations.hsdp.validity import is_valid
-
-    buffers = self.extra.get("buffers")
-    return buffers is not None and is_valid(buffers, self.hsdp_params)
+V1_HOOK = hp_doc_lines.hooks("v1")
+B_HOOK = hp_doc_lines.hooks("newest")
 
 
 # ---- measuring ------------------------------------------------------------------------------
 def _group_buffers(unit: FullyShardUnit) -> list[Any]:
     g = unit.group
     if hasattr(g, "all_gather_buckets"):
-        return [b.extra.get("buffers") for b in g.all_gather_buckets if b.extra.get("buffers")]
-    fb = getattr(g, "_flat_buffers", None)
+        return [b._flatpool for b in g.all_gather_buckets if getattr(b, "_flatpool", None)]
+    fb = getattr(g, "_flatpool", None)
     return [fb] if fb is not None else []
 
 
 def _truth(unit: FullyShardUnit) -> dict[str, Any]:
     """Do data, local tensor and wrapper of every member sit on a pool's storage?"""
     pools = [b.pool for gb in _group_buffers(unit) if gb.adopted for b in gb.buckets]
-    keys = {int(p.storage._cdata) for p in pools if p.is_materialized}
+    keys = {p.storage_key for p in pools if p.is_materialized}
     rows = []
     for p in unit.hsdp_params:
-        with torch._C.DisableTorchFunctionSubclass():
-            data = int(p._sharded_param_data.untyped_storage()._cdata) in keys
-            local = int(p.sharded_param._local_tensor.untyped_storage()._cdata) in keys
+        data = wrapper_storage_key(p._sharded_param_data) in keys
+        local = wrapper_storage_key(p._sharded_local_tensor) in keys
         wkey = wrapper_storage_key(p.sharded_param)
         geom = None if wkey is None else wrapper_local_geometry(p.sharded_param)
         rows.append({"data": data, "local": local,
@@ -165,50 +111,21 @@ def scenario(cfg: Config, steps: int, **unit_kwargs: Any) -> dict[str, Any]:
     return out
 
 
-V1_HOOK = {"init_flat": doc_init_flat_param_buffer, "is_valid": doc_is_flat_buffer_valid}
-B_HOOK = {"init_flat": bucket_init_flat_param_buffer, "is_valid": bucket_is_flat_buffer_valid}
-
-
 def scenarios(rows: int, cols: int) -> list[tuple[str, Config, dict[str, Any]]]:
     s = {"rows": rows, "cols": cols}
     out: list[tuple[str, Config, dict[str, Any]]] = []
-    out.append(("v1/routed/eager verbatim doc lines", Config(**s), dict(V1_HOOK)))
-    out.append(("v1/routed/eager (even-only members)", Config(**s),
-                dict(V1_HOOK, group_cls=V1WithBuffersAttr)))
-    for setter in ("routed", "rebind"):
-        for mat in ("eager", "to_empty", "local_assign"):
-            out.append((f"v1/{setter}/{mat} padded members",
-                        Config(setter=setter, materialize=mat, flavor="padded", **s),
-                        dict(V1_HOOK, group_cls=V1WithBuffersAttr)))
-    out.append(("v1/routed/eager bf16 padded members",
-                Config(param_dtype=torch.bfloat16, flavor="padded", **s),
-                dict(V1_HOOK, group_cls=V1WithBuffersAttr)))
-    for setter in ("rebind", "routed"):
-        for mat in ("eager", "to_empty", "local_assign"):
-            out.append((f"bucketed/{setter}/{mat}",
-                        Config(group="bucketed", setter=setter, flavor="padded", materialize=mat,
-                               **s), dict(B_HOOK)))
-    pv1 = dict(V1_HOOK, group_cls=V1WithBuffersAttr, is_valid=disabled_is_flat_buffer_valid)
-    pb = dict(B_HOOK, is_valid=disabled_bucket_is_flat_buffer_valid)
-    patched = " [PATCH: validity under DisableTorchFunctionSubclass]"
-    out.append(("v1/routed/eager padded members" + patched, Config(flavor="padded", **s), pv1))
-    out.append(("v1/routed/to_empty padded members" + patched,
-                Config(flavor="padded", materialize="to_empty", **s), pv1))
-    out.append(("v1/routed/eager bf16 padded members" + patched,
-                Config(flavor="padded", param_dtype=torch.bfloat16, **s), pv1))
-    for mat in ("eager", "to_empty"):
-        out.append((f"bucketed/routed/{mat}" + patched,
-                    Config(group="bucketed", flavor="padded", materialize=mat, **s), pb))
-    out.append(("bucketed/routed/eager uneven rows" + patched,
-                Config(group="bucketed", flavor="padded", rows=rows - 1, cols=cols), pb))
-    out.append(("bucketed/routed/eager bf16" + patched,
-                Config(group="bucketed", flavor="padded", param_dtype=torch.bfloat16, **s), pb))
-    out.append(("bucketed/rebind/eager uneven rows",
-                Config(group="bucketed", setter="rebind", flavor="padded", rows=rows - 1, cols=cols),
-                dict(B_HOOK)))
-    out.append(("bucketed/rebind/eager bf16",
-                Config(group="bucketed", setter="rebind", flavor="padded",
-                       param_dtype=torch.bfloat16, **s), dict(B_HOOK)))
+    for group, hook in (("v1", V1_HOOK), ("bucketed", B_HOOK)):
+        for setter, flavor in (("routed", "even"), ("routed", "padded"), ("rebind", "padded")):
+            for mat in ("eager", "to_empty", "local_assign"):
+                out.append((f"{group}/{setter}/{flavor}/{mat}",
+                            Config(group=group, setter=setter, flavor=flavor, materialize=mat,
+                                   **s), dict(hook)))
+        out.append((f"{group}/routed/padded/eager bf16",
+                    Config(group=group, flavor="padded", param_dtype=torch.bfloat16, **s),
+                    dict(hook)))
+        out.append((f"{group}/rebind/padded/eager uneven rows",
+                    Config(group=group, setter="rebind", flavor="padded", rows=rows - 1,
+                           cols=cols), dict(hook)))
     return out
 
 
