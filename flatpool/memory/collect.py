@@ -18,6 +18,7 @@ from typing import Any, Union
 import torch
 
 from .. import FlatPool, InvalidTypeError, census, live_pools, local_tensor, own_storage
+from .. import torch_compat as tc
 from .manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from .walk import LEGIT_OWN_STORAGE, walk_roots
 from .watch import StorageWatch, WatchedStorages
@@ -54,7 +55,7 @@ def build_manifest(
             raise InvalidTypeError(f"pools must hold FlatPool objects, got {type(p).__name__}")
         if p.is_materialized and all(p is not q for q in pool_list):
             pool_list.append(p)
-    by_pool_key: dict[int, FlatPool] = {int(p.storage._cdata): p for p in pool_list}
+    by_pool_key: dict[int, FlatPool] = {tc.storage_key(p.storage): p for p in pool_list}
     slice_names: dict[tuple[int, int], list[str]] = {}
 
     groups: dict[int, _Group] = {}
@@ -63,7 +64,7 @@ def build_manifest(
         storage = own_storage(t)
         if storage is None:
             continue
-        key = int(storage._cdata)
+        key = tc.storage_key(storage)
         pool = by_pool_key.get(key)
         if pool is not None:
             slc = pool.slice_of(t)
@@ -79,9 +80,9 @@ def build_manifest(
         if not isinstance(f, torch.Tensor):
             raise InvalidTypeError(f"flats[{i}] is a {type(f).__name__}, not a tensor")
         storage = own_storage(local_tensor(f))
-        if storage is None or int(storage._cdata) in by_pool_key:
+        if storage is None or tc.storage_key(storage) in by_pool_key:
             continue  # a pool's flat view: the pool covers it
-        g = groups.pop(int(storage._cdata), None) or _Group(storage)
+        g = groups.pop(tc.storage_key(storage), None) or _Group(storage)
         if any(e.address == storage.data_ptr() for e in flat_entries):
             continue
         flat_entries.append(StorageEntry(

@@ -18,6 +18,7 @@ from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import InvalidTypeError, local_tensor, own_storage
+from .. import torch_compat as tc
 
 
 @runtime_checkable
@@ -72,7 +73,7 @@ class WatchedStorages:
             storage = own_storage(local_tensor(t))
             if storage is None:
                 continue
-            key = int(storage._cdata)
+            key = tc.storage_key(storage)
             if key in self._keys:
                 continue
             self._keys.add(key)
