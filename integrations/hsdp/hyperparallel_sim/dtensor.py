@@ -16,8 +16,8 @@ Two generations are modelled (see HP-NOTES.md for the sources):
   ``__torch_function__`` as the whitelisted ``__set__`` and so runs ``w._local_tensor.data = x``;
   the wrapper keeps its old storage. This is the seed bug.
 * ``setter="rebind"`` (newest): the ``data`` property rebinds the wrapper *and* the local tensor
-  under ``torch._C.DisableTorchFunctionSubclass()``; a storage-less (``_make_wrapper_subclass``)
-  "fake wrapper" only swaps ``_local_tensor``. The newest class also has ``__tensor_flatten__``
+  with ``__torch_function__`` off (``DisableTorchFunctionSubclass``); a storage-less
+  (``_make_wrapper_subclass``) "fake wrapper" only swaps ``_local_tensor``. The newest class also has ``__tensor_flatten__``
   (so ``is_traceable_wrapper_subclass`` is True for it) and a pass-through
   ``__torch_dispatch__``.
 
@@ -293,7 +293,7 @@ class _RebindData:
                                  f"got {local_value.dtype}")
             self._local_tensor = local_value
             return
-        with tc.no_torch_function():  # HyperParallel: torch._C.DisableTorchFunctionSubclass()
+        with tc.no_torch_function():  # HyperParallel: DisableTorchFunctionSubclass()
             torch.Tensor.data.__set__(self, local_value)  # type: ignore[attr-defined]
             torch.Tensor.data.__set__(self._local_tensor, local_value)  # type: ignore[attr-defined]
 
