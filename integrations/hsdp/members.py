@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from flatpool import InvalidRequestError, InvalidTypeError, own_storage
 from flatpool import torch_compat as tc
@@ -33,8 +34,14 @@ def data_of(p: ShardedParam, index: int) -> torch.Tensor:
     return data
 
 
+PLAIN = frozenset({torch.Tensor, nn.Parameter})
+"""Parameter types that are their own local tensor (no ``_local_tensor`` to look up)."""
+
+
 def local_of(wrapper: torch.Tensor) -> torch.Tensor:
     """The DTensor's ``_local_tensor``, or the parameter itself when it is a plain tensor."""
+    if type(wrapper) in PLAIN:
+        return wrapper
     local = getattr(wrapper, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else wrapper
 
@@ -103,6 +110,6 @@ def has_memory(wrapper: torch.Tensor) -> bool:
 
 
 __all__ = [
-    "data_of", "has_memory", "impl_device", "impl_dtype", "impl_requires_grad", "impl_size",
+    "PLAIN", "data_of", "has_memory", "impl_device", "impl_dtype", "impl_requires_grad", "impl_size",
     "is_meta", "local_of", "padded_size", "shard_dim",
 ]

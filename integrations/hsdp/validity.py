@@ -1,9 +1,11 @@
 """Is a fused group still fused? And bringing back the members that were moved out.
 
-A member is in place when its padded data, its local tensor, their autograd bases and (for a
-wrapper with memory of its own, HyperParallel's DTensor) the parameter wrapper all sit on its
-bucket's pool storage, the data and the local tensor (and the wrapper) starting at the member's
-slice with the shapes its layout says. HyperParallel's own check compares member 0's data
+A member is in place when its padded data, its local tensor and (for a wrapper with memory of
+its own, HyperParallel's DTensor) the parameter wrapper all sit on its bucket's pool storage,
+starting at the member's slice with the shapes its layout says. Autograd bases are not read: a
+view shares its base's storage unless ``set_`` moved the view alone, which only flatpool does
+(and its release proof at adoption covers it); a base left elsewhere would pin memory, which is
+a census question (:mod:`flatpool.memory`), not whether the group reads and writes its slices. HyperParallel's own check compares member 0's data
 pointer only, which misses a later member moved by ``reset_sharded_param`` and every local
 tensor or wrapper left behind.
 
@@ -18,6 +20,7 @@ wrong, with the same rules (tests hold the two to agree on every member kind).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +29,7 @@ from flatpool import torch_compat as tc
 
 from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout
-from .members import data_of, has_memory, is_meta, local_of
+from .members import PLAIN, data_of, has_memory, is_meta, local_of
 from .protocol import ShardedParam
 
 
@@ -44,12 +47,6 @@ def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...]) -> str
     return None
 
 
-def _base_outside(t: torch.Tensor, key: int) -> bool:
-    with tc.no_torch_function():
-        base = tc.impl_base(t)
-        return base is not None and tc.storage_address(base) != key
-
-
 def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> list[str]:
     """What of member ``p`` is not where layout ``m`` puts it (empty when it is)."""
     if m.slice is None:
@@ -62,15 +59,11 @@ def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> list[st
     wrong = _place(data, key, m.offset, (m.numel,))
     if wrong:
         out.append(f"_sharded_param_data {wrong}")
-    if _base_outside(data, key):
-        out.append("_sharded_param_data is a view of a tensor on a storage outside the pool")
     wrapper = p.sharded_param
     local = local_of(wrapper)
     wrong = _place(local, key, m.offset, tuple(m.sharded_size))
     if wrong:
         out.append(f"the local tensor {wrong}")
-    if _base_outside(local, key):
-        out.append("the local tensor is a view of a tensor on a storage outside the pool")
     if local is not wrapper and has_memory(wrapper):
         wrong = _place(wrapper, key, m.offset, tuple(m.sharded_size))
         if wrong:
@@ -92,15 +85,13 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
 def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
     """True when the group was adopted and *every* member is in place (see the module).
 
-    Runs before each all-gather: per member, storage key, offset and shape of the data, the
-    local tensor and a wrapper with memory, and the storage key of each autograd base; about
-    a dozen C reads and no allocation.
+    Runs before each all-gather: per member, storage key, element offset and shape of the
+    data, the local tensor and a wrapper with memory: six to nine C reads, no allocation.
     """
     if not buffers.adopted:
         return False
     kinds = buffers.wrapper_kinds
-    addr, off, size, base = (tc.storage_address, tc.impl_storage_offset, tc.impl_size,
-                             tc.impl_base)
+    addr, off, size = tc.storage_address, tc.impl_storage_offset, tc.impl_size
     tensor = torch.Tensor
     with tc.no_torch_function():
         for b in buffers.buckets:
@@ -109,24 +100,20 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
             if key is None:
                 return False
             live = pool.live_slice
-            for index, slc, at, flat, sharded in kinds.rows(b):
-                if live(slc.slice_id) is not slc:
+            for index, slc, sid, at, flat, sharded in kinds.rows(b):
+                if live(sid) is not slc:
                     return False
                 p = params[index]
                 data = p._sharded_param_data
                 if addr(data) != key or off(data) != at or size(data) != flat:
                     return False
-                up = base(data)
-                if up is not None and addr(up) != key:
-                    return False
-                wrapper = p.sharded_param
-                local = getattr(wrapper, "_local_tensor", None)
-                if not isinstance(local, tensor):
-                    local = wrapper  # a plain parameter (local_of)
+                wrapper: torch.Tensor = p.sharded_param
+                local: Any = wrapper  # (local_of) a plain parameter is its own local tensor
+                if type(wrapper) not in PLAIN:
+                    local = getattr(wrapper, "_local_tensor", None)
+                    if not isinstance(local, tensor):
+                        local = wrapper
                 if addr(local) != key or off(local) != at or size(local) != sharded:
-                    return False
-                up = base(local)
-                if up is not None and addr(up) != key:
                     return False
                 if local is not wrapper:
                     at_key = addr(wrapper)

@@ -23,8 +23,8 @@ from flatpool import Slice
 from .layout import Bucket
 from .members import has_memory
 
-Row = tuple[int, Slice, int, tuple[int], torch.Size]
-"""``(member index, slice, element offset, data shape, local shape)``."""
+Row = tuple[int, Slice, int, int, tuple[int], torch.Size]
+"""``(member index, slice, slice id, element offset, data shape, local shape)``."""
 
 
 class WrapperKinds:
@@ -41,7 +41,7 @@ class WrapperKinds:
         """The members of ``bucket`` that have a slice, as flat tuples (made once)."""
         got = self._rows.get(id(bucket))
         if got is None or got[0] is not bucket:
-            rows = [(m.index, m.slice, m.offset, (m.numel,), m.sharded_size)
+            rows = [(m.index, m.slice, m.slice.slice_id, m.offset, (m.numel,), m.sharded_size)
                     for m in bucket.members if m.slice is not None]
             got = self._rows[id(bucket)] = (bucket, rows)
         return got[1]
