@@ -281,3 +281,12 @@ def test_demo_rows(results: list[dict[str, Any]]) -> None:
         assert len(fused) == 4
         for r in fused:
             assert r.checks == () and r.storages == 1 and r.stale == 0 and r.same_training, r
+
+
+def test_demo_client_option() -> None:
+    from flatpool.integrations.hsdp import demo
+
+    assert demo.parse([]).client == "fsdp2"
+    assert demo.parse(["--client", "hyperparallel"]).client == "hyperparallel"
+    with pytest.raises(SystemExit):
+        demo.parse(["--client", "megatron"])
