@@ -97,10 +97,9 @@ def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     torch's DTensor is a traceable wrapper subclass with no data of its own; depending on how it
     was built it answers with an empty or an invalid placeholder storage, counted here as none.
     A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage and
-    so has one.
+    so has one, traceable (``__tensor_flatten__``, its newest version) or not: the storage
+    itself, not the class, tells the two apart.
     """
-    if tc.is_wrapper_subclass(t):
-        return None
     try:
         with tc.no_torch_function():
             if tc.impl_is_meta(t) or tc.impl_layout(t) != torch.strided or tc.impl_is_nested(t):

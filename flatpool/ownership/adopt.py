@@ -202,7 +202,12 @@ def _move(pool: PoolState, plans: list[Plan], txn: Transaction, members: list[Me
                 offset = new // item
                 if m.kind == SWAP or m.kind == WRAP:
                     grad = tc.impl_requires_grad(m.obj) and tc.impl_is_leaf(m.obj)
-                    fresh = fresh_on(target, offset, m.size, m.stride, tc.impl_dtype(m.obj), grad)
+                    if m.kind == WRAP:  # keep the wrapper class's dispatch keys on its new impl
+                        fresh = tc.subclass_alias(type(m.obj), fresh_on(
+                            target, offset, m.size, m.stride, tc.impl_dtype(m.obj)), grad)
+                    else:
+                        fresh = fresh_on(target, offset, m.size, m.stride, tc.impl_dtype(m.obj),
+                                         grad)
                     key = None if m.kind == WRAP else p.key
                     records.append(ImplSwap(
                         m.obj, fresh, key, before.get(id(m.obj), -1),

@@ -95,7 +95,7 @@ def expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:
     if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
         local = _member(inner, Holder(obj, "_local_tensor"), primary, key)
         out.append(local)
-        if not on_key and not tc.is_wrapper_subclass(obj):
+        if not on_key:
             with tc.no_torch_function():
                 meta = tc.impl_is_meta(obj)
             if meta:  # a wrapper that lost its storage (deferred init): give it the local's
@@ -207,7 +207,8 @@ def plan_all(
             unique.update((id(m.obj), m) for m in discover_members(p.key, p.extent, unique))
         _keep_views_with_their_base(unique.values())
         for m in unique.values():
-            nbytes = _span(m) * tc.impl_element_size(m.obj)
+            with tc.no_torch_function():  # a subclass may route element_size() and raise
+                nbytes = _span(m) * tc.impl_element_size(m.obj)
             if m.kind != WRAP and not p.extent.contains(
                     ByteRange(m.byte_offset, m.byte_offset + nbytes)):
                 raise InvalidRequestError(

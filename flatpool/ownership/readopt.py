@@ -22,7 +22,7 @@ from ..state import PoolState
 from .adopt import adopt, check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, SetMove, fresh_on, place_many, swap_many
+from .moves import ImplSwap, SetMove, fresh_on, geometry_of, place_many, swap_many
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
@@ -37,8 +37,8 @@ def is_in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None
     if obj is None:
         return True  # the object is gone: nothing to keep valid
     with tc.no_torch_function():
-        if tc.impl_is_meta(obj) or tc.is_wrapper_subclass(obj):
-            return False
+        if tc.impl_is_meta(obj):
+            return False  # (a storage-less wrapper's placeholder storage is never the pool's)
         dtype = tc.impl_dtype(obj)
         return (
             tc.storage_address(obj) == pool_key
@@ -140,14 +140,16 @@ def _readopt(
             storage = tc.impl_untyped_storage(obj)
         if not tc.storage_has_data(storage):
             raise InvalidRequestError(f"a tensor bound to slice {slc.slice_id} has no storage")
+        # The object's own bytes, by its TensorImpl: a subclass's detach() may answer for
+        # another tensor (HyperParallel's DTensor detaches its local tensor) or raise.
+        with tc.no_torch_function():
+            src.append(fresh_on(storage, *geometry_of(obj), rec[4]))
         key = txn.track(storage)
         del storage
         feeds.setdefault(key, []).append(slc.slice_id)
         view = pool.view_at(slc.offset + rec[1], rec[2], rec[4], rec[3])
         txn.save_bytes(view)  # a rollback must give the slice its old bytes back
         dst.append(view)
-        with tc.no_torch_function():
-            src.append(obj.detach())
     checkpoint("copy")
     copy_all(dst, src)
     del dst, src
@@ -177,6 +179,7 @@ def _readopt(
                 fresh = fresh_on(target, offset, rec[2], rec[3], rec[4], grad)
                 records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
                 swaps.append((obj, fresh))
+                del fresh  # after the swap it carries the old impl: only the journal may hold it
             else:
                 records.append(SetMove(obj, key, *old, version))
                 places.append((obj, target, offset, rec[2], rec[3]))

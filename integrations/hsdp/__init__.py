@@ -7,6 +7,7 @@ under the ``flatpool`` package).
 from .allgather import fused_all_gather, per_param_all_gather
 from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .group import GroupBuffers, adopt_group, adopt_spec
+from .hyperparallel import cast_buffer, flat_buffer, fuse, is_fused
 from .layout import Bucket, MemberLayout
 from .meta import materialize_group
 from .protocol import ShardedParam
@@ -20,9 +21,13 @@ __all__ = [
     "ShardedParam",
     "adopt_group",
     "adopt_spec",
+    "cast_buffer",
+    "flat_buffer",
     "fsdp_param_groups",
     "fuse_fully_sharded",
+    "fuse",
     "fused_all_gather",
+    "is_fused",
     "is_valid",
     "lazy_init",
     "materialize_group",

@@ -19,7 +19,9 @@ from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import own_storage
+from flatpool import torch_compat as tc
 
+from .members import local_of
 from .protocol import ShardedParam
 
 
@@ -27,8 +29,8 @@ def member_tensors(p: ShardedParam) -> list[torch.Tensor]:
     """Every tensor object through which member ``p`` can reach a shard storage."""
     out: list[torch.Tensor] = []
     todo: list[torch.Tensor] = [p._sharded_param_data, p.sharded_param]
-    local = getattr(p.sharded_param, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
+    local = local_of(p.sharded_param)
+    if local is not p.sharded_param:
         todo.append(local)
     seen: set[int] = set()
     while todo:
@@ -37,8 +39,9 @@ def member_tensors(p: ShardedParam) -> list[torch.Tensor]:
             continue
         seen.add(id(t))
         out.append(t)
-        base = t._base
-        if isinstance(base, torch.Tensor):
+        with tc.no_torch_function():  # the tensor's own autograd base, past overrides
+            base = tc.impl_base(t)
+        if base is not None:
             todo.append(base)
     return out
 
@@ -62,13 +65,13 @@ def live_storages(
     for f in flats:
         s = own_storage(f)
         if s is not None:
-            flat_keys.add(int(s._cdata))
-            found[int(s._cdata)] = s
+            flat_keys.add(tc.storage_key(s))
+            found[tc.storage_key(s)] = s
     for p in params:
         for t in member_tensors(p):
             s = own_storage(t)
             if s is not None and s.nbytes() > 0:
-                found.setdefault(int(s._cdata), s)
+                found.setdefault(tc.storage_key(s), s)
     rows = [
         LiveStorage(k, s.nbytes(), "flat" if k in flat_keys else "shard") for k, s in found.items()
     ]
@@ -96,9 +99,9 @@ class OriginalStorages:
             name = names[i] if names is not None else f"[{i}]"
             for t in member_tensors(p):
                 s = own_storage(t)
-                if s is None or s.nbytes() == 0 or int(s._cdata) in seen:
+                if s is None or s.nbytes() == 0 or tc.storage_key(s) in seen:
                     continue
-                seen.add(int(s._cdata))
+                seen.add(tc.storage_key(s))
                 ref = StorageWeakRef(s)  # type: ignore[no-untyped-call]
                 self._tracked.append(_Tracked(name, ref, s.nbytes()))
 

@@ -56,6 +56,7 @@ class Config:
     batch: int = 8
     steps: int = 3
     lr: float = 1e-2
+    client: str = "fsdp2"
 
 
 class ZeroThreeCase(nn.Module):
@@ -226,9 +227,12 @@ def parse(argv: Sequence[str] | None) -> Config:
     ap.add_argument("--ffn", type=int, default=2048, help="inner width (default 2048: 4 MiB shards)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
+                    help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
     a = ap.parse_args(argv)
     backend = a.backend or {"cuda": "nccl", "npu": "hccl"}.get(a.device.split(":")[0], "gloo")
-    return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps)
+    return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps,
+                  client=a.client)
 
 
 def header(cfg: Config) -> str:
@@ -285,6 +289,10 @@ def main_torchrun(cfg: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.client == "hyperparallel":
+        from . import demo_hyperparallel
+
+        return demo_hyperparallel.main(cfg)
     if launched_by_torchrun():
         return main_torchrun(cfg)
     print(header(cfg), flush=True)

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from flatpool import InvalidTypeError, PinnedStorageError
 
 from .group import GroupBuffers, adopt_group
+from .members import data_of, is_meta
 from .meta import materialize_group
 from .validity import is_valid, readopt_group
 
@@ -83,7 +84,7 @@ class FusedModule:
     def _adopt(self, i: int, materialize: bool = False) -> None:
         g = self.groups[i]
         if materialize and g.fsdp_params and all(
-            p._sharded_param_data.is_meta for p in g.fsdp_params
+            is_meta(data_of(p, j)) for j, p in enumerate(g.fsdp_params)
         ):
             self.buffers[i] = materialize_group(
                 g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
@@ -98,7 +99,11 @@ class FusedModule:
         )
 
     def revalidate(self) -> None:
-        """Bring every group back into its pools: adopt late groups, re-adopt moved members."""
+        """Bring every group back into its pools: adopt late groups, re-adopt moved members.
+
+        On a healthy rank this is :func:`is_valid` per group: a few TensorImpl reads a member
+        (storage keys and offsets, so an empty shard on a trailing rank reads as in place); the
+        diagnosis and re-adoption run only when a member did move."""
         for i, g in enumerate(self.groups):
             buf = self.buffers[i]
             if not buf.adopted:

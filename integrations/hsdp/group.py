@@ -18,14 +18,18 @@ import math
 from collections.abc import Sequence
 
 import torch
-from attrs import define, evolve
+from attrs import define, evolve, field
 
-from flatpool import AdoptSpec, FlatPool, Holder, OnPinned, Slice, local_tensor, own_storage
+from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned, Slice
 from flatpool.devices import DeviceLike, resolve_device
+from flatpool.ownership.moves import fresh_on, place_many
 from flatpool.pool import contiguous_strides
 
 from .layout import Bucket, MemberLayout
+from .members import data_of, has_memory, impl_device, impl_dtype, impl_requires_grad, impl_size
+from .members import is_meta, local_of, padded_size, shard_dim
 from .protocol import ShardedParam
+from .wrappers import WrapperKinds
 
 
 @define(frozen=True)
@@ -40,6 +44,8 @@ class GroupBuffers:
     skipped: str | None = None
     freed_bytes: int = 0
     """Bytes of original shard storages proven released by the adoption."""
+    wrapper_kinds: WrapperKinds = field(factory=WrapperKinds, eq=False, repr=False)
+    """What the per-step check learned about each member's parameter wrapper (a cache)."""
 
     @property
     def adopted(self) -> bool:
@@ -53,7 +59,8 @@ class GroupBuffers:
         for b in self.buckets:
             if b.dtype == dtype:
                 return b
-        raise KeyError(f"no bucket of {dtype} (have {[str(b.dtype) for b in self.buckets]})")
+        raise InvalidRequestError(
+            f"no bucket of {dtype} (have {[str(b.dtype) for b in self.buckets]})")
 
     def pools(self) -> list[FlatPool]:
         return [b.pool for b in self.buckets]
@@ -67,7 +74,8 @@ def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str |
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
     if any(p.offload_to_cpu for p in params):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
-    meta = [i for i, p in enumerate(params) if p._sharded_param_data.is_meta]
+    meta = [i for i, p in enumerate(params)
+            if is_meta(data_of(p, i)) or is_meta(local_of(p.sharded_param))]
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
@@ -78,35 +86,35 @@ def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str |
 
 def layout_of(p: ShardedParam, index: int, offset: int) -> MemberLayout:
     """Where member ``p`` goes, checking that its padded data is what the protocol says."""
-    data = p._sharded_param_data
-    padded = torch.Size(p.padded_sharded_param_size)
-    if data.dim() != 1 or data.numel() != math.prod(padded):
-        raise ValueError(
+    size = impl_size(data_of(p, index))
+    padded = padded_size(p, index)
+    if len(size) != 1 or size[0] != math.prod(padded):
+        raise InvalidRequestError(
             f"member {index}: _sharded_param_data must be 1-D with {math.prod(padded)} elements "
-            f"(padded size {tuple(padded)}), got shape {tuple(data.shape)}"
+            f"(padded size {tuple(padded)}), got shape {tuple(size)}"
         )
-    placement = getattr(p, "fsdp_placement", None)
-    shard_dim = int(getattr(placement, "dim", 0))
     orig = getattr(p, "_orig_size", None)
+    # The *global* shape is wanted here, which is what a DTensor's Python ``shape`` answers.
     orig_size = torch.Size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
     return MemberLayout(
         index=index,
         offset=offset,
-        numel=data.numel(),
+        numel=size[0],
         padded_size=padded,
         sharded_size=torch.Size(p.sharded_size),
         orig_size=orig_size,
-        shard_dim=shard_dim,
+        shard_dim=shard_dim(p),
     )
 
 
 def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
     """How one member moves: the padded data is the primary; every other holder follows.
 
-    ``_sharded_param_data`` is always an autograd view on FSDP2, so it is *replaced* where the
-    member holds it. The local tensor is found through ``sharded_param`` (flatpool replaces it
-    when it is a view, else rebinds it in place) and a storage-sharing wrapper is rebound in
-    place, keeping the Parameter object the module and optimizer hold.
+    The parameter is named as a view: flatpool moves its local tensor (in place, or by a
+    TensorImpl swap when it is an autograd view whose base stays behind) and a wrapper sharing
+    the storage (moved in place with the *local* geometry; a meta wrapper gets the local's
+    place), keeping the Parameter object the module and optimizer hold. The member's
+    ``_sharded_param_data`` attribute is remembered as the data's holder for re-adoption.
     """
     return AdoptSpec(
         p._sharded_param_data,
@@ -120,7 +128,7 @@ def bucket_members(params: Sequence[ShardedParam]) -> dict[torch.dtype, list[int
     """Member indices per dtype of the padded data, first-seen dtype first, group order kept."""
     out: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
-        out.setdefault(p._sharded_param_data.dtype, []).append(i)
+        out.setdefault(impl_dtype(data_of(p, i)), []).append(i)
     return out
 
 
@@ -138,7 +146,7 @@ def adopt_group(
     Returns without touching anything (``skipped`` set) for an empty group, ``world_size <= 1``,
     CPU offload or meta shards. Otherwise all-or-nothing: if any member cannot be adopted (an
     original is pinned by something not named here, a shard is on another device), every member
-    is left as it was and the error propagates.
+    is left as it was and the error (a :class:`flatpool.FlatPoolError`) propagates.
 
     Args:
         params: the group's members, in all-gather order.
@@ -153,16 +161,16 @@ def adopt_group(
     reason = skip_reason(params, world_size)
     if reason is not None:
         return GroupBuffers(skipped=reason)
-    dev = resolve_device(device) if device is not None else params[0]._sharded_param_data.device
+    dev = resolve_device(device) if device is not None else impl_device(data_of(params[0], 0))
     plans = plan_buckets(params, dev, alignment, name)
 
     done: list[tuple[FlatPool, list[MemberLayout]]] = []
     freed = 0
     try:
-        for dtype, pool, layouts in plans:
-            specs = [adopt_spec(params[m.index], m.slice) for m in layouts]
-            report = pool.adopt(specs, on_pinned=on_pinned)
-            freed += report.freed_bytes
+        for _, pool, layouts in plans:
+            specs = [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
+            if specs:
+                freed += pool.adopt(specs, on_pinned=on_pinned).freed_bytes
             done.append((pool, layouts))
     except BaseException:
         for pool, layouts in done:
@@ -178,13 +186,21 @@ BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]
 def plan_buckets(
     params: Sequence[ShardedParam], device: torch.device, alignment: int, name: str
 ) -> list[BucketPlan]:
-    """One planned (not yet materialized) pool per dtype, a slice per member in group order."""
+    """One planned (not yet materialized) pool per dtype, a slice per member in group order.
+
+    A member whose padded shard holds no element (a parameter with no rows) gets no slice: it
+    keeps its own empty tensors, and its place in the flat buffer has no width.
+    """
     plans: list[BucketPlan] = []
     for dtype, indices in bucket_members(params).items():
         pool = FlatPool(device, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
         layouts = []
         for i in indices:
-            slc = pool.allocate(params[i].padded_sharded_param_size, dtype)
+            padded = padded_size(params[i], i)
+            if math.prod(padded) == 0:
+                layouts.append(layout_of(params[i], i, pool.capacity // dtype.itemsize))
+                continue
+            slc = pool.allocate(padded, dtype)
             layouts.append(evolve(layout_of(params[i], i, slc.offset // dtype.itemsize), slice=slc))
         plans.append((dtype, pool, layouts))
     return plans
@@ -194,29 +210,28 @@ def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[Memb
     """Undo an adoption: give each member a private storage again (rollback of a later bucket).
 
     The member's data is copied out of its slice into a fresh padded tensor; the padded data,
-    the local tensor and a storage-sharing wrapper are pointed at it, exactly as FSDP2 lays a
-    member out after ``fully_shard``.
+    the local tensor and a wrapper with memory of its own are pointed at it, exactly as FSDP2
+    lays a member out after ``fully_shard``.
     """
     for p, m in zip(params, layouts):
-        assert m.slice is not None
+        if m.slice is None:
+            continue
         fresh = pool.view(m.slice).clone()  # padded shape, like FSDP2's padded tensor
         storage = fresh.untyped_storage()
-        p._sharded_param_data = fresh.view(-1)
-        local = local_tensor(p.sharded_param)
         stride = contiguous_strides(m.sharded_size)
-        new_local = torch.empty(0, dtype=fresh.dtype, device=fresh.device)
-        with torch.no_grad():
-            new_local.set_(storage, 0, tuple(m.sharded_size), stride)
-            if local is not p.sharded_param:
-                new_local.requires_grad_(local.requires_grad)
-                setattr(p.sharded_param, "_local_tensor", new_local)
-            if own_storage(p.sharded_param) is not None:
-                with torch._C.DisableTorchFunctionSubclass():
-                    p.sharded_param.set_(storage, 0, tuple(m.sharded_size), stride)
+        wrapper = p.sharded_param
+        local = local_of(wrapper)
+        p._sharded_param_data = fresh.view(-1)
+        if local is not wrapper:
+            new_local = fresh_on(storage, 0, m.sharded_size, stride, fresh.dtype,
+                                 impl_requires_grad(local))
+            setattr(wrapper, "_local_tensor", new_local)
+        if local is wrapper or has_memory(wrapper):
+            place_many([(wrapper, storage, 0, tuple(m.sharded_size), stride)])
         pool.disown(m.slice)
 
 
 __all__ = [
     "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict",
-    "plan_buckets", "skip_reason",
+    "layout_of", "plan_buckets", "skip_reason",
 ]

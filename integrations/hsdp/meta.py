@@ -18,11 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatpool import FlatPool
+from flatpool import FlatPool, InvalidRequestError, InvalidTypeError
+from flatpool import torch_compat as tc
 from flatpool.devices import DeviceLike, resolve_device
 
 from .group import GroupBuffers, plan_buckets
 from .layout import Bucket, MemberLayout
+from .members import data_of, impl_requires_grad, is_meta
 from .protocol import ShardedParam
 
 
@@ -37,22 +39,30 @@ def materialize_group(
 
     Every member must still be on meta (torch DTensor parameters). The pools' memory is left
     uninitialized, like ``to_empty``: initialize the module afterwards. Returns the same
-    :class:`GroupBuffers` as :func:`adopt_group`.
+    :class:`GroupBuffers` as :func:`adopt_group`. Nothing is changed when a member is refused.
     """
     params = list(params)
     if not params:
         return GroupBuffers(skipped="empty group: nothing to fuse")
-    not_meta = [i for i, p in enumerate(params) if not p._sharded_param_data.is_meta]
+    not_meta = [i for i, p in enumerate(params) if not is_meta(data_of(p, i))]
     if not_meta:
-        raise ValueError(
+        raise InvalidRequestError(
             f"members {not_meta} are not on meta; use adopt_group() for materialized shards"
+        )
+    not_dtensor = [i for i, p in enumerate(params) if not isinstance(p.sharded_param, DTensor)]
+    if not_dtensor:
+        raise InvalidTypeError(
+            f"members {not_dtensor}: zero-copy materialization needs torch DTensor parameters "
+            "(FSDP2); materialize other wrappers (HyperParallel's) with to_empty() or lazy init "
+            "and fuse them with adopt_group()"
         )
     plans = plan_buckets(params, resolve_device(device), alignment, name)
     for _, pool, _ in plans:
         pool.materialize()
     for _, pool, layouts in plans:
         for m in layouts:
-            _install(params[m.index], pool, m)
+            if m.slice is not None:
+                _install(params[m.index], pool, m)
     return GroupBuffers(buckets=tuple(Bucket(d, pool, tuple(ls)) for d, pool, ls in plans))
 
 
@@ -60,12 +70,11 @@ def materialize_group(
 def _install(p: ShardedParam, pool: FlatPool, m: MemberLayout) -> None:
     assert m.slice is not None
     old = p.sharded_param
-    if not isinstance(old, DTensor):
-        raise TypeError(f"member {m.index}: zero-copy materialization needs a torch DTensor")
+    assert isinstance(old, DTensor)
+    grad = impl_requires_grad(old)
     local = pool.view_at(m.slice.offset, tuple(m.sharded_size), m.slice.dtype)
-    new_dt = DTensor(local, old._spec, requires_grad=old.requires_grad)  # type: ignore[no-untyped-call]
-    new = nn.Parameter(new_dt, requires_grad=old.requires_grad)
-    torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]
+    new_dt = DTensor(local, old._spec, requires_grad=grad)  # type: ignore[no-untyped-call]
+    tc.swap_tensors(old, nn.Parameter(new_dt, requires_grad=grad))
     p._sharded_param_data = pool.view_at(m.slice.offset, (m.numel,), m.slice.dtype)
 
 

@@ -2,7 +2,8 @@
 
 HyperParallel's ``TorchHSDPParamV2`` was adapted from PyTorch FSDP2's ``FSDPParam``; both keep,
 per parameter, the same few attributes. The layer is written against this protocol only, so
-it serves both (and the test double in ``tests/integrations``) without importing either.
+it serves both (and the simulation in :mod:`flatpool.integrations.hsdp.hyperparallel_sim`)
+without importing either.
 """
 
 from __future__ import annotations
@@ -18,21 +19,27 @@ class ShardedParam(Protocol):
 
     Attributes:
         _sharded_param_data: 1-D tensor over the *padded* local shard; the all-gather input.
-            Uneven sharding pads dim 0 of the shard up to ``padded_sharded_param_size``.
-            Always an autograd view (``_base`` set) on FSDP2, so it must be *replaced*, not
-            rebound with ``set_``.
+            On FSDP2 an autograd view (``_base`` set) of the padded tensor.
         sharded_param: the ``nn.Parameter``-wrapped DTensor installed on the module and held
-            by the optimizer. Its identity must survive adoption. ``sharded_param._local_tensor``
+            by the optimizer. Its identity survives adoption. ``sharded_param._local_tensor``
             is a ``narrow`` of the padded data shaped ``sharded_size``.
         sharded_size: shape of the unpadded local shard.
-        padded_sharded_param_size: shape of the padded local shard.
         offload_to_cpu: CPU offload keeps shards on the host; fusion is skipped then.
+
+    Read when present (the layer never requires them):
+
+    * ``padded_sharded_param_size``: shape of the padded local shard. HyperParallel's even-only
+      ``TorchHSDPParamV2`` has no such attribute; ``sharded_size`` stands in for it when the
+      data holds exactly ``sharded_size`` elements (even sharding), otherwise adoption refuses
+      the member with :class:`flatpool.InvalidRequestError`.
+    * ``fsdp_placement`` (FSDP2) / ``hsdp_placement`` (HyperParallel): ``Shard(dim)``, default 0.
+    * ``_orig_size``: the unsharded shape, for cutting a fused all-gather's output.
+    * ``param_dtype``: the communication dtype (HyperParallel's cast buffer).
     """
 
     _sharded_param_data: torch.Tensor
     sharded_param: nn.Parameter
     sharded_size: torch.Size
-    padded_sharded_param_size: torch.Size
     offload_to_cpu: bool
 
 

@@ -1,60 +1,73 @@
 """Is a fused group still fused? And bringing back the members that were moved out.
 
-A group stays valid only while *every* member's padded data, local tensor and (for a
-storage-sharing wrapper) the wrapper itself sit on the member's slice. HyperParallel's own
-check looks at the first member's data pointer only, which misses a later member moved by
-``reset_sharded_param`` (``load_state_dict(assign=True)``, ``to_empty``) and misses a wrapper or
-local tensor left behind. The check here is by storage identity and byte offset, per member,
-at about a microsecond each.
+A member is in place when its padded data, its local tensor and (for a wrapper with memory of
+its own, HyperParallel's DTensor) the parameter wrapper all sit on its bucket's pool storage,
+starting at the member's slice with the shapes its layout says. Autograd bases are not read: a
+view shares its base's storage unless ``set_`` moved the view alone, which only flatpool does
+(and its release proof at adoption covers it); a base left elsewhere would pin memory, which is
+a census question (:mod:`flatpool.memory`), not whether the group reads and writes its slices. HyperParallel's own check compares member 0's data
+pointer only, which misses a later member moved by ``reset_sharded_param`` and every local
+tensor or wrapper left behind.
 
-The per-step check (:func:`is_valid`) compares raw data pointers: while a pool's storage is
-alive no other allocation can own an address inside it, so a tensor whose data pointer is the
-slice's address does alias the slice. The slower :func:`problems` says *what* is wrong, by
-storage identity, when the fast check fails.
+Both checks here decide by *storage identity* (the StorageImpl, read without a Python storage
+object) and *element offset*, read from the TensorImpls under ``no_torch_function()``; never by
+``data_ptr()``, which is 0 for a zero-element tensor (an empty shard on a trailing rank) and
+which HyperParallel's DTensor overrides. :func:`is_valid` is the per-step form (a few C reads a
+member, about a microsecond, no allocation); :func:`member_problems` says in words what is
+wrong, with the same rules (tests hold the two to agree on every member kind).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from flatpool import FlatPool, byte_range, local_tensor, own_storage, storage_of
+from flatpool import AdoptionError, AdoptSpec, FlatPool, InvalidRequestError
+from flatpool import torch_compat as tc
 
 from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout
+from .members import PLAIN, data_of, has_memory, is_meta, local_of
 from .protocol import ShardedParam
 
 
-def _at(t: torch.Tensor, pool: FlatPool, key: int, byte_offset: int) -> bool:
-    with torch._C.DisableTorchFunctionSubclass():
-        if t.is_meta:
-            return False
-    return int(storage_of(t)._cdata) == key and byte_range(t).start == byte_offset
+def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...]) -> str | None:
+    """What is wrong with tensor ``t`` versus ``(pool key, element offset, size)``, or None."""
+    with tc.no_torch_function():
+        if tc.impl_is_meta(t):
+            return "is on the meta device"
+        if tc.storage_address(t) != key:
+            return "is on a storage outside the pool"
+        if tc.impl_storage_offset(t) != offset:
+            return f"starts at element {tc.impl_storage_offset(t)} of the pool, not {offset}"
+        if tuple(tc.impl_size(t)) != size:
+            return f"has shape {tuple(tc.impl_size(t))}, not {size}"
+    return None
 
 
 def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> list[str]:
     """What of member ``p`` is not where layout ``m`` puts it (empty when it is)."""
-    assert m.slice is not None
-    if not pool.is_materialized or not pool.is_live(m.slice):
+    if m.slice is None:
+        return []  # a member with no element has no slice and nothing to keep in place
+    key = pool.storage_key
+    if key is None or pool.live_slice(m.slice.slice_id) is not m.slice:
         return ["its slice is gone"]
-    key = int(pool.storage._cdata)
-    start = m.slice.offset
     out = []
-    data = p._sharded_param_data
-    if not _at(data, pool, key, start) or data.numel() != m.numel:
-        out.append("_sharded_param_data left its slice")
-    if data._base is not None and not _at(data._base, pool, key, byte_range(data._base).start):
-        out.append("_sharded_param_data is a view of a storage outside the pool")
-    local = local_tensor(p.sharded_param)
-    if not _at(local, pool, key, start) or tuple(local.shape) != tuple(m.sharded_size):
-        out.append("the local tensor left its slice")
-    if local._base is not None and int(storage_of(local._base)._cdata) != key:
-        out.append("the local tensor is a view of a storage outside the pool")
-    wrapper = own_storage(p.sharded_param)
-    if local is not p.sharded_param and wrapper is not None and int(wrapper._cdata) != key:
-        out.append("the parameter wrapper shares a storage outside the pool")
+    data = data_of(p, m.index)
+    wrong = _place(data, key, m.offset, (m.numel,))
+    if wrong:
+        out.append(f"_sharded_param_data {wrong}")
+    wrapper = p.sharded_param
+    local = local_of(wrapper)
+    wrong = _place(local, key, m.offset, tuple(m.sharded_size))
+    if wrong:
+        out.append(f"the local tensor {wrong}")
+    if local is not wrapper and has_memory(wrapper):
+        wrong = _place(wrapper, key, m.offset, tuple(m.sharded_size))
+        if wrong:
+            out.append(f"the parameter wrapper (it has memory of its own) {wrong}")
     return out
 
 
@@ -69,51 +82,89 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
     return out
 
 
-_data_ptr = torch._C.TensorBase.data_ptr  # the real address, past subclass overrides
-
-
-def _outside(t: torch.Tensor | None, lo: int, hi: int) -> bool:
-    """``t`` is a tensor (an autograd base, a wrapper) whose data lies outside ``[lo, hi)``."""
-    return t is not None and not lo <= _data_ptr(t) < hi
-
-
-def _shares_storage(wrapper: torch.Tensor) -> bool:
-    """A wrapper with data of its own (``_make_subclass``), not a storage-less DTensor."""
-    traceable: bool = is_traceable_wrapper_subclass(wrapper)
-    return not traceable
-
-
 def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
-    """True when the group was adopted and *every* member still aliases its slice.
+    """True when the group was adopted and *every* member is in place (see the module).
 
-    Runs before each all-gather: per member a handful of pointer reads (about a microsecond),
-    covering the padded data, the local tensor, their autograd bases and a storage-sharing
-    wrapper, as :func:`problems` does by storage identity.
+    Runs before each all-gather: per member, storage key, element offset and shape of the
+    data, the local tensor and a wrapper with memory: six to nine C reads, no allocation.
     """
     if not buffers.adopted:
         return False
-    for b in buffers.buckets:
-        pool = b.pool
-        if not pool.is_materialized:
-            return False
-        lo = pool.storage.data_ptr()
-        hi = lo + pool.capacity
-        for m in b.members:
-            slc = m.slice
-            if slc is None or not pool.is_live(slc):
+    kinds = buffers.wrapper_kinds
+    addr, off, size = tc.storage_address, tc.impl_storage_offset, tc.impl_size
+    tensor = torch.Tensor
+    with tc.no_torch_function():
+        for b in buffers.buckets:
+            pool = b.pool
+            key = pool.storage_key
+            if key is None:
                 return False
-            at = lo + slc.offset
-            p = params[m.index]
-            data = p._sharded_param_data
-            if _data_ptr(data) != at or data.numel() != m.numel or _outside(data._base, lo, hi):
-                return False
-            param = p.sharded_param
-            local = getattr(param, "_local_tensor", param)
-            if _data_ptr(local) != at or _outside(local._base, lo, hi):
-                return False
-            if local is not param and _shares_storage(param) and _outside(param, lo, hi):
-                return False  # a storage-sharing wrapper (HyperParallel) left the pool
+            live = pool.live_slice
+            for index, slc, sid, at, flat, sharded in kinds.rows(b):
+                if live(sid) is not slc:
+                    return False
+                p = params[index]
+                data = p._sharded_param_data
+                if addr(data) != key or off(data) != at or size(data) != flat:
+                    return False
+                wrapper: torch.Tensor = p.sharded_param
+                local: Any = wrapper  # (local_of) a plain parameter is its own local tensor
+                if type(wrapper) not in PLAIN:
+                    local = getattr(wrapper, "_local_tensor", None)
+                    if not isinstance(local, tensor):
+                        local = wrapper
+                if addr(local) != key or off(local) != at or size(local) != sharded:
+                    return False
+                if local is not wrapper:
+                    at_key = addr(wrapper)
+                    if at_key == key:
+                        if off(wrapper) != at or size(wrapper) != sharded:
+                            return False
+                    elif not kinds.storage_less(index, wrapper, at_key):
+                        return False
     return True
+
+
+def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec | None:
+    """How to bring member ``p`` back: a spec when its data left the pool (the local tensor and
+    a wrapper with memory left with it, or stayed in place), ``None`` when its data is in place
+    and only a local tensor or wrapper the pool's registry knows moved (``pool.readopt()``
+    brings those back). A typed error, before anything moves, when neither applies."""
+    assert m.slice is not None
+    key = pool.storage_key
+    if key is None or pool.live_slice(m.slice.slice_id) is not m.slice:
+        raise InvalidRequestError(
+            f"member {m.index}: its slice was freed; adopt the group anew with adopt_group()")
+    data = data_of(p, m.index)
+    wrapper = p.sharded_param
+    local = local_of(wrapper)
+    with tc.no_torch_function():
+        moved_to = None if is_meta(data) else tc.storage_address(data)
+    if moved_to == key or moved_to is None:
+        wrong = _place(data, key, m.offset, (m.numel,))
+        if wrong:
+            raise InvalidRequestError(
+                f"member {m.index}: its _sharded_param_data {wrong}; give it its slice's view "
+                "again (or its own storage) before re-adopting. Nothing was changed.")
+        return None
+    others = [("local tensor", local)]
+    if local is not wrapper and has_memory(wrapper) and not is_meta(wrapper):
+        others.append(("parameter wrapper", wrapper))
+    along = False
+    for what, t in others:
+        with tc.no_torch_function():
+            where = tc.storage_address(t)
+        if where not in (key, moved_to):
+            raise AdoptionError(
+                f"member {m.index}: its _sharded_param_data and its {what} moved to two "
+                "different storages, so which values are current is unknown; point them at one "
+                "storage (as reset_sharded_param does) and call again. Nothing was changed."
+            )
+        along = along or where == moved_to
+    spec = adopt_spec(p, m.slice)
+    # The parameter is named only when something of it moved with the data; what stayed in
+    # place stays (its bytes are the slice's, which the data's values now overwrite).
+    return spec if along else AdoptSpec(spec.tensor, holders=spec.holders, slice=spec.slice)
 
 
 def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
@@ -121,7 +172,14 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
 
     The member's *current* values (a freshly loaded or re-initialized shard) are copied into
     its slice and every holder is rebound, with the same release proof as the first adoption:
-    the storage the member had moved to must die.
+    the storage the member had moved to must die. Members whose data moved (what
+    ``reset_sharded_param`` does) are re-adopted with the holders they have *now* (FSDP2 may
+    have installed a new Parameter object), in one all-or-nothing step per bucket; a local
+    tensor or wrapper that moved alone is brought back through the pool's registry first, in a
+    step of its own (if the second step then fails, those members stay repaired).
+
+    Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
+    changed for it), or is still out of place afterwards.
     """
     if not buffers.adopted:
         return 0
@@ -130,9 +188,19 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
         stale = [m for m in b.members if member_problems(params[m.index], m, b.pool)]
         if not stale:
             continue
-        # The member knows its holders *now* (FSDP2 may have installed a new Parameter object,
-        # e.g. load_state_dict(assign=True)), so name them explicitly for the existing slices.
-        b.pool.readopt([adopt_spec(params[m.index], m.slice) for m in stale])
+        plans = [(m, _repair_spec(params[m.index], m, b.pool)) for m in stale]
+        if any(spec is None for _, spec in plans):
+            b.pool.readopt()
+        specs = [spec for _, spec in plans if spec is not None]
+        if specs:
+            b.pool.readopt(specs)
+        left = {m.index: member_problems(params[m.index], m, b.pool) for m in stale}
+        left = {i: found for i, found in left.items() if found}
+        if left:
+            raise AdoptionError(
+                f"re-adoption left member(s) out of place: {left}; the pool's registry does not "
+                "know the objects they hold now. Call adopt_group() on the group anew."
+            )
         moved += len(stale)
     return moved
 

@@ -49,6 +49,18 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(x))))
 
 
+class EmptyShard(nn.Module):
+    """``Linear(3, 1)`` last: over 2 ranks, rank 1's weight shard is ``(0, 3)``, its bias ``(0,)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
 class TwoDtypes(nn.Module):
     """A trainable fp32 layer next to a frozen bf16 one, in one FSDP2 group."""
 
@@ -65,7 +77,7 @@ def _input(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + dist.get_rank())
     if name == "tied":
         return torch.randint(0, 11, (4, 3), generator=g), torch.randn(4, 3, 11, generator=g)
-    width, out = 5, 3
+    width, out = 5, (1 if name == "empty_shard" else 3)
     return torch.randn(4, width, generator=g), torch.randn(4, out, generator=g)
 
 
@@ -74,6 +86,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp_nobias": lambda: MLP(False),
     "tied": Tied,
     "two_dtypes": TwoDtypes,
+    "empty_shard": EmptyShard,
 }
 OPTS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -121,10 +134,10 @@ def build(name: str, mesh: DeviceMesh, how: str):  # type: ignore[no-untyped-def
     return model, fused, originals
 
 
-def train(name: str, model: nn.Module, opt_name: str):  # type: ignore[no-untyped-def]
+def train(name: str, model: nn.Module, opt_name: str, steps: int = STEPS):  # type: ignore[no-untyped-def]
     opt = OPTS[opt_name]([p for p in model.parameters() if p.requires_grad])
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _input(name, step)
         loss = nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
@@ -213,6 +226,38 @@ def load_state_dict_case(mesh: DeviceMesh, assign: bool) -> None:
     check_aliasing(model, fused, a[2])
 
 
+def empty_shard_case(mesh: DeviceMesh, how: str) -> None:
+    """A rank whose shard of a parameter is empty reads as valid every step: no re-adoption and
+    no diagnosis ever runs (``revalidate()`` stays ``is_valid``: pointer reads per member), so
+    both ranks take the fused path every step; training equals FSDP2 without fusion."""
+    from flatpool.integrations.hsdp import validity
+
+    name = "empty_shard"
+    ref_model, _, _ = build(name, mesh, "ref")
+    ref = train(name, ref_model, "adam", steps=4)
+    model, fused, _ = build(name, mesh, how)
+    assert fused is not None and fused.is_valid(), "not valid before training"
+    if dist.get_rank() == 1:
+        assert tuple(local_tensor(model.b.weight).shape) == (0, 3)  # type: ignore[arg-type]
+        assert tuple(local_tensor(model.b.bias).shape) == (0,)  # type: ignore[arg-type]
+    diagnosed = []
+    real = validity.member_problems
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        diagnosed.append(args[1].index)
+        return real(*args, **kwargs)
+
+    validity.member_problems = counting  # type: ignore[assignment]
+    try:
+        got = train(name, model, "adam", steps=4)
+    finally:
+        validity.member_problems = real  # type: ignore[assignment]
+    assert fused.is_valid(), "not valid after 4 steps"
+    assert fused.readoptions == 0 and not diagnosed, (fused.readoptions, diagnosed)
+    assert got[0] == ref[0] and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    check_aliasing(model, fused, got[2])
+
+
 def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     out: dict[str, Callable[[], None]] = {}
     for name, opt in [("mlp_bias", "adam"), ("mlp_nobias", "sgd_momentum"), ("tied", "adam"),
@@ -223,6 +268,8 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     out["to_empty-mlp_nobias-adam"] = lambda: compare("mlp_nobias", "adam", "to_empty", mesh)
     out["load_state_dict-inplace"] = lambda: load_state_dict_case(mesh, assign=False)
     out["load_state_dict-assign"] = lambda: load_state_dict_case(mesh, assign=True)
+    for how in ("adopt", "meta", "to_empty"):
+        out[f"empty_shard-{how}"] = lambda h=how: empty_shard_case(mesh, h)
     from hp_double import hp_bug_case  # noqa: PLC0415
 
     out["hyperparallel-double"] = hp_bug_case

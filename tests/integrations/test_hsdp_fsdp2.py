@@ -23,6 +23,9 @@ SCENARIOS = [
     "to_empty-mlp_nobias-adam",
     "load_state_dict-inplace",
     "load_state_dict-assign",
+    "empty_shard-adopt",
+    "empty_shard-meta",
+    "empty_shard-to_empty",
     "hyperparallel-double",
     "dcp-two_dtypes-eager",  # checkpoint_workers.py
     "dcp-mlp_bias-meta",

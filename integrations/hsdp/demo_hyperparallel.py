@@ -1,0 +1,221 @@
+"""``demo --client hyperparallel``: the bug report's case in the HyperParallel simulation.
+
+Each rank builds the report's two-weight unit (``--ffn`` x ``--hidden`` fp32 weights, sharded
+on dim 0) in :mod:`flatpool.integrations.hsdp.hyperparallel_sim` and trains it in six modes:
+
+* ``no fusion``: per-parameter all-gathers (the reference).
+* ``HyperParallel as shipped``: the V1 group with its own flat-buffer code and the DTensor
+  whose ``.data`` setter is routed to the local tensor: the old shard storages stay alive
+  next to the flat buffer (2 x 4 MiB + 8 MiB at the defaults), the Parameter reads stale memory.
+* ``flatpool, V1 lines`` / ``flatpool, newest lines``: the drop-in lines of
+  docs/integration.md (:class:`~.hyperparallel.V1Lines`, :class:`~.hyperparallel.BucketLines`)
+  in the V1 group and in the newest bucketed group (newest DTensor, padded members).
+* ``..., meta init``: the same after deferred init (``to_empty``; ``_local_tensor`` assigned
+  to a meta wrapper, which adoption gives its slice).
+
+The table has the FSDP2 demo's columns; a flatpool row fails when more than the pool is live,
+an original survived, a Parameter wrapper does not alias its slice with the local shape, the
+validity check was false after a step, the pool's storage is not exactly its capacity, or
+training differs from no fusion.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from attrs import define, evolve
+
+from flatpool import torch_compat as tc
+
+from .hyperparallel import BucketLines, V1Lines
+from .hyperparallel_sim import Config, FullyShardUnit, Originals, digest, live_storages
+from .hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key
+from .launch import launch
+
+MiB = 1 << 20
+V1_HOOKS: dict[str, Callable[..., Any]] = {
+    "init_flat": V1Lines._init_flat_param_buffer, "is_valid": V1Lines._is_flat_buffer_valid}
+BUCKET_HOOKS: dict[str, Callable[..., Any]] = {
+    "init_flat": BucketLines.init_flat_param_buffer, "is_valid": BucketLines.is_flat_buffer_valid}
+
+
+class DemoConfig(Protocol):
+    """The demo's options this client reads."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def ffn(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+
+
+@define(frozen=True)
+class Row:
+    mode: str
+    storages: int
+    live_bytes: int
+    flat_bytes: int
+    stale: int
+    stale_bytes: int
+    same_training: bool
+    checks: tuple[str, ...]
+    """Failed checks of a flatpool row (empty when it passed); unused for the other rows."""
+
+
+def modes(rows: int, cols: int, device: str) -> list[tuple[str, Config, dict[str, Any]]]:
+    shipped = Config(rows=rows, cols=cols, device=device)  # V1, routed setter, even members
+    newest = evolve(shipped, group="bucketed", setter="rebind", flavor="padded")
+    return [
+        ("no fusion", evolve(shipped, group="none"), {}),
+        ("HyperParallel as shipped", shipped, {}),
+        ("flatpool, V1 lines", shipped, V1_HOOKS),
+        ("flatpool, newest lines", newest, BUCKET_HOOKS),
+        ("flatpool, V1 lines, meta init", evolve(shipped, materialize="to_empty"), V1_HOOKS),
+        ("flatpool, newest lines, meta init", evolve(newest, materialize="local_assign"),
+         BUCKET_HOOKS),
+    ]
+
+
+def pools_of(unit: FullyShardUnit) -> list[Any]:
+    """The flatpool pools behind the unit's group (empty when flatpool is not plugged in)."""
+    group = unit.group
+    holders = getattr(group, "all_gather_buckets", None) or [group]
+    buffers = [getattr(h, "_flatpool", None) for h in holders]
+    return [p for b in buffers if b is not None and b.adopted for p in b.pools()]
+
+
+def _checks(unit: FullyShardUnit, valid_each_step: list[bool]) -> list[str]:
+    out = []
+    if not all(valid_each_step):
+        out.append(f"validity false after a step: {valid_each_step}")
+    pools = pools_of(unit)
+    if len(pools) != 1:
+        return out + [f"{len(pools)} pools, expected 1"]
+    pool = pools[0]
+    if pool.storage.nbytes() != pool.capacity:
+        out.append(f"pool storage {pool.storage.nbytes()} B, capacity {pool.capacity} B")
+    for p in unit.hsdp_params:
+        local = p._sharded_local_tensor
+        geometry = wrapper_local_geometry(p.sharded_param) if wrapper_storage_key(
+            p.sharded_param) is not None else None
+        if wrapper_storage_key(p.sharded_param) != pool.storage_key or geometry is None or \
+                geometry[0] != tuple(local.shape) or geometry[2] != local.storage_offset():
+            out.append(f"{p.param_name}: the Parameter wrapper does not alias its slice")
+    return out
+
+
+def run_mode(cfg: Config, hooks: dict[str, Any], steps: int) -> tuple[Row, list[float], list[str]]:
+    """One mode on this rank: the row (without the training comparison), losses, digests."""
+    unit = FullyShardUnit(cfg, **hooks)
+    originals = unit.originals
+    if cfg.materialize != "eager":
+        unit.materialize()
+        unit.lazy_init()
+        originals = Originals.of(unit)  # the materialized storages are the originals now
+    opt = unit.make_optimizer()
+    losses, valid = [], []
+    for s in range(steps):
+        losses.append(unit.train_step(s, opt))
+        valid.append(bool(unit.is_valid()) if unit.group is not None else True)
+    live = live_storages(unit)
+    flat_keys = {tc.storage_address(f) for f in unit.flat_buffers()}
+    stale = originals.alive()
+    checks = _checks(unit, valid) if hooks else []
+    row = Row("", len(live), sum(r.nbytes for r in live),
+              sum(r.nbytes for r in live if r.key in flat_keys), len(stale),
+              sum(n for _, n in stale), True, tuple(checks))
+    return row, losses, [digest(t) for t in unit.local_values()]
+
+
+def rank_rows(rows: int, cols: int, steps: int, device: str = "cpu") -> list[Row]:
+    """Every mode on this rank, compared with the first (no fusion)."""
+    out: list[Row] = []
+    ref: tuple[list[float], list[str]] | None = None
+    for mode, cfg, hooks in modes(rows, cols, device):
+        row, losses, digests = run_mode(cfg, hooks, steps)
+        if ref is None:
+            ref = (losses, digests)
+        same = (losses, digests) == ref
+        checks = list(row.checks)
+        if hooks:
+            if row.stale:
+                checks.append(f"{row.stale} original storage(s) still alive")
+            if row.storages != 1:
+                checks.append(f"{row.storages} live shard storages, expected the pool only")
+            if not same:
+                checks.append("training differs from no fusion")
+        out.append(evolve(row, mode=mode, same_training=same, checks=tuple(checks)))
+    return out
+
+
+def rank_main(cfg: DemoConfig) -> list[Row]:
+    return rank_rows(cfg.ffn, cfg.hidden, cfg.steps, cfg.device)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f} MiB" if n % MiB else f"{n // MiB} MiB"
+
+
+def render(rank: int, rows: Sequence[Row]) -> str:
+    head = ("mode", "live shard storages", "live bytes", "of which flat", "stale originals",
+            "training vs no fusion", "verdict")
+    table = [head]
+    for r in rows:
+        if r.mode == "no fusion":
+            verdict = "reference"
+        elif r.mode == "HyperParallel as shipped":
+            verdict = "BUG (as reported)" if r.stale else "bug not reproduced"
+        else:
+            verdict = "ok" if not r.checks else "FAIL: " + "; ".join(r.checks)
+        table.append((
+            r.mode, str(r.storages), _mib(r.live_bytes), _mib(r.flat_bytes),
+            "-" if r.mode == "no fusion" else f"{r.stale} ({_mib(r.stale_bytes)})",
+            "identical" if r.same_training else "DIFFERS", verdict,
+        ))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = [f"rank {rank}:"]
+    for j, row in enumerate(table):
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        if j == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(cfg: DemoConfig) -> int:
+    """Run every rank, print the tables; non-zero when a flatpool row failed its checks."""
+    per_weight = cfg.hidden * cfg.ffn * 4
+    print(
+        f"flatpool demo, HyperParallel simulation: {cfg.world_size} ranks on {cfg.device} "
+        f"({cfg.backend}); two weights of {cfg.ffn}x{cfg.hidden} fp32 ({_mib(per_weight)} each, "
+        f"about {_mib(per_weight // cfg.world_size)} per rank); {cfg.steps} Adam steps per mode.\n"
+        "Live shard storages are the distinct storages reachable from the members (padded data,\n"
+        "local tensors, their bases, the Parameter wrappers' own memory) and the flat buffer;\n"
+        "stale originals are the member storages from before fusion that are still alive.\n",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    results = launch(rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend)
+    for rank, rows in enumerate(results):
+        print(render(rank, rows) + "\n")
+    failed = [(rank, r) for rank, rows in enumerate(results) for r in rows if r.checks]
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    if failed:
+        print(f"FAILED: {len(failed)} flatpool row(s) did not pass their checks", file=sys.stderr)
+        return 1
+    print("flatpool rows: the pool is the only live shard storage, no stale original, every "
+          "Parameter wrapper on its slice, training bit-identical to no fusion.")
+    return 0
+
+
+__all__ = ["BUCKET_HOOKS", "DemoConfig", "Row", "V1_HOOKS", "main", "modes", "rank_main",
+           "rank_rows", "render", "run_mode"]

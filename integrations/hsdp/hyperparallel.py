@@ -1,0 +1,137 @@
+"""HyperParallel's comm-fusion flat buffer, backed by flatpool: what the drop-in lines call.
+
+HyperParallel's ``HSDPParamGroup`` builds its flat buffer in one of three shapes (see
+docs/integration.md): a group method pair ``_init_flat_param_buffer`` /
+``_is_flat_buffer_valid`` (V1, and the same pair gated by ``enable_zero_copy``), or, newest, an
+``AllGatherBucket.init_flat_param_buffer(device)`` / ``is_flat_buffer_valid()`` pair per
+(shard group, dtype) bucket. Each init may run many times (after ``lazy_init``,
+``load_state_dict``, ``to_empty``): the first call that finds materialized shards adopts them;
+later ones re-adopt the members that moved. Validity runs before every all-gather (twice per
+bucket in the newest shape), so it is the cheap per-step check of
+:func:`flatpool.integrations.hsdp.validity.is_valid`.
+
+The state lives in one attribute the drop-in lines read with ``getattr(..., None)``: V1's
+``__init__`` calls ``_init_flat_param_buffer()`` before any attribute a patch could add is set.
+
+:class:`V1Lines` and :class:`BucketLines` hold the drop-in lines of docs/integration.md as
+typed mixins (their method bodies are the documented lines, a test compares them): the demo
+plugs them into the simulation, and HyperParallel may inherit them instead of pasting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flatpool.devices import DeviceLike
+
+from .group import GroupBuffers, adopt_group, bucket_members
+from .protocol import ShardedParam
+from .validity import is_valid, readopt_group
+
+
+def fuse(
+    params: Sequence[ShardedParam],
+    previous: GroupBuffers | None,
+    *,
+    device: DeviceLike | None,
+    world_size: int | None,
+    name: str = "hsdp",
+) -> GroupBuffers:
+    """Build the group's (or bucket's) flat buffer the first time, repair it every later time.
+
+    ``previous`` is what the last call returned (``None`` the first time). Adopted buffers are
+    kept and the members that moved are re-adopted into their slices (values copied, the
+    storages they had moved to proven dead); buffers that were skipped (meta shards at
+    construction, before ``lazy_init``) are tried again. HyperParallel's buffer is one tensor of
+    one dtype, so a group whose shards have several dtypes is skipped (reason in ``skipped``),
+    as HyperParallel skips it; it then all-gathers without the flat buffer.
+
+    Raises a :class:`flatpool.FlatPoolError` (everything rolled back) when a member cannot be
+    adopted, e.g. :class:`flatpool.PinnedStorageError` naming what else holds an original.
+    """
+    if previous is not None and previous.adopted:
+        readopt_group(previous, params)
+        return previous
+    dtypes = list(bucket_members(params))
+    if len(dtypes) > 1:
+        return GroupBuffers(skipped=(
+            f"shards of {len(dtypes)} dtypes ({', '.join(map(str, dtypes))}): HyperParallel's "
+            "flat buffer has one dtype"))
+    return adopt_group(params, device=device, world_size=world_size, name=name)
+
+
+def flat_buffer(buffers: GroupBuffers | None) -> torch.Tensor | None:
+    """The flat buffer HyperParallel all-gathers from (the pool as one 1-D tensor), or None."""
+    if buffers is None or not buffers.adopted or len(buffers.buckets) != 1:
+        return None
+    return buffers.buckets[0].flat()
+
+
+def cast_buffer(
+    params: Sequence[ShardedParam], flat: torch.Tensor | None, current: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """V1's ``_flat_cast_buffer``: ``flat``'s size in the first member's ``param_dtype``.
+
+    HyperParallel copies the flat buffer into it before each all-gather (the all-gather output
+    has the communication dtype). ``None`` without a flat buffer or a ``param_dtype`` that
+    differs from the flat buffer's; ``current`` is reused when it already fits.
+    """
+    if flat is None:
+        return None
+    dtype = next((d for d in (getattr(p, "param_dtype", None) for p in params) if d is not None),
+                 None)
+    if dtype is None or dtype == flat.dtype:
+        return None
+    if (current is not None and current.dtype == dtype and current.numel() == flat.numel()
+            and current.device == flat.device):
+        return current
+    return torch.empty(flat.numel(), dtype=dtype, device=flat.device)
+
+
+def is_fused(buffers: GroupBuffers | None, params: Sequence[ShardedParam]) -> bool:
+    """The per-step validity: adopted, and every member (data, local tensor, wrapper) in place."""
+    return buffers is not None and is_valid(buffers, params)
+
+
+class V1Lines:
+    """``HSDPParamGroup``'s flat-buffer methods, V1 and ``enable_zero_copy`` shapes."""
+
+    hsdp_params: Sequence[Any]
+    device: torch.device | None
+    shard_world_size: int
+    _flatpool: GroupBuffers
+    _flat_param_buffer: torch.Tensor | None
+    _flat_cast_buffer: torch.Tensor | None
+
+    def _init_flat_param_buffer(self) -> None:
+        self._flatpool = fuse(self.hsdp_params, getattr(self, "_flatpool", None),
+                              device=self.device, world_size=self.shard_world_size)
+        self._flat_param_buffer = flat_buffer(self._flatpool)
+        self._flat_cast_buffer = cast_buffer(self.hsdp_params, self._flat_param_buffer,
+                                             getattr(self, "_flat_cast_buffer", None))
+
+    def _is_flat_buffer_valid(self) -> bool:
+        return is_fused(getattr(self, "_flatpool", None), self.hsdp_params)
+
+
+class BucketLines:
+    """``AllGatherBucket``'s flat-buffer methods, the newest shape."""
+
+    hsdp_params: Sequence[Any]
+    shard_world_size: int
+    _flatpool: GroupBuffers
+    flat_param_buffer: torch.Tensor | None
+
+    def init_flat_param_buffer(self, device: torch.device | None) -> None:
+        self._flatpool = fuse(self.hsdp_params, getattr(self, "_flatpool", None),
+                              device=device, world_size=self.shard_world_size)
+        self.flat_param_buffer = flat_buffer(self._flatpool)
+
+    def is_flat_buffer_valid(self) -> bool:
+        return is_fused(getattr(self, "_flatpool", None), self.hsdp_params)
+
+
+__all__ = ["BucketLines", "V1Lines", "cast_buffer", "flat_buffer", "fuse", "is_fused"]

@@ -1,0 +1,115 @@
+"""Reading a group member the way flatpool must: from TensorImpls, past every Python override.
+
+HyperParallel's DTensor answers ``shape``/``size()`` with the *global* shape, ``data_ptr()``
+with its local tensor's address, and raises for ops without a layout rule (``data_ptr``,
+``untyped_storage``, ``TensorBase.size``) unless ``__torch_function__`` is off. Every read the
+layer makes of a member goes through the helpers here, which use
+:mod:`flatpool.torch_compat`'s TensorImpl readers under ``no_torch_function()``, so the call
+sites never see a subclass's opinion of itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatpool import InvalidRequestError, InvalidTypeError, own_storage
+from flatpool import torch_compat as tc
+
+from .protocol import ShardedParam
+
+
+def data_of(p: ShardedParam, index: int) -> torch.Tensor:
+    """The member's ``_sharded_param_data``, checked to be a tensor."""
+    data = getattr(p, "_sharded_param_data", None)
+    if not isinstance(data, torch.Tensor):
+        raise InvalidTypeError(
+            f"member {index} ({type(p).__name__}) has no _sharded_param_data tensor (found "
+            f"{type(data).__name__}): pass the group's sharded parameters (FSDPParam, "
+            "TorchHSDPParamV2)"
+        )
+    return data
+
+
+PLAIN = frozenset({torch.Tensor, nn.Parameter})
+"""Parameter types that are their own local tensor (no ``_local_tensor`` to look up)."""
+
+
+def local_of(wrapper: torch.Tensor) -> torch.Tensor:
+    """The DTensor's ``_local_tensor``, or the parameter itself when it is a plain tensor."""
+    if type(wrapper) in PLAIN:
+        return wrapper
+    local = getattr(wrapper, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else wrapper
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    with tc.no_torch_function():
+        return tc.impl_is_meta(t)
+
+
+def impl_size(t: torch.Tensor) -> torch.Size:
+    """The TensorImpl's (local) size, not a subclass's global ``shape``."""
+    with tc.no_torch_function():
+        return tc.impl_size(t)
+
+
+def impl_dtype(t: torch.Tensor) -> torch.dtype:
+    with tc.no_torch_function():
+        return tc.impl_dtype(t)
+
+
+def impl_device(t: torch.Tensor) -> torch.device:
+    with tc.no_torch_function():
+        return tc.impl_device(t)
+
+
+def impl_requires_grad(t: torch.Tensor) -> bool:
+    with tc.no_torch_function():
+        return tc.impl_requires_grad(t)
+
+
+def padded_size(p: ShardedParam, index: int) -> torch.Size:
+    """``padded_sharded_param_size``, or ``sharded_size`` where the member has none and its
+    data shows the sharding is even; a typed error where the padding cannot be known."""
+    padded = getattr(p, "padded_sharded_param_size", None)
+    if padded is not None:
+        return torch.Size(padded)
+    sharded = torch.Size(p.sharded_size)
+    numel = math.prod(impl_size(data_of(p, index)))
+    if numel != math.prod(sharded):
+        raise InvalidRequestError(
+            f"member {index} ({type(p).__name__}) has no padded_sharded_param_size and its "
+            f"_sharded_param_data holds {numel} elements, not the {math.prod(sharded)} of its "
+            f"sharded_size {tuple(sharded)}: the shard is padded (uneven sharding), so the "
+            "member must say its padded shape; set padded_sharded_param_size on it"
+        )
+    return sharded
+
+
+def shard_dim(p: ShardedParam) -> int:
+    """The dimension the parameter is sharded on (``Shard(dim)``; 0 when not said)."""
+    placement: Any = getattr(p, "fsdp_placement", None) or getattr(p, "hsdp_placement", None)
+    return int(getattr(placement, "dim", 0))
+
+
+def has_memory(wrapper: torch.Tensor) -> bool:
+    """Does a parameter wrapper need memory of its own, which must then be its slice?
+
+    HyperParallel's ``_make_subclass`` DTensor shares its local tensor's storage (traceable
+    or not); after deferred init it may be a *meta* wrapper over a real local tensor, which
+    adoption gives the local's place. torch's DTensor (``_make_wrapper_subclass``) has only a
+    placeholder storage: it has no memory, and only its local tensor matters.
+    """
+    if is_meta(wrapper):
+        return True
+    return own_storage(wrapper) is not None
+
+
+__all__ = [
+    "PLAIN", "data_of", "has_memory", "impl_device", "impl_dtype", "impl_requires_grad", "impl_size",
+    "is_meta", "local_of", "padded_size", "shard_dim",
+]

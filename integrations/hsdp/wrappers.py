@@ -1,0 +1,60 @@
+"""What the per-step validity check remembers between steps (a cache per group).
+
+The rows it walks (each member's slice, element offset and shapes, flattened once from the
+layout), and which parameter wrappers have no memory of their own.
+
+A torch DTensor wrapper sits on a placeholder storage that is never the pool's; telling it
+apart from a storage-sharing wrapper that left the pool takes a Python storage object and a
+raised error (about 8 us). The verdict depends only on the wrapper's TensorImpl, so it is
+remembered per member for the wrapper object *and* its storage at the time: a different object
+(``load_state_dict(assign=True)``) or a new impl (``swap_tensors``, ``to_empty``) is judged
+again. Only "storage-less" verdicts are remembered; a wrapper with memory off the pool is a
+failure, which the caller reports without needing the cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from flatpool import Slice
+
+from .layout import Bucket
+from .members import has_memory
+
+Row = tuple[int, Slice, int, int, tuple[int], torch.Size]
+"""``(member index, slice, slice id, element offset, data shape, local shape)``."""
+
+
+class WrapperKinds:
+    """Per member index: the wrapper last found storage-less, and its storage key then; per
+    bucket, the rows to check."""
+
+    __slots__ = ("_known", "_rows")
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._rows: dict[int, tuple[Bucket, list[Row]]] = {}
+
+    def rows(self, bucket: Bucket) -> list[Row]:
+        """The members of ``bucket`` that have a slice, as flat tuples (made once)."""
+        got = self._rows.get(id(bucket))
+        if got is None or got[0] is not bucket:
+            rows = [(m.index, m.slice, m.slice.slice_id, m.offset, (m.numel,), m.sharded_size)
+                    for m in bucket.members if m.slice is not None]
+            got = self._rows[id(bucket)] = (bucket, rows)
+        return got[1]
+
+    def storage_less(self, index: int, wrapper: torch.Tensor, key: int) -> bool:
+        """True when ``wrapper`` (whose storage key is ``key``) has no memory of its own."""
+        known = self._known.get(index)
+        if known is not None and known[1] == key and known[0]() is wrapper:
+            return True
+        if has_memory(wrapper):
+            return False
+        self._known[index] = (weakref.ref(wrapper), key)
+        return True
+
+
+__all__ = ["WrapperKinds"]
