@@ -393,6 +393,7 @@ class PoolState:
                 return self._allocate_many(requests)
             except BaseException:
                 self.restore(before)
+                del before  # a kept traceback must not pin the pool's storage
                 raise
 
     def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:

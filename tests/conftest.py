@@ -118,3 +118,19 @@ def dtensor_from_local(single_rank_mesh: Any) -> Callable[[torch.Tensor], torch.
         return DTensor.from_local(local, single_rank_mesh, [Shard(0)], run_check=False)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hp_job() -> list[dict[str, Any]]:
+    """Per rank, the results of the HyperParallel-simulation scenarios (tests/integrations/
+    hp_jobs.py): one spawned 2-rank gloo job shared by the HyperParallel test modules."""
+    import time
+
+    from flatpool.integrations.hsdp.launch import launch
+
+    import hp_jobs
+
+    t0 = time.perf_counter()
+    out: list[dict[str, Any]] = launch(hp_jobs.run_all, world_size=2, timeout_s=400)
+    print(f"2-rank HyperParallel job: {time.perf_counter() - t0:.1f} s")
+    return out

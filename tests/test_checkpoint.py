@@ -21,8 +21,6 @@ from torch import nn
 import flatpool
 from flatpool import FlatPool, checkpoint, compact_copy
 
-from conftest import SharedStorageWrapper
-
 KiB = 1024
 PAD = 4 << 20  # bytes of unrelated data in every pool (4 MiB)
 SLACK = 1 * KiB  # "within a few KB": checkpoint sizes may differ by zip framing at most
@@ -213,12 +211,12 @@ def test_forking_pickler_still_shares_memory() -> None:
     assert pool.is_valid() and pool.owns(model.weight)
 
 
-def test_subclasses_are_delegated_to_torch() -> None:
+def test_subclasses_are_delegated_to_torch(hp_wrap: Callable[[torch.Tensor], torch.Tensor]) -> None:
     pool = FlatPool()
     pool.allocate(64 * KiB, torch.uint8)
     t = torch.randn(8)
     pool.adopt([t])
-    wrapped = SharedStorageWrapper(t)
+    wrapped = hp_wrap(t)
     assert checkpoint.pool_of(wrapped) is None and checkpoint.pool_of(t) is pool
     back = torch.load(io.BytesIO(saved(wrapped)), weights_only=False)
     assert torch.equal(back, t)
