@@ -206,7 +206,7 @@ def test_late_detected_pin_rebuilds_a_dead_original_from_the_pool(
     blinded here to reach that path with a real holder.)"""
     import flatpool.ownership.settle as settle
 
-    monkeypatch.setattr(settle, "storage_pinned", lambda txn, key: False)
+    monkeypatch.setattr(settle, "storage_pinned", lambda txn, key, olds=None: False)
     pool = FlatPool(capacity=CAP)
     a = torch.randn(5)
     a_before, a_id = a.clone(), id(a)

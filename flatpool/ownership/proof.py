@@ -39,24 +39,37 @@ def _on(t: torch.Tensor, key: int) -> bool:
     return tc.storage_address(t) == key
 
 
-def storage_pinned(txn: Transaction, key: int) -> bool:
-    """Original ``key`` has a user the transaction cannot account for (before release)."""
+def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
+    """Per original key, the old impls the transaction holds (views moved off their base):
+    one pass over the journal for every key to look up."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for rec in txn.journal:
+        if isinstance(rec, ImplSwap):
+            old = rec.other
+        elif isinstance(rec, Replace):
+            old = rec.old
+        else:
+            continue
+        if old is not None and rec.key is not None:
+            out.setdefault(rec.key, []).append(old)
+    return out
+
+
+def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None = None) -> bool:
+    """Original ``key`` has a user the transaction cannot account for (before release).
+
+    ``olds``: the old impls the transaction holds on it (:func:`old_impls`).
+    """
     known: dict[int, torch.Tensor] = {}
     bases: dict[int, torch.Tensor] = {}
-    for rec in txn.journal:
-        old: torch.Tensor | None = None
-        if isinstance(rec, ImplSwap) and rec.key == key:
-            old = rec.other
-        elif isinstance(rec, Replace) and rec.key == key:
-            old = rec.old
-        if old is not None and _on(old, key):
+    for old in olds or ():
+        if _on(old, key):
             known[tc.impl_address(old)] = old
             with tc.no_torch_function():
                 found = tc.impl_base(old)
             if found is not None and _on(found, key):
                 bases.setdefault(tc.impl_address(found), found)
             found = None
-    old = None
     for addr in bases:  # a base that is also a known impl counts once
         known.pop(addr, None)
     storage = txn.originals[key]
@@ -121,4 +134,4 @@ def _accumulator_holds(t: torch.Tensor) -> bool:
     return existed
 
 
-__all__ = ["OUTSIDE_PYTHON", "held_outside_python", "storage_pinned"]
+__all__ = ["OUTSIDE_PYTHON", "held_outside_python", "old_impls", "storage_pinned"]

@@ -27,7 +27,7 @@ from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import ImplSwap, Replace
 from .pins import name_pins
-from .proof import OUTSIDE_PYTHON, storage_pinned
+from .proof import OUTSIDE_PYTHON, old_impls, storage_pinned
 from .spec import OnPinned
 from .transaction import Transaction
 
@@ -90,19 +90,25 @@ def outside_by_key(pairs: Iterable[tuple[int, torch.Tensor]], held: Sequence[tor
     return out
 
 
-def find_pins(
-    txn: Transaction, keys: Iterable[int], outside: Outside, skip: Callable[[], Iterable[object]],
-) -> Pins:
-    """Pinned originals, each with the names of what holds it."""
-    pins: Pins = {}
+def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict[int, bool]:
+    """The pinned originals (cheap counts, no gc scan): key -> pinned by a storage user (else
+    only by an owner outside Python)."""
+    olds = old_impls(txn)
+    out: dict[int, bool] = {}
     for key in keys:
-        by_storage = storage_pinned(txn, key)
+        by_storage = storage_pinned(txn, key, olds.get(key))
         if by_storage or key in outside:
-            # An unnamed view on the original also adds a link to its base's impl: when the
-            # storage itself is pinned, the holders gc names explain both.
-            known = [OUTSIDE_PYTHON] if not by_storage else []
-            pins[key] = name_pins(txn.originals[key], own_ids(txn, *skip()), known)
-    return pins
+            out[key] = by_storage
+    return out
+
+
+def name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Iterable[object]]) -> Pins:
+    """Name what holds each pinned original (a gc scan: only on this path)."""
+    ours = own_ids(txn, *skip())
+    # An unnamed view on the original also adds a link to its base's impl: when the storage
+    # itself is pinned, the holders gc names explain both.
+    return {key: name_pins(txn.originals[key], ours, [] if by_storage else [OUTSIDE_PYTHON])
+            for key, by_storage in found.items()}
 
 
 def settle_pins(
@@ -112,18 +118,20 @@ def settle_pins(
 ) -> Pins:
     """Apply the ``on_pinned`` policy; returns what stays pinned (empty when all is clear)."""
     checkpoint("release")
-    pins = find_pins(txn, keys, outside, skip)
-    if pins:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
+    found = pinned_keys(txn, keys, outside)
+    if found:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
         gc.collect()
-        pins = find_pins(txn, keys, outside, skip)
-    if pins and on_pinned == "force" and force is not None:
-        force(pins)
-        pins = find_pins(txn, keys, outside, skip)
-    if pins and on_pinned == "raise":
+        found = pinned_keys(txn, keys, outside)
+    if found and on_pinned == "force" and force is not None:
+        force(name_all(txn, found, skip))
+        found = pinned_keys(txn, keys, outside)
+    if not found:
+        return {}
+    pins = name_all(txn, found, skip)
+    if on_pinned == "raise":
         named = labelled(pins, label)
         raise PinnedStorageError(pinned_message(named), named)
-    if pins:
-        warnings.warn(pinned_message(labelled(pins, label), kept=True), stacklevel=4)
+    warnings.warn(pinned_message(labelled(pins, label), kept=True), stacklevel=4)
     return pins
 
 
@@ -199,5 +207,5 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
     return "\n".join(lines)
 
 
-__all__ = ["Labels", "Outside", "Pins", "outside_by_key", "Placed", "check_placed", "find_pins", "keep_unreleased",
-           "labelled", "own_ids", "pinned_message", "release", "settle_pins"]
+__all__ = ["Labels", "Outside", "Pins", "outside_by_key", "Placed", "check_placed", "keep_unreleased",
+           "labelled", "name_all", "own_ids", "pinned_keys", "pinned_message", "release", "settle_pins"]
