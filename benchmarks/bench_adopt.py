@@ -1,10 +1,18 @@
-"""Adoption throughput: ``FlatPool().adopt(tensors)`` against one fresh 256 MiB copy.
+"""Adoption throughput: ``FlatPool().adopt(tensors)`` against the fastest ways to do less.
 
 Figure: adopt N fresh tensors totalling ``total`` bytes into a fresh pool (allocation, copy,
-rebinding and the release proof included; the originals die inside the timed region).
-Baseline: ``torch.empty`` + ``copy_`` of one tensor of the same total size (memory-bandwidth
-limit; both pay first-touch page faults). Also compared with a naive per-tensor loop (narrow +
-``copy_`` + rebind of ``.data``), the way hand-written fusion groups do it.
+moves, invariant check, release proof included; the originals die inside the timed region).
+
+Baselines, each measured interleaved with the figure in the same process:
+
+* **one fresh copy**: ``torch.empty`` + ``copy_`` of one tensor of the same total size (memory
+  bandwidth; both pay first-touch page faults);
+* **copy + free**: the same copy, then the originals are freed inside the timed region: the
+  true floor of a *move* (a move must free what it moved from);
+* **best hand loop**: what a careful hand-written fusion does: one buffer, ``split_with_sizes``
+  views shaped like the tensors, one ``torch._foreach_copy_``, then ``t.data = view`` for each
+  (no validation, no rollback, no proof that anything died);
+* **naive loop**: ``narrow`` + ``copy_`` + ``.data =`` per tensor, as fusion groups often do.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from flatpool import FlatPool
 from ._common import Result, fmt_s, interleaved, median, median_ratio
 
 MiB = 1 << 20
-TARGETS = {16: 1.10, 1000: 1.25, 10000: 1.5}
+HAND_LOOP_TARGET = 1.0
+COPY_TARGET = {10000: 2.0}
 
 
 def _tensors(n: int, total: int) -> list[torch.Tensor]:
@@ -36,7 +45,7 @@ def cases(n: int, total: int) -> dict[str, object]:
             raise AssertionError("adoption did not release every original")
         return dt
 
-    def baseline_case() -> float:
+    def copy_case() -> float:
         src = torch.empty(total // 4).fill_(1.0)
         t0 = time.perf_counter()
         dst = torch.empty_like(src)
@@ -44,6 +53,29 @@ def cases(n: int, total: int) -> dict[str, object]:
         dt = time.perf_counter() - t0
         del dst
         return dt
+
+    def copy_free_case() -> float:
+        ts = _tensors(n, total)
+        t0 = time.perf_counter()
+        dst = torch.empty(sum(t.numel() for t in ts))
+        torch._foreach_copy_(list(dst.split_with_sizes([t.numel() for t in ts])), ts)
+        del ts  # the originals die inside the timed region, as adoption's do
+        dt = time.perf_counter() - t0
+        del dst
+        return dt
+
+    def hand_loop_case() -> float:
+        ts = _tensors(n, total)
+        t0 = time.perf_counter()
+        flat = torch.empty(sum(t.numel() for t in ts))
+        views = [v.view(t.shape) for v, t in
+                 zip(flat.split_with_sizes([t.numel() for t in ts]), ts)]
+        with torch.no_grad():
+            torch._foreach_copy_(views, ts)
+            for t, v in zip(ts, views):
+                t.data = v
+        del views, ts  # (the originals were freed by .data =)
+        return time.perf_counter() - t0
 
     def naive_case() -> float:
         ts = _tensors(n, total)
@@ -59,29 +91,26 @@ def cases(n: int, total: int) -> dict[str, object]:
                 off += k
         return time.perf_counter() - t0
 
-    return {"flatpool": flatpool_case, "baseline": baseline_case, "naive": naive_case}
+    return {"flatpool": flatpool_case, "copy": copy_case, "copy+free": copy_free_case,
+            "hand loop": hand_loop_case, "naive": naive_case}
 
 
 def run(quick: bool) -> list[Result]:
     total = 8 * MiB if quick else 256 * MiB
     counts = (16, 100, 1000) if quick else (16, 1000, 10000)
-    reps = 2 if quick else 7
+    reps = 2 if quick else 9
     out: list[Result] = []
     for n in counts:
         times = interleaved(cases(n, total), reps)  # type: ignore[arg-type]
-        f, b, nv = times["flatpool"], times["baseline"], times["naive"]
-        target = TARGETS.get(n)
-        ratio = median_ratio(f, b)
+        f = times["flatpool"]
         size = f"{n} tensors, {total // MiB} MiB"
-        out.append(Result(
-            "adopt", f"{size} vs one fresh copy", fmt_s(median(f)), fmt_s(median(b)), ratio,
-            f"<= {target:.2f}" if target and not quick else "-",
-            (ratio <= target) if target and not quick else None,
-        ))
-        rn = median_ratio(f, nv)
-        must_win = n >= 1000 and not quick
-        out.append(Result(
-            "adopt", f"{size} vs naive loop", fmt_s(median(f)), fmt_s(median(nv)), rn,
-            "< 1.00" if must_win else "-", (rn < 1.0) if must_win else None,
-        ))
+        for base, target in (("hand loop", HAND_LOOP_TARGET), ("copy+free", None),
+                             ("copy", COPY_TARGET.get(n)), ("naive", None)):
+            ratio = median_ratio(f, times[base])
+            judged = target is not None and not quick
+            out.append(Result(
+                "adopt", f"{size} vs {base}", fmt_s(median(f)), fmt_s(median(times[base])),
+                ratio, f"<= {target:.2f}" if judged else "-",
+                (ratio <= target) if judged and target is not None else None,
+            ))
     return out

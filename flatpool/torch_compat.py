@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_tr
 
 from .errors import FlatPoolError
 
-SUPPORTED_TORCH = (2, 4)
+SUPPORTED_TORCH = (2, 7)
 """Oldest torch release the whole test suite passes on (see docs/compatibility.md)."""
 SUPPORTED_BELOW = (2, 14)
 """First torch release not yet verified."""
@@ -117,12 +117,14 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
     return wrapper
 
 
+_use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
+
+
 def tensor_impl_users(t: torch.Tensor) -> int:
     """Owners of ``t``'s TensorImpl: its Python object, plus every C++ holder (an autograd view's
     base link, a saved tensor, a DLPack capsule). DLPack consumers hold raw pointers into the
     storage, so an unexplained owner must stop a move that would free it."""
-    use_count = cast(Callable[[], int], getattr(t, "_use_count"))
-    return int(use_count())
+    return _use_count(t)
 
 
 # -- storages ------------------------------------------------------------------------------
@@ -184,24 +186,29 @@ def in_backward() -> bool:
 
 # Raw storage weak references: the pair costs under a microsecond, where a
 # ``StorageWeakRef`` object costs several once thousands of them feed the cycle collector.
+_weak_ref = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
+_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
+_from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
+_free_weak = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
+
+
 def weak_storage(storage: torch.UntypedStorage) -> int:
-    return int(cast(Callable[[], int], storage._weak_ref)())
+    return _weak_ref(storage)
 
 
 def weak_expired(ref: int) -> bool:
-    return bool(cast(Callable[[int], bool], torch.UntypedStorage._expired)(ref))
+    return bool(_expired(ref))
 
 
 def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
     """The storage again, if it still lives."""
-    if weak_expired(ref):
+    if _expired(ref):
         return None
-    make = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
-    return make(ref)
+    return _from_weak(ref)
 
 
 def weak_free(ref: int) -> None:
-    cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)(ref)
+    _free_weak(ref)
 
 
 def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
@@ -253,6 +260,22 @@ def copy_tensor_flags(src: torch.Tensor, dst: torch.Tensor) -> None:
     _set_tensor_metadata(dst, _get_tensor_metadata(src))
 
 
+def fsdp_state_param_groups(state: object) -> list[Any]:
+    """The param groups of an FSDP2 ``FSDPState``: torch 2.12+ keeps a list
+    (``_fsdp_param_groups``; there the old singular name is a property that raises when there
+    are several), torch 2.7-2.11 one optional group (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if "_fsdp_param_group" in dir(state):
+        group = getattr(state, "_fsdp_param_group")
+        return [] if group is None else [group]
+    raise UnsupportedTorchError(
+        f"this torch {torch.__version__} keeps FSDP2's param groups where flatpool does not "
+        "look (neither FSDPState._fsdp_param_groups nor _fsdp_param_group)"
+    )
+
+
 def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
     cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)(a, b)
 
@@ -260,7 +283,7 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 __all__ = [
     "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
     "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
-    "copy_tensor_flags", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
+    "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
     "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
     "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",

@@ -17,6 +17,7 @@ from .collect import Watches, build_manifest
 from .cpu import cpu_snapshot
 from .device import device_snapshot
 from .errors import ManifestError, MissingExtraError, SnapshotError
+from .mpl import load as load_matplotlib
 from .manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from .result import (
     KINDS,
@@ -71,6 +72,7 @@ __all__ = [
     "draw",
     "draw_comparison",
     "fmt_bytes",
+    "load_matplotlib",
     "load_snapshot",
     "parse_snapshot",
     "render_png",

@@ -21,7 +21,7 @@ from ..registry import Record, make_record
 from ..state import PoolState
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .fastpath import adopt_plain, plain_batch
+from .fastpath import adopt_plain, plain_targets
 from .moves import ImplSwap, Place, SetMove, fresh_on, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
@@ -71,15 +71,14 @@ def adopt(
     if not isinstance(discover, bool):
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     check_not_in_backward()
-    specs = normalize(targets)
-    plain = None if discover or into_bound or on_pinned == "force" else plain_batch(specs)
+    plain = None if discover or into_bound or on_pinned == "force" else plain_targets(targets)
 
     def body(txn: Transaction) -> AdoptionReport:
         if plain is not None:
             report = adopt_plain(pool, plain, txn, on_pinned)
             if report is not None:
                 return report
-        return _adopt(pool, specs, txn, discover, on_pinned, into_bound)
+        return _adopt(pool, normalize(targets), txn, discover, on_pinned, into_bound)
 
     return atomic(pool, body)
 

@@ -28,7 +28,7 @@ from ..registry import make_record
 from ..state import PoolState, check_dtype, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import Place, SetMove, place_many
+from .moves import SetMove, place_many
 from .proof import held_outside_python
 from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
@@ -38,14 +38,21 @@ from .validate import label, self_overlapping
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def plain_batch(specs: Sequence[AdoptSpec]) -> list[torch.Tensor] | None:
-    """The tensors of ``specs`` when every spec is a bare plain tensor, else ``None``."""
+def plain_targets(targets: object) -> list[torch.Tensor] | None:
+    """The tensors of ``targets`` when each is an exact tensor or parameter (or a bare spec of
+    one), else ``None``: the lean path's batches, told apart before any spec is built."""
+    items = [targets] if isinstance(targets, (torch.Tensor, AdoptSpec)) else targets
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
     out = []
-    for s in specs:
-        t = s.tensor
-        if type(t) not in _PLAIN or s.views or s.holders or s.slice is not None:
+    for x in items:
+        if isinstance(x, AdoptSpec):
+            if x.views or x.holders or x.slice is not None:
+                return None
+            x = x.tensor
+        if type(x) not in _PLAIN:
             return None
-        out.append(t)
+        out.append(x)
     return out
 
 
@@ -65,50 +72,50 @@ class _Item:
 
 
 def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | None:
-    """Per-tensor facts, or ``None`` when any tensor needs the general path."""
+    """Per-tensor facts, or ``None`` when any tensor needs the general path.
+
+    The targets are exact ``torch.Tensor``/``nn.Parameter`` objects (:func:`plain_targets`):
+    their attributes are torch's own, read straight from the TensorImpl (no subclass can
+    override them), so the plain attribute reads are the TensorImpl reads, at C speed.
+    """
     items: list[_Item] = []
     seen: set[int] = set()
     device = pool.device
     cpu = device.type == "cpu"
     strided = torch.strided
-    with tc.no_torch_function():
-        for t in tensors:
-            if (tc.impl_base(t) is not None or tc.impl_layout(t) != strided or tc.impl_is_meta(t)
-                    or tc.impl_is_quantized(t) or tc.impl_device(t) != device
-                    or tc.impl_is_inference(t)):
-                return None
-            try:
-                size, stride = tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
-            except RuntimeError:
-                return None  # a nested tensor has no single size: validate() names it
-            if any(s == 0 for s in size):
-                return None
-            storage = tc.impl_untyped_storage(t)
-            if not tc.storage_pointer_valid(storage):
-                return None  # a C++ functional tensor's placeholder: validate() names it
-            key = tc.storage_key(storage)
-            if (key in seen or not storage.resizable() or (cpu and storage.is_shared())
-                    or pool_of_storage(key) is not None):
-                return None  # shared or external memory: the general path reports it external
-            seen.add(key)
-            dtype = tc.impl_dtype(t)
-            item = dtype.itemsize
-            offset = tc.impl_storage_offset(t)
+    storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
+    for t in tensors:
+        if (t._base is not None or t.layout is not strided or t.is_meta or t.is_nested
+                or t.is_quantized or t.device != device or t.is_inference()):
+            return None
+        size, stride = tuple(t.size()), t.stride()
+        if 0 in size:
+            return None
+        storage = t.untyped_storage()
+        if not pointer_valid(storage):
+            return None  # a C++ functional tensor's placeholder: validate() names it
+        key = storage_key(storage)
+        if (key in seen or not storage.resizable() or (cpu and storage.is_shared())
+                or pool_of_storage(key) is not None):
+            return None  # shared or external memory: the general path reports it external
+        seen.add(key)
+        dtype = t.dtype
+        offset = int(t.storage_offset())
+        if t.is_contiguous():
+            span, shape = t.numel(), size
+        else:
             span = 1
             for sz, st in zip(size, stride):
                 if st < 0:
                     return None
                 span += (sz - 1) * st
-            if (offset + span) * item > storage.nbytes():
-                return None
-            if tc.impl_is_contiguous(t):
-                shape = size
-            elif self_overlapping(t):
-                return None  # the general path refuses it with the reason
-            else:
-                shape = (span,)  # a strided original keeps its strides in a flat run
-            items.append(_Item(t, key, storage, offset, size, stride, dtype, shape,
-                               tc.impl_version(t)))
+            with tc.no_torch_function():
+                if self_overlapping(t):
+                    return None  # the general path refuses it with the reason
+            shape = (span,)  # a strided original keeps its strides in a flat run
+        if (offset + span) * dtype.itemsize > storage.nbytes():
+            return None
+        items.append(_Item(t, key, storage, offset, size, stride, dtype, shape, t._version))
     for it in items:
         check_dtype(it.dtype)
     return items
@@ -138,23 +145,24 @@ def _adopt(
     checkpoint("allocate")
     slices = pool.allocate_many([(it.shape, it.dtype) for it in items])
     target = pool.storage
-    records: list[SetMove] = []
-    places: list[Place] = []
     tensors = [it.t for it in items]
-    with tc.no_torch_function():
-        srcs = [t.detach() for t in tensors]  # aliases that keep reading the originals
-    for it, slc in zip(items, slices):
-        records.append(SetMove(it.t, it.key, it.offset, it.size, it.stride, it.version))
-        places.append((it.t, target, slc.offset // it.dtype.itemsize, it.size, it.stride))
-    checkpoint("rebind")
-    txn.journal.extend(records)  # write-ahead: the record exists before the move
-    place_many(places)
-    del places
-    check_placed(pool, [(it.t, s.offset, s.end) for it, s in zip(items, slices)])
-    checkpoint("copy")
-    for first in range(0, len(tensors), COPY_CHUNK):
-        copy_all(tensors[first:first + COPY_CHUNK], srcs[first:first + COPY_CHUNK])
-    del srcs
+    # In chunks, so a batch of thousands never holds all its source aliases at once: journal
+    # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
+    # alias that still reads the original.
+    for first in range(0, len(items), COPY_CHUNK):
+        chunk = items[first:first + COPY_CHUNK]
+        placed = slices[first:first + COPY_CHUNK]
+        with tc.no_torch_function():
+            srcs = [it.t.detach() for it in chunk]
+        checkpoint("rebind")
+        txn.journal.extend(
+            SetMove(it.t, it.key, it.offset, it.size, it.stride, it.version) for it in chunk)
+        place_many((it.t, target, slc.offset // it.dtype.itemsize, it.size, it.stride)
+                   for it, slc in zip(chunk, placed))
+        check_placed(pool, [(it.t, slc.offset, slc.end) for it, slc in zip(chunk, placed)])
+        checkpoint("copy")
+        copy_all([it.t for it in chunk], srcs)
+        del srcs
     tc.set_versions(tensors, [it.version for it in items])
 
     index = {it.key: i for i, it in enumerate(items)}
@@ -163,7 +171,6 @@ def _adopt(
         return label(tensors[index[key]], index[key])
 
     keys = [it.key for it in items]
-    del records
     pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [items, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
     pool.registry.bind_many(
@@ -179,4 +186,4 @@ def _adopt(
     ))
 
 
-__all__ = ["adopt_plain", "plain_batch"]
+__all__ = ["adopt_plain", "plain_targets"]

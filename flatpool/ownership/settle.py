@@ -44,17 +44,21 @@ def check_placed(pool: PoolState, placed: Iterable[Placed]) -> None:
     sits inside its slice (read back from its TensorImpl, not from what was asked)."""
     pool.check_invariants()
     key = pool.storage_key
+    address, offset_of, contiguous = tc.storage_address, tc.impl_storage_offset, tc.impl_is_contiguous
     with tc.no_torch_function():
         for t, lo, hi in placed:
             item = tc.impl_element_size(t)
-            start = tc.impl_storage_offset(t) * item
-            end = start
-            if tc.impl_numel(t):
-                span = 1
-                for size, stride in zip(tc.impl_size(t), tc.impl_stride(t)):
-                    span += (size - 1) * abs(stride)
-                end = start + span * item
-            if tc.storage_address(t) != key or start < lo or end > hi:
+            start = offset_of(t) * item
+            if contiguous(t):
+                end = start + tc.impl_numel(t) * item
+            else:
+                end = start
+                if tc.impl_numel(t):
+                    span = 1
+                    for size, stride in zip(tc.impl_size(t), tc.impl_stride(t)):
+                        span += (size - 1) * abs(stride)
+                    end = start + span * item
+            if address(t) != key or start < lo or end > hi:
                 raise PoolInvariantError(
                     f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
                     f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
@@ -94,9 +98,17 @@ def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict
     """The pinned originals (cheap counts, no gc scan): key -> pinned by a storage user (else
     only by an owner outside Python)."""
     olds = old_impls(txn)
+    originals, users, refs = txn.originals, tc.storage_users, tc.python_refs
     out: dict[int, bool] = {}
     for key in keys:
-        by_storage = storage_pinned(txn, key, olds.get(key))
+        if key not in olds:  # the common case, inline: only our storage object uses it
+            storage = originals[key]
+            by_storage = users(storage) != 1 or refs(storage) != 2
+            del storage
+            if by_storage:  # the full count says why (and sees bases)
+                by_storage = storage_pinned(txn, key)
+        else:
+            by_storage = storage_pinned(txn, key, olds[key])
         if by_storage or key in outside:
             out[key] = by_storage
     return out

@@ -83,6 +83,7 @@ class _Tracked:
     name: str
     ref: StorageWeakRef
     nbytes: int
+    address: int
 
 
 class OriginalStorages:
@@ -103,7 +104,7 @@ class OriginalStorages:
                     continue
                 seen.add(tc.storage_key(s))
                 ref = StorageWeakRef(s)  # type: ignore[no-untyped-call]
-                self._tracked.append(_Tracked(name, ref, s.nbytes()))
+                self._tracked.append(_Tracked(name, ref, s.nbytes(), s.data_ptr()))
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -115,6 +116,12 @@ class OriginalStorages:
     @property
     def stale_bytes(self) -> int:
         return sum(n for _, n in self.stale())
+
+    def alive_storages(self) -> list[tuple[str, int, int]]:
+        """``(member name, address, bytes)`` of the originals still alive: a
+        :class:`flatpool.memory.StorageWatch`, so a memory attribution marks them stale."""
+        return [(t.name, t.address, t.nbytes) for t in self._tracked
+                if not t.ref.expired()]  # type: ignore[no-untyped-call]
 
 
 __all__ = ["LiveStorage", "OriginalStorages", "live_storages", "member_tensors", "own_storage"]

@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 from collections.abc import Sequence
 
 import torch
@@ -57,6 +58,9 @@ class Config:
     steps: int = 3
     lr: float = 1e-2
     client: str = "fsdp2"
+    png: str | None = None
+    """A folder: each rank writes rank<r>.png there, its memory after the naive rebase beside
+    its memory after flatpool's fusion (flatpool.memory; needs the viz extra)."""
 
 
 class ZeroThreeCase(nn.Module):
@@ -136,13 +140,32 @@ def train(model: nn.Module, cfg: Config) -> tuple[list[float], list[torch.Tensor
     return losses, full
 
 
+PICTURED = ("naive rebase", "flatpool adopt")
+
+
+def picture(cfg: Config, panels: list[tuple[str, Any]]) -> None:
+    """This rank's before/after memory picture (the seed case), in ``cfg.png``."""
+    from flatpool.memory import draw_comparison
+
+    assert cfg.png is not None
+    os.makedirs(cfg.png, exist_ok=True)
+    draw_comparison(os.path.join(cfg.png, f"rank{dist.get_rank()}.png"), panels)
+
+
 def rank_main(cfg: Config) -> list[Row]:
     mesh = init_device_mesh(cfg.device, (cfg.world_size,))
     init = full_state(cfg)
     rows: list[Row] = []
+    panels: list[tuple[str, Any]] = []
     ref: tuple[list[float], list[torch.Tensor]] | None = None
     for mode in MODES:
         model, params, flats, originals, fused = build(mode, cfg, mesh, init)
+        if cfg.png is not None and mode in PICTURED:
+            from flatpool.memory import capture
+
+            pools = [pl for b in fused.buffers for pl in b.pools()] if fused is not None else []
+            panels.append((mode, capture(roots={"model": model}, pools=pools, flats=flats,
+                                         watch=originals or (), scan=False)))
         live = live_storages(params, flats)
         stale = originals.stale() if originals is not None else []
         checks: list[str] = []
@@ -181,6 +204,8 @@ def rank_main(cfg: Config) -> list[Row]:
             )
         )
         del model, params, flats, originals, fused
+    if panels:
+        picture(cfg, panels)
     return rows
 
 
@@ -227,12 +252,15 @@ def parse(argv: Sequence[str] | None) -> Config:
     ap.add_argument("--ffn", type=int, default=2048, help="inner width (default 2048: 4 MiB shards)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--png", default=None, metavar="DIR",
+                    help="write each rank's memory picture (naive rebase vs flatpool) to "
+                         "DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
     ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
                     help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
     a = ap.parse_args(argv)
     backend = a.backend or {"cuda": "nccl", "npu": "hccl"}.get(a.device.split(":")[0], "gloo")
     return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps,
-                  client=a.client)
+                  client=a.client, png=a.png)
 
 
 def header(cfg: Config) -> str:
@@ -289,6 +317,14 @@ def main_torchrun(cfg: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.png is not None:
+        from flatpool.memory import MissingExtraError, load_matplotlib
+
+        try:
+            load_matplotlib()  # before any rank starts: a missing extra is said at once
+        except MissingExtraError as exc:
+            print(f"--png: {exc}", file=sys.stderr)
+            return 2
     if cfg.client == "hyperparallel":
         from . import demo_hyperparallel
 
@@ -300,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = launch(
         rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend, device=cfg.device
     )
-    return report(results, time.perf_counter() - t0)
+    code = report(results, time.perf_counter() - t0)
+    if cfg.png is not None:
+        print(f"memory pictures: {', '.join(os.path.join(cfg.png, f'rank{r}.png') for r in range(cfg.world_size))}")
+    return code
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from flatpool import torch_compat as tc
 from flatpool import InvalidTypeError, PinnedStorageError
 
 from .group import GroupBuffers, adopt_group
@@ -38,7 +39,7 @@ def fsdp_param_groups(module: nn.Module) -> Iterator[FSDPParamGroup]:
     seen: set[int] = set()
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            for g in sub._get_fsdp_state()._fsdp_param_groups:
+            for g in tc.fsdp_state_param_groups(sub._get_fsdp_state()):
                 if id(g) not in seen:
                     seen.add(id(g))
                     yield g

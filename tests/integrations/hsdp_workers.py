@@ -179,9 +179,18 @@ def check_all_gather(fused: FusedModule) -> None:
                 assert torch.equal(a, b) and torch.equal(a, full), f"member {m.index} differs"
 
 
+class TorchRefuses(Exception):
+    """This torch's FSDP2 itself rejects the scenario's model (no flatpool code involved)."""
+
+
 def compare(name: str, opt_name: str, how: str, mesh: DeviceMesh) -> None:
     ref_model, _, _ = build(name, mesh, "ref")
-    ref = train(name, ref_model, opt_name)
+    try:
+        ref = train(name, ref_model, opt_name)
+    except AssertionError as e:  # torch <= 2.7: one dtype per FSDP2 group, frozen params too
+        if "uniform original parameter dtype" in str(e):
+            raise TorchRefuses(f"torch {torch.__version__} FSDP2: {e}") from e
+        raise
     model, fused, originals = build(name, mesh, how)
     assert fused is not None
     if how == "meta":
@@ -286,6 +295,8 @@ def run_all() -> dict[str, str | None]:
         try:
             fn()
             results[name] = None
+        except TorchRefuses as e:
+            results[name] = f"SKIP: {e}"
         except Exception:  # noqa: BLE001 - reported per scenario
             results[name] = traceback.format_exc()
         dist.barrier()

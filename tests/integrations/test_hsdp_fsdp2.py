@@ -57,5 +57,8 @@ KNOWN: dict[str, str] = {}
      for n in SCENARIOS],
 )
 def test_scenario(results: list[dict[str, str | None]], name: str) -> None:
+    outcomes = [r.get(name) or "" for r in results]
+    if all(o.startswith("SKIP: ") for o in outcomes):  # every rank: torch itself refused
+        pytest.skip(outcomes[0][len("SKIP: "):])
     failures = {rank: r[name] for rank, r in enumerate(results) if r.get(name)}
     assert not failures, "\n".join(f"rank {k}:\n{v}" for k, v in failures.items())

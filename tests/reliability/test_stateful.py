@@ -326,7 +326,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(ref.expired() for ref in self.released)
 
 
-QUICK = settings(max_examples=300, stateful_step_count=30, deadline=None,
+QUICK = settings(max_examples=150, stateful_step_count=30, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 SLOW = settings(max_examples=3000, stateful_step_count=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
