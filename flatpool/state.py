@@ -71,9 +71,14 @@ def live_pools() -> list[Any]:
 
 
 def pool_of_storage(key: int) -> PoolState | None:
-    """The live pool whose current storage has key ``key``, if any (O(1))."""
+    """The live pool whose current storage has key ``key``, if any (O(1)).
+
+    An entry is trusted only if the pool still says that key is its storage's: a storage that
+    died may have left its address to a new one (entries of dead pools and of storages a pool
+    moved away from are stale, never wrong)."""
     ref = _by_storage.get(key)
-    return None if ref is None else ref()
+    pool = None if ref is None else ref()
+    return pool if pool is not None and pool._buffer_key == key else None
 
 
 def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
@@ -624,9 +629,9 @@ class PoolState:
             self._live = dict(snap.live)
             self._offsets = list(snap.offsets)
             self._at_offset = dict(snap.at_offset)
-            if self._buffer_key != snap.buffer_key:
-                _index_storage(self, self._buffer_key, snap.buffer_key)
+            old = self._buffer_key
             self._buffer, self._buffer_key = snap.buffer, snap.buffer_key
+            _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
             self._traces = list(snap.traces)
 
@@ -636,9 +641,9 @@ class PoolState:
         """Switch to a new storage, layout and set of handles in one step (relocation)."""
         with self._lock:
             key = None if buffer is None else tc.storage_key(buffer.untyped_storage())
-            if key != self._buffer_key:
-                _index_storage(self, self._buffer_key, key)
+            old = self._buffer_key
             self._buffer, self._buffer_key, self._alloc = buffer, key, allocator
+            _index_storage(self, old if old != key else None, key)
             self._live, self._offsets, self._at_offset = {}, [], {}
             for s in sorted(slices, key=lambda s: s.offset):
                 self._insert(s)

@@ -50,11 +50,21 @@ class RollbackError(FlatPoolError, RuntimeError):
 
 
 class Guard:
-    """What :func:`signals_guarded` yields: call :meth:`finishing` once the operation's work is
-    done, so that signals are deferred through its epilogue too (releasing locks)."""
+    """What :func:`signals_guarded` yields. Signals are deferred from the start (while the
+    operation takes its lock and pauses the gc) until :meth:`open`, which delivers what came
+    meanwhile and lets later signals land in the body; :meth:`finishing`, once the work is done,
+    defers them again through the epilogue (letting go of the lock and the gc pause)."""
 
     def __init__(self) -> None:
+        self.deferring = True
+        self.pending: list[tuple[int, FrameType | None]] = []
+        self.deliver: Callable[[int, FrameType | None], None] = lambda signum, frame: None
+
+    def open(self) -> None:
         self.deferring = False
+        while self.pending:
+            signum, frame = self.pending.pop(0)
+            self.deliver(signum, frame)
 
     def finishing(self) -> None:
         self.deferring = True
@@ -66,10 +76,11 @@ def signals_guarded() -> Iterator[Guard]:
     :meth:`Guard.finishing` (see module doc)."""
     guard = Guard()
     if threading.current_thread() is not threading.main_thread() or _depth.active:
+        guard.deferring = False
         yield guard
         return
     entry = sys.exc_info()[1]
-    pending: list[tuple[int, FrameType | None]] = []
+    pending = guard.pending
     originals: dict[int, Handler] = {}
     done: list[bool] = []
 
@@ -77,9 +88,11 @@ def signals_guarded() -> Iterator[Guard]:
         if done:  # the guard ended but could not put this handler back: do it now
             signal.signal(signum, originals[signum])
         elif guard.deferring or sys.exc_info()[1] is not entry:
-            pending.append((signum, frame))  # unwinding or finishing: deliver afterwards
+            pending.append((signum, frame))  # entering, unwinding or finishing: later
             return
         originals[signum](signum, frame)
+
+    guard.deliver = lambda signum, frame: originals[signum](signum, frame)
 
     try:
         _depth.active = True
@@ -94,7 +107,8 @@ def signals_guarded() -> Iterator[Guard]:
         _depth.active = False
         for sig, handler in originals.items():
             signal.signal(sig, handler)
-        for signum, frame in pending:  # delivered now, after the rollback finished
+        while pending:  # delivered now, after the rollback finished
+            signum, frame = pending.pop(0)
             originals[signum](signum, frame)
 
 

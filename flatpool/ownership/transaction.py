@@ -33,8 +33,9 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
     Under the pool's lock, with the cycle collector paused and outside inference and grad
     mode. An exception before the transaction commits rolls everything back; an exception
     landing inside the rollback only makes it start over (it is idempotent). Signals that
-    arrive while the rollback runs, or once the body has returned (while the lock and the gc
-    pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
+    arrive while the lock is taken and the gc paused are delivered as the body starts; signals
+    that arrive while the rollback runs, or once the body has returned (while the lock and the
+    gc pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
     after the operation, as their original handlers would have run.
     """
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
@@ -42,6 +43,7 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
             pool.release_kept()
             txn = Transaction(pool)
             try:
+                guard.open()  # what came while taking the lock is delivered now, in the body
                 result = body(txn)
             except BaseException:
                 if not txn.committed:

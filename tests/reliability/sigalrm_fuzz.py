@@ -1,0 +1,94 @@
+"""SIGALRM fuzz: interrupt flatpool operations at random moments, check every outcome.
+
+Run in a subprocess by ``test_sigalrm.py`` (``python -m reliability.sigalrm_fuzz N`` from the
+``tests`` folder). For each round one operation of ``test_interrupts.OPS`` runs on a fresh world
+while an interval timer fires SIGALRM after a random delay within the operation's duration; the
+handler raises :class:`Interrupt` wherever the interpreter is (inside flatpool or not). Each
+outcome must be "exactly as before" or "fully done"; a rollback must leave the gc pause and the
+signal handlers as they were. Prints one JSON line: landings inside flatpool, outside, and the
+inconsistent outcomes (which must be none).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from types import FrameType
+
+import flatpool
+
+from .state import Snapshot, check_layout
+from .scenarios import values_of
+from .test_interrupts import OPS, Interrupt, _done
+
+FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
+
+
+def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
+    rng = random.Random(seed)
+    landed: list[str] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        landed.append(frame.f_code.co_filename if frame is not None else "?")
+        raise Interrupt("SIGALRM")
+
+    signal.signal(signal.SIGALRM, handler)
+    durations: dict[str, float] = {}
+    for op, (build, prepare) in OPS.items():  # how long each takes, untouched
+        w = build()
+        t0 = time.perf_counter()
+        prepare(w)()
+        durations[op] = time.perf_counter() - t0
+    inside = outside = rounds = 0
+    bad: list[str] = []
+    while inside < target and rounds < max_rounds:
+        rounds += 1
+        op = rng.choice(list(OPS))
+        build, prepare = OPS[op]
+        w = build()
+        run = prepare(w)
+        before = values_of(w)
+        snap = Snapshot(w.pools, w.tensors, w.places)
+        gc_threshold = gc.get_threshold()
+        landed.clear()
+        delay = max(1e-6, rng.uniform(0.0, 1.2 * durations[op]))
+        try:
+            signal.setitimer(signal.ITIMER_REAL, delay)
+            try:
+                run()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except Interrupt:
+            pass
+        except Exception:  # noqa: BLE001 - any other error is a finding
+            bad.append(f"{op}: {traceback.format_exc()[-800:]}")
+            continue
+        if not landed:
+            continue
+        if landed[0].startswith(FLATPOOL_DIR):
+            inside += 1
+        else:
+            outside += 1
+        try:
+            assert gc.get_threshold() == gc_threshold, "the gc pause was not undone"
+            assert signal.getsignal(signal.SIGALRM) is handler, "a handler was left installed"
+            problems = snap.diff()
+            if problems:
+                _done(op, w, before)  # not as before: it must be fully done
+            else:
+                for p in w.pools:
+                    check_layout(p)
+        except AssertionError as err:
+            bad.append(f"{op} (landed in {landed[0]}): {err}")
+    return {"rounds": rounds, "inside": inside, "outside": outside, "inconsistent": bad}
+
+
+if __name__ == "__main__":
+    target = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    print(json.dumps(main(target, max_rounds=40 * target, seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0)))
