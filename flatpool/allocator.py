@@ -54,9 +54,6 @@ class RangeAllocator:
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
 
-    def free_bytes(self) -> int:
-        return sum(e - s for s, e in zip(self._starts, self._ends))
-
     def largest_free(self) -> int:
         return max((e - s for s, e in zip(self._starts, self._ends)), default=0)
 
@@ -110,8 +107,9 @@ class RangeAllocator:
         starts: list[int] = []
         gaps: list[tuple[int, int]] = []
         pos = self.extent
-        for nbytes, alignment in requests:
-            start = align_up(pos, alignment)
+        a = self.alignment
+        for nbytes, _ in requests:
+            start = -(-pos // a) * a
             if start > pos:
                 gaps.append((pos, start))
             starts.append(start)
@@ -120,7 +118,9 @@ class RangeAllocator:
         self._starts = [g[0] for g in gaps]
         self._ends = [g[1] for g in gaps]
         self._by_size = sorted((e - s, s) for s, e in gaps)
-        self._by_usable = sorted((self._usable(s, e), s) for s, e in gaps)
+        # Each gap ends at an aligned start, so none has a usable byte at this alignment; in
+        # start order already.
+        self._by_usable = [(0, s) for s, _ in gaps]
         return starts
 
     def take(self, start: int, nbytes: int) -> None:

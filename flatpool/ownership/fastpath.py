@@ -19,19 +19,19 @@ that path raises the precise error for a bad input.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from .. import torch_compat as tc
-from ..registry import make_record
 from ..state import PoolState, check_dtype, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMove, place_many
 from .proof import held_outside_python
 from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
-from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
+from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
 from .transaction import Transaction
 from .validate import label, self_overlapping
 
@@ -85,8 +85,9 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
     strided = torch.strided
     storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
     for t in tensors:
-        if (t._base is not None or t.layout is not strided or t.is_meta or t.is_nested
-                or t.is_quantized or t.device != device or t.is_inference()):
+        if (not t.is_cpu if cpu else t.device != device) or t._base is not None:
+            return None  # (a meta tensor is on neither)
+        if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
             return None
         size, stride = tuple(t.size()), t.stride()
         if 0 in size:
@@ -173,17 +174,16 @@ def _adopt(
     keys = [it.key for it in items]
     pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [items, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
-    pool.registry.bind_many(
-        (s.slice_id, [make_record(it.t, 0, it.size, it.stride, it.dtype, None, True)])
+    ref = weakref.ref
+    pool.registry.bind_many(  # make_record()'s tuples, inline: one per tensor of the batch
+        (s.slice_id, [(ref(it.t), 0, it.size, it.stride, it.dtype, None, None, False, True)])
         for it, s in zip(items, slices)
     )
     nbytes = txn.nbytes
     expired, late = release(txn, name, pins, on_pinned)
-    return AdoptionReport(tuple(
-        AdoptedItem(slice=s, original_nbytes=nbytes[k], released=expired[k], rebound=1,
-                    pinned_by=pins.get(k, late.get(k, ())))
-        for s, k in zip(slices, keys)
-    ))
+    pinned = {index[k]: v for k, v in (*pins.items(), *late.items())}
+    return AdoptionReport(ItemTable(slices, [nbytes[k] for k in keys],
+                                    [expired[k] for k in keys], pinned))
 
 
 __all__ = ["adopt_plain", "plain_targets"]

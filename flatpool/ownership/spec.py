@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 import torch
 from attrs import define, field
@@ -98,23 +98,84 @@ class AdoptedItem:
         return self.original_nbytes if self.released and not self.external else 0
 
 
+class ItemTable(Sequence[AdoptedItem]):
+    """The items of a large plain batch, kept as columns and made into :class:`AdoptedItem`
+    values only when looked at (a batch of 10,000 would otherwise build 10,000 objects that
+    most callers never read)."""
+
+    __slots__ = ("_slices", "_nbytes", "_released", "_pinned", "_made")
+
+    def __init__(
+        self, slices: Sequence[Slice], nbytes: Sequence[int], released: Sequence[bool],
+        pinned: dict[int, tuple[str, ...]],
+    ) -> None:
+        self._slices, self._nbytes, self._released = tuple(slices), tuple(nbytes), tuple(released)
+        self._pinned = pinned  # index -> holders
+        self._made: tuple[AdoptedItem, ...] | None = None
+
+    def _items(self) -> tuple[AdoptedItem, ...]:
+        if self._made is None:
+            self._made = tuple(
+                AdoptedItem(slice=s, original_nbytes=n, released=r, rebound=1,
+                            pinned_by=self._pinned.get(i, ()))
+                for i, (s, n, r) in enumerate(zip(self._slices, self._nbytes, self._released)))
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self._slices)
+
+    @overload
+    def __getitem__(self, i: int) -> AdoptedItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[AdoptedItem, ...]: ...
+    def __getitem__(self, i: int | slice) -> AdoptedItem | tuple[AdoptedItem, ...]:
+        return self._items()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
+
+    @property
+    def all_released(self) -> bool:
+        return all(self._released)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(n for n, r in zip(self._nbytes, self._released) if r)
+
+    @property
+    def slices(self) -> tuple[Slice, ...]:
+        return self._slices
+
+
 @define(frozen=True)
 class AdoptionReport:
     """The result of :meth:`FlatPool.adopt`: one item per original storage, in input order."""
 
-    items: tuple[AdoptedItem, ...]
+    items: Sequence[AdoptedItem]
 
     @property
     def all_released(self) -> bool:
+        if isinstance(self.items, ItemTable):
+            return self.items.all_released
         return all(i.released for i in self.items)
 
     @property
     def freed_bytes(self) -> int:
+        if isinstance(self.items, ItemTable):
+            return self.items.freed_bytes
         return sum(i.freed_bytes for i in self.items)
 
     @property
     def slices(self) -> tuple[Slice, ...]:
+        if isinstance(self.items, ItemTable):
+            return self.items.slices
         return tuple(i.slice for i in self.items)
 
 
-__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "OnPinned"]
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "ItemTable", "OnPinned"]

@@ -46,10 +46,5 @@ class Bucket:
         """The whole bucket as one 1-D tensor: the zero-copy all-gather input."""
         return self.pool.flat(self.dtype)
 
-    @property
-    def split_sizes(self) -> list[int]:
-        """Per-member element counts; they sum to :attr:`numel` when packed without gaps."""
-        return [m.numel for m in self.members]
-
 
 __all__ = ["Bucket", "MemberLayout"]
