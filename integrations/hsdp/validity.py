@@ -91,21 +91,29 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
     if not buffers.adopted:
         return False
     kinds = buffers.wrapper_kinds
-    addr, off, size = tc.storage_address, tc.impl_storage_offset, tc.impl_size
+    addr, off, size, ptr = tc.storage_address, tc.impl_storage_offset, tc.impl_size, tc.impl_data_ptr
     tensor = torch.Tensor
     with tc.no_torch_function():
         for b in buffers.buckets:
             pool = b.pool
-            key = pool.storage_key
-            if key is None:
+            key, base = pool.storage_key, pool.base_address
+            if key is None or base is None:
                 return False
+            item = b.dtype.itemsize
             live = pool.live_slice
             for index, slc, sid, at, flat, sharded in kinds.rows(b):
                 if live(sid) is not slc:
                     return False
+                want = base + at * item
                 p = params[index]
+                # A non-empty tensor whose data pointer is inside the live pool's storage is on
+                # that storage (no other allocation can own those addresses); an empty one's
+                # pointer is 0, so it is judged by storage identity and element offset.
                 data = p._sharded_param_data
-                if addr(data) != key or off(data) != at or size(data) != flat:
+                got = ptr(data)
+                if got != want and (got != 0 or addr(data) != key or off(data) != at):
+                    return False
+                if size(data) != flat:
                     return False
                 wrapper: torch.Tensor = p.sharded_param
                 local: Any = wrapper  # (local_of) a plain parameter is its own local tensor
@@ -113,7 +121,10 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
                     local = getattr(wrapper, "_local_tensor", None)
                     if not isinstance(local, tensor):
                         local = wrapper
-                if addr(local) != key or off(local) != at or size(local) != sharded:
+                got = ptr(local)
+                if got != want and (got != 0 or addr(local) != key or off(local) != at):
+                    return False
+                if size(local) != sharded:
                     return False
                 if local is not wrapper:
                     at_key = addr(wrapper)
