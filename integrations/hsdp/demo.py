@@ -42,9 +42,10 @@ from .census import OriginalStorages, live_storages
 from .fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .launch import launch, set_local_device
 from .naive import naive_rebase
+from .table import mib
+from .table import render as table_render
 
 MODES = ("no fusion", "naive rebase", "flatpool adopt", "meta init")
-MiB = 1 << 20
 
 
 @define(frozen=True)
@@ -209,14 +210,8 @@ def rank_main(cfg: Config) -> list[Row]:
     return rows
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.2f} MiB" if n % MiB else f"{n // MiB} MiB"
-
-
 def render(rank: int, rows: Sequence[Row]) -> str:
-    head = ("mode", "live shard storages", "live bytes", "of which flat", "stale originals",
-            "training vs no fusion", "verdict")
-    table = [head]
+    table = []
     for r in rows:
         same = r.losses_match and r.params_match
         if r.mode == "no fusion":
@@ -226,18 +221,12 @@ def render(rank: int, rows: Sequence[Row]) -> str:
         else:
             verdict = "ok" if not r.checks else "FAIL: " + "; ".join(r.checks)
         table.append((
-            r.mode, str(r.storages), _mib(r.live_bytes), _mib(r.flat_bytes),
-            "-" if r.mode == "no fusion" else f"{r.stale} ({_mib(r.stale_bytes)})",
+            r.mode, str(r.storages), mib(r.live_bytes), mib(r.flat_bytes),
+            "-" if r.mode == "no fusion" else f"{r.stale} ({mib(r.stale_bytes)})",
             "identical" if same else ("DIVERGED" if not r.losses_match else "params differ"),
             verdict,
         ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = [f"rank {rank}:"]
-    for j, row in enumerate(table):
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        if j == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table_render(rank, table)
 
 
 def parse(argv: Sequence[str] | None) -> Config:
@@ -267,7 +256,7 @@ def header(cfg: Config) -> str:
     per_weight = cfg.hidden * cfg.ffn * 4
     return (
         f"flatpool demo: {cfg.world_size} ranks on {cfg.device} ({cfg.backend}); two weights of "
-        f"{cfg.ffn}x{cfg.hidden} fp32 ({_mib(per_weight)} each, about {_mib(per_weight // cfg.world_size)} "
+        f"{cfg.ffn}x{cfg.hidden} fp32 ({mib(per_weight)} each, about {mib(per_weight // cfg.world_size)} "
         f"per rank); {cfg.steps} Adam steps per mode.\n"
         "Live shard storages are the distinct storages reachable from the FSDP2 params (padded\n"
         "data, local tensors, their autograd bases) plus the flat buffers; stale originals are\n"

@@ -34,8 +34,9 @@ from .hyperparallel import BucketLines, V1Lines
 from .hyperparallel_sim import Config, FullyShardUnit, Originals, digest, live_storages
 from .hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key
 from .launch import launch
+from .table import mib
+from .table import render as table_render
 
-MiB = 1 << 20
 V1_HOOKS: dict[str, Callable[..., Any]] = {
     "init_flat": V1Lines._init_flat_param_buffer, "is_valid": V1Lines._is_flat_buffer_valid}
 BUCKET_HOOKS: dict[str, Callable[..., Any]] = {
@@ -162,14 +163,8 @@ def rank_main(cfg: DemoConfig) -> list[Row]:
     return rank_rows(cfg.ffn, cfg.hidden, cfg.steps, cfg.device)
 
 
-def _mib(n: int) -> str:
-    return f"{n / MiB:.2f} MiB" if n % MiB else f"{n // MiB} MiB"
-
-
 def render(rank: int, rows: Sequence[Row]) -> str:
-    head = ("mode", "live shard storages", "live bytes", "of which flat", "stale originals",
-            "training vs no fusion", "verdict")
-    table = [head]
+    table = []
     for r in rows:
         if r.mode == "no fusion":
             verdict = "reference"
@@ -178,17 +173,11 @@ def render(rank: int, rows: Sequence[Row]) -> str:
         else:
             verdict = "ok" if not r.checks else "FAIL: " + "; ".join(r.checks)
         table.append((
-            r.mode, str(r.storages), _mib(r.live_bytes), _mib(r.flat_bytes),
-            "-" if r.mode == "no fusion" else f"{r.stale} ({_mib(r.stale_bytes)})",
+            r.mode, str(r.storages), mib(r.live_bytes), mib(r.flat_bytes),
+            "-" if r.mode == "no fusion" else f"{r.stale} ({mib(r.stale_bytes)})",
             "identical" if r.same_training else "DIFFERS", verdict,
         ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = [f"rank {rank}:"]
-    for j, row in enumerate(table):
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        if j == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table_render(rank, table)
 
 
 def main(cfg: DemoConfig) -> int:
@@ -196,8 +185,8 @@ def main(cfg: DemoConfig) -> int:
     per_weight = cfg.hidden * cfg.ffn * 4
     print(
         f"flatpool demo, HyperParallel simulation: {cfg.world_size} ranks on {cfg.device} "
-        f"({cfg.backend}); two weights of {cfg.ffn}x{cfg.hidden} fp32 ({_mib(per_weight)} each, "
-        f"about {_mib(per_weight // cfg.world_size)} per rank); {cfg.steps} Adam steps per mode.\n"
+        f"({cfg.backend}); two weights of {cfg.ffn}x{cfg.hidden} fp32 ({mib(per_weight)} each, "
+        f"about {mib(per_weight // cfg.world_size)} per rank); {cfg.steps} Adam steps per mode.\n"
         "Live shard storages are the distinct storages reachable from the members (padded data,\n"
         "local tensors, their bases, the Parameter wrappers' own memory) and the flat buffer;\n"
         "stale originals are the member storages from before fusion that are still alive.\n",
