@@ -218,20 +218,20 @@ def test_watch_lists_become_stale_originals() -> None:
         build_manifest(watch=[3])  # type: ignore[list-item]
 
 
-class KeepingPool(FlatPool):
-    """A pool that recorded originals its adoption kept alive (the hook the pool will get)."""
-
-    kept_originals: WatchedStorages
-
-
-def test_a_pools_kept_originals_are_stale_with_the_pools_name() -> None:
-    pool = KeepingPool("cpu", capacity=1024, name="bucket")
-    pool.materialize()
-    pinned = torch.randn(32)
-    pool.kept_originals = WatchedStorages({"layer.w": pinned})
+def test_a_pools_unreleased_originals_are_stale_with_the_pools_name() -> None:
+    """An adoption under on_pinned="warn" whose original something else still holds: the pool
+    records it, and the manifest lists it as a stale original of that pool."""
+    pool = FlatPool("cpu", capacity=1024, name="bucket")
+    w = torch.randn(32)
+    stash = {"w": w.detach()}  # pins w's original
+    address = storage_address(w)
+    with pytest.warns(UserWarning, match="still referenced"):
+        pool.adopt(w, on_pinned="warn")
     m = build_manifest(pools=[pool])
     assert m.originals == (
-        OriginalEntry("layer.w", storage_address(pinned), 128, "bucket", "pool", "cpu"),)
+        OriginalEntry("#0 Tensor(32,) float32", address, 128, "bucket", "pool", "cpu"),)
+    del stash
+    assert build_manifest(pools=[pool]).originals == ()  # it died: nothing stale any more
 
 
 def test_json_round_trip(tmp_path: Path) -> None:

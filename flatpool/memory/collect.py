@@ -46,8 +46,9 @@ def build_manifest(
         flats: flat buffers built by hand (not pools): shown as fused buffers.
         watch: one or several :class:`StorageWatch` (e.g. :class:`WatchedStorages` taken
             before a fusion step); their surviving storages are recorded as stale originals.
-            A pool with a ``kept_originals`` attribute that is a :class:`StorageWatch`
-            contributes the originals its adoptions kept alive (``source="pool"``).
+            Every named pool also contributes the originals its adoptions left alive
+            (:meth:`FlatPool.unreleased_originals`: pinned under ``on_pinned="warn"``/
+            ``"force"``, or kept by the pool for a holder outside Python; ``source="pool"``).
     """
     walked = walk_roots(roots, max_depth=max_depth)
     pool_list: list[FlatPool] = []
@@ -194,11 +195,9 @@ def _originals(watch: Watches, pools: list[FlatPool]) -> list[OriginalEntry]:
     out: list[OriginalEntry] = []
     for w in _watch_list(watch):
         out.extend(OriginalEntry(label, a, n, None, "watch", d) for label, a, n, d in _records(w))
-    for p in pools:
-        kept = getattr(p, "kept_originals", None)
-        if isinstance(kept, StorageWatch):
-            out.extend(OriginalEntry(label, a, n, p.name, "pool", d or str(p.device))
-                       for label, a, n, d in _records(kept))
+    for p in pools:  # what the pool's warn/force adoptions left alive (pinned or kept)
+        out.extend(OriginalEntry(u.label, u.address, u.nbytes, p.name, "pool", u.device)
+                   for u in p.unreleased_originals())
     return out
 
 
