@@ -48,7 +48,7 @@ from .ownership.interrupts import RollbackError  # noqa: E402
 from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools  # noqa: E402
 from .slices import Slice  # noqa: E402
-from .state import UnreleasedOriginal  # noqa: E402
+from .unreleased import UnreleasedOriginal  # noqa: E402
 
 __all__ = [
     "checkpoint",

@@ -16,17 +16,8 @@ from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
 from .ownership.validate import AdoptTargets
 from .slices import Slice
-from .state import (
-    DEFAULT_ALIGNMENT,
-    MAX_BYTES,
-    PoolState,
-    ShapeLike,
-    check_dtype,
-    check_shape,
-    contiguous_strides,
-    empty_storage_tensor,
-    live_pools,
-)
+from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
+from .state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools
 
 
 class FlatPool(PoolState):

@@ -16,14 +16,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import operator
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
-from attrs import define
 
 from . import torch_compat as tc
 from .aliasing import check_strided, extent_of, local_tensor
@@ -37,10 +35,10 @@ from .errors import (
     PoolExhaustedError,
     PoolInvariantError,
 )
-from .registry import AdoptionRegistry, Record
+from .registry import AdoptionRegistry
+from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .slices import Slice
-
-ShapeLike = Union[int, Sequence[int], torch.Size]
+from .unreleased import Trace, UnreleasedOriginal
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -54,10 +52,6 @@ MAX_BYTES = 1 << 62
 """Largest pool extent accepted: torch sizes are int64, and planning beyond this can never be
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-_SHELL = {getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in range(1, 8)
-          if isinstance(getattr(torch, f"{sign}int{bits}", None), torch.dtype)}
-"""Sub-byte dtypes torch declares but implements no operator for (torch >= 2.3)."""
 _pool_ids = itertools.count()
 _all_pools: weakref.WeakSet[PoolState] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
@@ -89,69 +83,6 @@ def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
             _by_storage[new] = weakref.ref(pool)
 
 
-def check_shape(shape: ShapeLike) -> tuple[int, ...]:
-    """Validate ``shape`` (an int, a sequence of ints, a ``torch.Size``) into a tuple."""
-    if isinstance(shape, bool):
-        raise InvalidTypeError(f"shape must be ints, got a bool: {shape!r}")
-    if isinstance(shape, int):
-        dims: tuple[Any, ...] = (shape,)
-    elif isinstance(shape, (Sequence, torch.Size)) and not isinstance(shape, (str, bytes)):
-        dims = tuple(shape)
-    else:
-        raise InvalidTypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
-    out: list[int] = []
-    for d in dims:
-        if isinstance(d, bool) or (isinstance(d, torch.Tensor) and d.dtype == torch.bool):
-            raise InvalidTypeError(f"shape {shape!r} has a bool dimension {d!r}")
-        if not isinstance(d, int):
-            try:
-                d = operator.index(d)
-            except TypeError:
-                raise InvalidTypeError(
-                    f"shape {shape!r} has a non-integer dimension {d!r} ({type(d).__name__})"
-                ) from None
-        if d < 0:
-            raise InvalidRequestError(f"shape {shape!r} has a negative dimension {d}")
-        out.append(int(d))
-    return tuple(out)
-
-
-def check_dtype(dtype: object, what: str | None = None) -> torch.dtype:
-    """A dtype a plain byte storage can hold and torch can copy.
-
-    The one dtype rule of flatpool: ``allocate``, ``allocate_like``, ``flat``, ``adopt``,
-    ``materialize_into`` and (through the slice it keeps) ``readopt`` all refuse the same ones.
-    Quantized dtypes need quantizer parameters a storage cannot carry; the sub-byte shell dtypes
-    (``torch.int1``..``torch.uint7``) have no kernels at all, not even ``copy_``.
-    """
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidTypeError(
-            f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__}: "
-            f"{dtype!r}"
-        )
-    if dtype in _QUANTIZED:
-        raise InvalidTypeError(
-            f"{what + ': ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
-            "plain storage cannot carry; store its integer representation (int_repr()) instead"
-        )
-    if dtype in _SHELL:
-        raise InvalidTypeError(
-            f"{what + ': ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
-            "for (not even copy_); store the packed values as torch.uint8 instead"
-        )
-    return dtype
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (what a fresh ``torch.empty(shape)`` has)."""
-    strides: list[int] = []
-    acc = 1
-    for d in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
     """``capacity`` uninitialized bytes on ``device``; a failed allocation is a typed error.
 
@@ -166,41 +97,6 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
             f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
             requested=capacity, free=0, largest_free=0,
         ) from exc
-
-
-@define(frozen=True)
-class UnreleasedOriginal:
-    """An adopted original that an ``on_pinned="warn"``/``"force"`` adoption left alive."""
-
-    label: str
-    nbytes: int
-    address: int
-    """Data pointer of the original storage (for attributing allocator snapshots)."""
-    device: str
-    kept_by_pool: bool
-    """True when the pool itself keeps it: something outside Python (DLPack, C++) may read it,
-    so it is not freed until :meth:`PoolState.release_kept` finds those holders gone."""
-
-
-class _Trace:
-    """An unreleased original: a weak reference, or a strong one the pool keeps (with the
-    tensor whose C++ holders must go before it may die)."""
-
-    __slots__ = ("info", "weak", "storage", "tensor_ref")
-
-    def __init__(
-        self, info: UnreleasedOriginal, storage: torch.UntypedStorage, tensor: torch.Tensor | None
-    ) -> None:
-        self.info = info
-        self.weak = tc.weak_storage(storage)
-        self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
-        self.tensor_ref = weakref.ref(tensor) if tensor is not None else None
-
-    def alive(self) -> bool:
-        return not tc.weak_expired(self.weak)
-
-    def __del__(self) -> None:
-        tc.weak_free(self.weak)
 
 
 class PoolSnapshot:
@@ -269,7 +165,7 @@ class PoolState:
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
-        self._traces: list[_Trace] = []
+        self._traces: list[Trace] = []
         with _registry_lock:
             _all_pools.add(self)
 
@@ -670,7 +566,7 @@ class PoolState:
         """Remember an original an adoption left alive (``kept_by_pool``: keep it alive too,
         until ``tensor``'s TensorImpl has no owner besides its Python object)."""
         with self._lock:
-            self._traces = self._traces + [_Trace(info, storage, tensor)]
+            self._traces = self._traces + [Trace(info, storage, tensor)]
 
     def unreleased_originals(self) -> tuple[UnreleasedOriginal, ...]:
         """Adopted originals still alive: pinned by others under ``on_pinned="warn"``/``"force"``,
@@ -682,18 +578,8 @@ class PoolState:
     def release_kept(self) -> int:
         """Drop the originals this pool kept whose outside holders are gone; returns how many."""
         with self._lock:
-            keep: list[_Trace] = []
-            dropped = 0
-            for t in self._traces:
-                if t.storage is not None:
-                    tensor = t.tensor_ref() if t.tensor_ref is not None else None
-                    if tensor is None or tc.tensor_impl_users(tensor) <= 1:
-                        t.storage = None
-                        dropped += 1
-                    del tensor
-                if t.alive():
-                    keep.append(t)
-            self._traces = keep
+            dropped = sum(t.release_if_free() for t in self._traces)
+            self._traces = [t for t in self._traces if t.alive()]
             return dropped
 
     # -- introspection -------------------------------------------------------------------
@@ -734,7 +620,6 @@ class PoolState:
 
 
 __all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot",
-    "PoolState", "Record", "ShapeLike", "UnreleasedOriginal", "check_dtype", "check_shape",
-    "contiguous_strides", "empty_storage_tensor", "live_pools", "pool_of_storage",
+    "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
+    "empty_storage_tensor", "live_pools", "pool_of_storage",
 ]

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import torch_compat as tc
-from ..state import PoolState, check_dtype, pool_of_storage
+from ..requests import check_dtype
+from ..state import PoolState, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMove, place_many

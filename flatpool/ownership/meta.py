@@ -20,7 +20,8 @@ from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
 from ..holder import Holder
 from ..registry import make_record
 from ..slices import Slice
-from ..state import PoolState, check_dtype
+from ..requests import check_dtype
+from ..state import PoolState
 from .faults import checkpoint
 from .moves import ImplSwap, SlotSet, fresh_on, swap_many
 from .settle import check_placed

@@ -22,7 +22,8 @@ import torch
 
 from .. import torch_compat as tc
 from ..errors import PinnedStorageError, PoolInvariantError
-from ..state import PoolState, UnreleasedOriginal
+from ..state import PoolState
+from ..unreleased import UnreleasedOriginal
 from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import ImplSwap, Replace

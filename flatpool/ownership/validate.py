@@ -15,7 +15,8 @@ import torch
 from .. import torch_compat as tc
 from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import InvalidRequestError, InvalidTypeError
-from ..state import PoolState, check_dtype, pool_of_storage
+from ..requests import check_dtype
+from ..state import PoolState, pool_of_storage
 from .spec import AdoptSpec
 
 Adoptable = Union[torch.Tensor, AdoptSpec]

@@ -1,0 +1,65 @@
+"""Originals an adoption left alive, as the pool remembers them.
+
+Under ``on_pinned="warn"``/``"force"`` an adoption may leave an original alive: others still
+hold it (the pool keeps a weak reference, for reports and memory attribution), or only a holder
+outside Python does (a DLPack consumer), in which case the pool itself keeps it alive until that
+holder lets go of the moved tensor's TensorImpl.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from attrs import define
+
+from . import torch_compat as tc
+
+
+@define(frozen=True)
+class UnreleasedOriginal:
+    """An adopted original that an ``on_pinned="warn"``/``"force"`` adoption left alive."""
+
+    label: str
+    nbytes: int
+    address: int
+    """Data pointer of the original storage (for attributing allocator snapshots)."""
+    device: str
+    kept_by_pool: bool
+    """True when the pool itself keeps it: something outside Python (DLPack, C++) may read it,
+    so it is not freed until ``pool.release_kept()`` finds those holders gone."""
+
+
+class Trace:
+    """An unreleased original: a weak reference, or a strong one the pool keeps (with the
+    tensor whose C++ holders must go before it may die)."""
+
+    __slots__ = ("info", "weak", "storage", "tensor_ref")
+
+    def __init__(
+        self, info: UnreleasedOriginal, storage: torch.UntypedStorage, tensor: torch.Tensor | None
+    ) -> None:
+        self.info = info
+        self.weak = tc.weak_storage(storage)
+        self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
+        self.tensor_ref = weakref.ref(tensor) if tensor is not None else None
+
+    def alive(self) -> bool:
+        return not tc.weak_expired(self.weak)
+
+    def __del__(self) -> None:
+        tc.weak_free(self.weak)
+
+    def release_if_free(self) -> bool:
+        """Let go of a kept original once its moved tensor has no owner besides its Python
+        object (or died); True when it was let go now."""
+        if self.storage is None:
+            return False
+        tensor = self.tensor_ref() if self.tensor_ref is not None else None
+        if tensor is None or tc.tensor_impl_users(tensor) <= 1:
+            self.storage = None
+            return True
+        return False
+
+
+__all__ = ["Trace", "UnreleasedOriginal"]
