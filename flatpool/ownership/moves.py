@@ -7,14 +7,13 @@ before the move and every undo is *absolute* (put the object back where the reco
 leave it if it is there already), rolling back is correct whether a move happened or not, and
 running the rollback twice is harmless.
 
-Three kinds of move keep the object's identity:
+Two kinds of move keep the object's identity:
 
 * :class:`SetMove`: ``set_`` the TensorImpl onto the new place (the common case). Autograd
   graphs and other C++ holders of the impl follow it.
 * :class:`ImplSwap`: exchange the object's TensorImpl with a fresh one on the new place. For
   an autograd view (``set_`` keeps its ``_base``, which pins the original) and for a meta or
   storage-less tensor (``set_`` refuses another device).
-* :class:`Replace`: give a holder a new object; used only where the caller asks for it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from typing import Any, Union
 import torch
 
 from .. import torch_compat as tc
-from ..holder import Holder
 
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
 """``(element offset, size, stride)``."""
@@ -81,22 +79,6 @@ class ImplSwap:
             self.other = None
 
 
-class Replace:
-    """``holder`` held ``old`` (on storage ``key``) and is given ``new``."""
-
-    __slots__ = ("holder", "old", "old_ref", "new", "key")
-
-    def __init__(self, holder: Holder, old: torch.Tensor, new: torch.Tensor, key: int) -> None:
-        self.holder, self.new, self.key = holder, new, key
-        self.old: torch.Tensor | None = old
-        self.old_ref: weakref.ref[torch.Tensor] | None = None
-
-    def let_go(self) -> None:
-        if self.old is not None:
-            self.old_ref = weakref.ref(self.old)
-            self.old = None
-
-
 class SlotSet:
     """``setattr(obj, name, ...)`` replaced ``old`` (a DTensor's ``_local_tensor``, say)."""
 
@@ -106,7 +88,7 @@ class SlotSet:
         self.obj, self.name, self.old = obj, name, old
 
 
-Record = Union[SetMove, ImplSwap, Replace, SlotSet]
+Record = Union[SetMove, ImplSwap, SlotSet]
 Place = tuple[torch.Tensor, torch.UntypedStorage, int, Sequence[int], Sequence[int]]
 """``(tensor object, storage, element offset, size, stride)``."""
 
@@ -187,12 +169,7 @@ def undo(
     swap_many(swaps)
     for rec in reversed(records):
         try:
-            if isinstance(rec, Replace):
-                old = rec.old if rec.old is not None else (
-                    rec.old_ref() if rec.old_ref is not None else None)
-                if old is not None and _held(rec.holder) is not old:
-                    rec.holder.set(old)
-            elif isinstance(rec, SlotSet):
+            if isinstance(rec, SlotSet):
                 setattr(rec.obj, rec.name, rec.old)
         except Exception as exc:  # keep undoing the rest; reported together
             errors.append(exc)
@@ -200,14 +177,7 @@ def undo(
     return errors
 
 
-def _held(holder: Holder) -> Any:
-    try:
-        return holder.get()
-    except Exception:
-        return None
-
-
 __all__ = [
-    "Geometry", "ImplSwap", "Place", "Record", "Replace", "SetMove", "SlotSet", "fresh_on",
+    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SlotSet", "fresh_on",
     "geometry_of", "place_many", "stand_in", "swap_many", "undo",
 ]

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import torch_compat as tc
-from .moves import ImplSwap, Replace, SetMove
+from .moves import ImplSwap
 from .transaction import Transaction
 
 OUTSIDE_PYTHON = (
@@ -44,14 +44,8 @@ def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
     one pass over the journal for every key to look up."""
     out: dict[int, list[torch.Tensor]] = {}
     for rec in txn.journal:
-        if isinstance(rec, ImplSwap):
-            old = rec.other
-        elif isinstance(rec, Replace):
-            old = rec.old
-        else:
-            continue
-        if old is not None and rec.key is not None:
-            out.setdefault(rec.key, []).append(old)
+        if isinstance(rec, ImplSwap) and rec.other is not None and rec.key is not None:
+            out.setdefault(rec.key, []).append(rec.other)
     return out
 
 

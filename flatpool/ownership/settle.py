@@ -26,7 +26,7 @@ from ..state import PoolState
 from ..unreleased import UnreleasedOriginal
 from .faults import checkpoint
 from .interrupts import run_undo
-from .moves import ImplSwap, Replace
+from .moves import ImplSwap
 from .pins import name_pins
 from .proof import OUTSIDE_PYTHON, old_impls, storage_pinned
 from .spec import OnPinned
@@ -74,8 +74,6 @@ def own_ids(txn: Transaction, *more: object) -> set[int]:
         ids.add(id(rec))
         if isinstance(rec, ImplSwap) and rec.other is not None:
             ids.add(id(rec.other))
-        elif isinstance(rec, Replace) and rec.old is not None:
-            ids.add(id(rec.old))
     return ids
 
 

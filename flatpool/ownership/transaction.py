@@ -22,7 +22,7 @@ from .. import torch_compat as tc
 from ..state import PoolSnapshot, PoolState
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, Record, Replace, SetMove, fresh_on, undo
+from .moves import ImplSwap, Record, SetMove, fresh_on, undo
 
 T = TypeVar("T")
 
@@ -101,12 +101,12 @@ class Transaction:
     def release(self) -> dict[int, bool]:
         """Drop every reference to the originals; report which ones died (weak references).
 
-        The journal keeps only weak references to replaced objects and old impls, so a holder
-        that pins an original gets that same object back if the operation then undoes itself.
+        The journal keeps only weak references to the old impls of swapped views, so if the
+        operation then undoes itself a view gets its very impl back where it still lives.
         """
         self.weak = {k: tc.weak_storage(s) for k, s in self.originals.items()}
         for rec in self.journal:
-            if isinstance(rec, (ImplSwap, Replace)):
+            if isinstance(rec, ImplSwap):
                 rec.let_go()
         self.originals.clear()
         return {k: tc.weak_expired(w) for k, w in self.weak.items()}
