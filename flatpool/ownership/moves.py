@@ -125,18 +125,6 @@ def fresh_on(
     return out
 
 
-def stand_in(t: torch.Tensor, storage: torch.UntypedStorage, geometry: Geometry) -> torch.Tensor:
-    """A fresh tensor to take ``t``'s place: same dtype, and ``requires_grad`` for a leaf."""
-    with tc.no_torch_function():
-        dtype = tc.impl_dtype(t)
-        grad = tc.impl_requires_grad(t) and tc.impl_is_leaf(t)
-    offset, size, stride = geometry
-    out = fresh_on(storage, offset, size, stride, dtype, grad)
-    if isinstance(t, torch.nn.Parameter) and type(t) is torch.nn.Parameter:
-        return torch.nn.Parameter(out, requires_grad=grad)
-    return out
-
-
 def geometry_of(t: torch.Tensor) -> Geometry:
     """``t``'s TensorImpl geometry in elements. Call under ``no_torch_function()``."""
     return tc.impl_storage_offset(t), tuple(tc.impl_size(t)), tuple(tc.impl_stride(t))
@@ -179,5 +167,5 @@ def undo(
 
 __all__ = [
     "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SlotSet", "fresh_on",
-    "geometry_of", "place_many", "stand_in", "swap_many", "undo",
+    "geometry_of", "place_many", "swap_many", "undo",
 ]
