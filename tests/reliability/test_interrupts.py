@@ -229,6 +229,7 @@ def test_interrupt_at_every_line(op: str, line_counts: dict[str, int],
     for i, k in enumerate(_positions(n, 24, slow)):
         outcome = interrupt_at(op, k, retry=slow or i % 4 == 0)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"{op}: {n} lines, interrupted at {sum(outcomes.values())}: {outcomes}")
     assert outcomes.get("rolled back", 0) > 0, outcomes
     assert outcomes.get("not reached", 0) == 0, outcomes
 
@@ -238,10 +239,13 @@ def test_second_interrupt_during_rollback(op: str, line_counts: dict[str, int],
                                           request: pytest.FixtureRequest) -> None:
     slow = bool(request.config.getoption("--slow"))
     firsts = _positions(line_counts[op], 2 if not slow else 8, False)
+    runs = 0
     for k in firsts:
         n = count_lines_second(op, k)
         for j in _positions(n, 6, slow):
             assert interrupt_at(op, k, second=j, retry=slow) in ("rolled back", "done")
+            runs += 1
+    print(f"{op}: second interrupts at {runs} rollback lines after {len(firsts)} first ones")
 
 
 def count_lines_second(op: str, k: int) -> int:
