@@ -13,6 +13,7 @@ readers are ``torch._C.TensorBase``'s own unbound methods, which skip Python ove
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import traceback
@@ -310,8 +311,49 @@ def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> No
 
 # -- bulk ops ------------------------------------------------------------------------------
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each)."""
-    torch._foreach_copy_(list(dst), list(src))
+    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each).
+
+    A dtype torch has no copy kernel for (torch 2.8: ``float4_e2m1fn_x2``) is copied as
+    same-size integers: flatpool moves bytes, not values."""
+    try:
+        torch._foreach_copy_(list(dst), list(src))
+    except NotImplementedError:
+        if not any(_no_copy_kernel(d.dtype, d.device.type) for d in dst):
+            raise
+        torch._foreach_copy_([_copyable(d) for d in dst], [_copyable(t) for t in src])
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()``, also for a dtype torch has no copy kernel for (see :func:`foreach_copy`)."""
+    try:
+        return t.clone()
+    except NotImplementedError:
+        if not _no_copy_kernel(t.dtype, t.device.type):
+            raise
+        return _copyable(t).clone().view(t.dtype)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    if _no_copy_kernel(t.dtype, t.device.type):
+        return t.view(_SAME_SIZE_INT[t.element_size()])
+    return t
+
+
+@functools.cache
+def _no_copy_kernel(dtype: torch.dtype, device_type: str) -> bool:
+    try:
+        a = torch.empty(1, dtype=dtype, device=device_type)
+        b = torch.empty(1, dtype=dtype, device=device_type)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False  # the caller re-raises what it caught
+    try:
+        a.copy_(b)  # two tensors: a copy onto itself is skipped before any kernel runs
+    except NotImplementedError:
+        return dtype.itemsize in _SAME_SIZE_INT
+    return False
 
 
 _get_tensor_metadata = cast(Callable[[torch.Tensor], dict[str, bool]],
@@ -347,7 +389,7 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 __all__ = [
     "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
-    "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
+    "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
     "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
     "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
     "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",
