@@ -137,7 +137,7 @@ def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Untyped
         memo_key = ("flatpool.checkpoint", *key)
         found = memo.get(memo_key)
         if found is None:
-            found = memo[memo_key] = span.clone().untyped_storage()
+            found = memo[memo_key] = tc.clone(span).untyped_storage()
         return found
     with _twins_lock:
         cached = _twins.get(key)
@@ -145,7 +145,7 @@ def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Untyped
         mine = _bytes(t.untyped_storage(), start, nbytes, t.device)
         if torch.equal(_bytes(cached, 0, nbytes, t.device), mine):
             return cached
-    fresh = span.clone().untyped_storage()
+    fresh = tc.clone(span).untyped_storage()
     with _twins_lock:
         _twins[key] = fresh
     return fresh
@@ -159,7 +159,7 @@ def compact_copy(t: torch.Tensor) -> torch.Tensor:
     ``requires_grad``, the conj/neg bits and the Python attributes; the result is a leaf.
     """
     with torch.no_grad():
-        out = _twin_on(t, _span(t).clone().untyped_storage())
+        out = _twin_on(t, tc.clone(_span(t)).untyped_storage())
     return _finish(t, out, None)
 
 

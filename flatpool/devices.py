@@ -62,7 +62,8 @@ def _accelerator_type() -> str | None:
     """
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None:
-        current = accelerator.current_accelerator()
+        # check_available: a CUDA build on a machine without a GPU names CUDA otherwise.
+        current = accelerator.current_accelerator(check_available=True)
         return None if current is None else str(current.type)
     return "cuda" if torch.cuda.is_available() else None
 

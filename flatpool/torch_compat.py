@@ -13,9 +13,14 @@ readers are ``torch._C.TensorBase``'s own unbound methods, which skip Python ove
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+import traceback
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, cast
 
 import torch
@@ -172,11 +177,72 @@ def is_functional(t: torch.Tensor) -> bool:
     return bool(check(t))
 
 
-def python_refs(obj: object) -> int:
-    """``obj``'s Python references as the caller sees them (this call's own not counted).
+def _refcount_in_a_call(obj: object) -> int:
+    return sys.getrefcount(obj)
 
-    Under PyObject preservation torch adds one while C++ also owns the object's impl."""
-    return sys.getrefcount(obj) - 2
+
+_CALL_REFS = _refcount_in_a_call(object())
+"""What a count taken inside a called function adds to the caller's own references: the
+parameter and ``getrefcount``'s argument (2), and on Python 3.10 also the caller's stack slot,
+which 3.11+ moves into the callee (3). Measured with a function of :func:`python_refs`' shape."""
+
+
+_TRACERS_FILL_LOCALS = sys.version_info < (3, 11)
+"""Python 3.10 copies a function frame's locals into its ``f_locals`` dict before each call of
+a ``sys.settrace`` function (pdb, the interrupt tests' line tracer); the dict then holds a
+reference to every local until the next event refreshes it."""
+
+
+def python_refs(obj: object) -> int:
+    """``obj``'s Python references as the caller sees them (this call's own not counted, nor
+    the copies a Python 3.10 trace function leaves in frames' ``f_locals``).
+
+    torch may hold one more while C++ also owns the object's impl: see
+    :data:`PRESERVED_STORAGE_REF` and :data:`PRESERVED_TENSOR_REF`."""
+    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
+        return _refs_beside_locals_copies(obj)
+    return sys.getrefcount(obj) - _CALL_REFS
+
+
+def _refs_beside_locals_copies(obj: object) -> int:
+    # Refresh the f_locals copy of every function frame on this stack (reading f_locals does),
+    # so the count and the copies agree; then count, and take away the copies' references.
+    # This frame's own copy holds obj once (traced lines refresh it, so it is not searched).
+    # Only C-level iteration: as many traced lines whatever the stack depth.
+    here = sys._getframe(0)
+    here.f_locals  # noqa: B018 - the read refreshes the copy
+    frames = list(map(itemgetter(0), traceback.walk_stack(here.f_back)))
+    del here
+    optimized = map(inspect.CO_OPTIMIZED.__and__, map(attrgetter("f_code.co_flags"), frames))
+    copies = list(map(attrgetter("f_locals"), compress(frames, optimized)))
+    del frames
+    # Beyond the caller's: python_refs' stack slot and parameter, this parameter, the
+    # argument of getrefcount (_CALL_REFS, Python 3.10), and this frame's copy.
+    refs = sys.getrefcount(obj) - _CALL_REFS - 3
+    return refs - sum(map(is_, chain.from_iterable(map(dict.values, copies)), repeat(obj)))
+
+
+def _preserved_refs() -> tuple[int, int]:
+    """Measure PyObject preservation for (storages, tensors): torch 2.10+ keeps a Python object
+    alive with a strong reference while C++ also owns its impl (1); older releases resurrect it
+    when the last Python reference goes instead (0)."""
+    with outside_inference():  # an inference tensor has no autograd view link to its base
+        t = torch.empty(0)
+        s = t.untyped_storage()
+        shared = python_refs(s)  # users: t's impl and s
+        del t
+        storage = shared - python_refs(s)
+        t = torch.empty(0)
+        alone = python_refs(t)
+        v = t.view(0)  # the view's impl now also owns t's impl
+        tensor = python_refs(t) - alone
+        del v, t, s
+    return storage, tensor
+
+
+PRESERVED_STORAGE_REF, PRESERVED_TENSOR_REF = _preserved_refs()
+"""References torch itself holds on a storage's / tensor's Python object while its impl has
+other C++ owners (0 or 1, measured at import): pin counts subtract them."""
 
 
 def in_backward() -> bool:
@@ -245,8 +311,49 @@ def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> No
 
 # -- bulk ops ------------------------------------------------------------------------------
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each)."""
-    torch._foreach_copy_(list(dst), list(src))
+    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each).
+
+    A dtype torch has no copy kernel for (torch 2.8: ``float4_e2m1fn_x2``) is copied as
+    same-size integers: flatpool moves bytes, not values."""
+    try:
+        torch._foreach_copy_(list(dst), list(src))
+    except NotImplementedError:
+        if not any(_no_copy_kernel(d.dtype, d.device.type) for d in dst):
+            raise
+        torch._foreach_copy_([_copyable(d) for d in dst], [_copyable(t) for t in src])
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()``, also for a dtype torch has no copy kernel for (see :func:`foreach_copy`)."""
+    try:
+        return t.clone()
+    except NotImplementedError:
+        if not _no_copy_kernel(t.dtype, t.device.type):
+            raise
+        return _copyable(t).clone().view(t.dtype)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    if _no_copy_kernel(t.dtype, t.device.type):
+        return t.view(_SAME_SIZE_INT[t.element_size()])
+    return t
+
+
+@functools.cache
+def _no_copy_kernel(dtype: torch.dtype, device_type: str) -> bool:
+    try:
+        a = torch.empty(1, dtype=dtype, device=device_type)
+        b = torch.empty(1, dtype=dtype, device=device_type)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False  # the caller re-raises what it caught
+    try:
+        a.copy_(b)  # two tensors: a copy onto itself is skipped before any kernel runs
+    except NotImplementedError:
+        return dtype.itemsize in _SAME_SIZE_INT
+    return False
 
 
 _get_tensor_metadata = cast(Callable[[torch.Tensor], dict[str, bool]],
@@ -281,8 +388,8 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = [
-    "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
-    "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
+    "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
+    "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
     "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
     "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
     "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",

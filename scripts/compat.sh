@@ -23,8 +23,9 @@
 # install error).
 #
 # Test tools are pinned as in scripts/bootstrap.sh; mypy is left out, so test_static_typing is
-# skipped. hypothesis >= 6.169 and numpy >= 2.3 need Python >= 3.11: on 3.10 the newest
-# releases that support it are used (hypothesis 6.168.5, numpy 2.2.6).
+# skipped. hypothesis >= 6.169, numpy >= 2.3 and matplotlib >= 3.11 need Python >= 3.11: on
+# 3.10 the newest releases that support it are used (hypothesis 6.168.5, numpy 2.2.6,
+# matplotlib 3.10.9).
 set -uo pipefail
 {  # parsed whole before it runs: editing this file during a run cannot derail the run
 
@@ -60,11 +61,12 @@ PY=$(resolve_python "$PY_ARG") || die "no Python interpreter for '$PY_ARG' (try:
 PYVER=$("$PY" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])') || die "$PY does not run"
 PYMINOR=$("$PY" -c 'import sys; print(sys.version_info[1])')
 
-if [ "$PYMINOR" -ge 11 ]; then
-  TOOLS="attrs==26.1.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6"  # = scripts/bootstrap.sh
+if [ "$PYMINOR" -ge 11 ]; then  # = scripts/bootstrap.sh
+  TOOLS="attrs==26.1.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 matplotlib==3.11.2"
 else  # the newest releases of these that still support Python 3.10
-  TOOLS="attrs==26.1.0 pytest==9.2.0 hypothesis==6.168.5 numpy==2.2.6"
+  TOOLS="attrs==26.1.0 pytest==9.2.0 hypothesis==6.168.5 numpy==2.2.6 matplotlib==3.10.9"
 fi
+TOOLS="$TOOLS setuptools>=77"  # test_packaging builds the wheel (PEP 639 license field)
 WANT="torch==$TORCH_VERSION $TOOLS"
 
 VENV="$ROOT/torch-$TORCH_VERSION-py$PYVER"
@@ -136,9 +138,12 @@ t2=$(date +%s)
 summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected|xfailed|xpassed|warnings?)' "$LOG" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
 [ -n "$summary" ] || summary="no pytest summary (crash or timeout: exit $rc)"
 times="install $((t1 - t0))s$reused, tests $((t2 - t1))s"
-# Skips other than the expected ones (slow tests, mypy not installed) may hide a torch
-# incompatibility: count them in the verdict and list them.
-odd_skips=$(grep -E '^SKIPPED ' "$LOG" | grep -v -e 'slow test: run with --slow' -e "could not import 'mypy'")
+# Skips other than the expected ones (slow tests, mypy not installed, no GPU on this machine,
+# a property-test cell that does not apply) may hide a torch incompatibility: count them in
+# the verdict and list them.
+odd_skips=$(grep -E '^SKIPPED ' "$LOG" | grep -v -e 'slow test: run with --slow' \
+  -e "could not import 'mypy'" -e 'needs an accelerator' -e 'no CUDA or NPU device' \
+  -e 'does not apply to plain parameter')
 n_odd=$(printf '%s' "$odd_skips" | grep -c . || true)
 note=""
 [ "$n_odd" -eq 0 ] || note=" ($n_odd other skip reason(s), listed below)"

@@ -66,7 +66,30 @@ def _frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
     return items
 
 
-def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
+def _locals_copies() -> set[int]:
+    """Ids of the ``f_locals`` dicts of the function frames on this stack (cleared once read,
+    see :func:`_frame_locals`). Before Python 3.13 they are copies a gc scan sees as dicts
+    holding the frames' locals; under a Python 3.10 trace function (pdb) every traced call
+    makes a new one, which the parent search would follow without end. Frames are named by
+    the stack walk instead."""
+    if sys.version_info >= (3, 13):
+        return set()
+    ids = set()
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+            copy = frame.f_locals
+            ids.add(id(copy))
+            copy.clear()
+            del copy
+        frame = frame.f_back
+    return ids
+
+
+def _owner_of_dict(d: dict[Any, Any], skip: set[int], depth: int = 0) -> str | None:
+    if depth > _MAX_PARENTS:
+        return None
+    skip = skip | _locals_copies()
     for owner in gc.get_referrers(d):
         if id(owner) in skip or _ours(owner):
             continue
@@ -88,7 +111,7 @@ def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
                     )
                     if obj is not None and isinstance(k, str):
                         return f"{type(obj).__name__}.{k}"
-                    parent = _owner_of_dict(owner, skip | {id(d)})
+                    parent = _owner_of_dict(owner, skip | {id(d)}, depth + 1)
                     key = f"param{tuple(k.shape)}" if isinstance(k, torch.Tensor) else repr(k)
                     return f"{parent or 'dict'}[{key}]"
         attrs = getattr(owner, "__dict__", None)  # an attribute of an object (inline values)
@@ -99,9 +122,13 @@ def _owner_of_dict(d: dict[Any, Any], skip: set[int]) -> str | None:
     return None
 
 
+_MAX_PARENTS = 8
+"""How many enclosing dicts a holder's name follows (``a[k1][k2]...``) before it stops."""
+
+
 def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
     """Describe each Python object that references ``obj`` (attribute paths, keys, frames)."""
-    skip_ids = set(skip) | {id(obj)}
+    skip_ids = set(skip) | {id(obj)} | _locals_copies()
     names: list[str] = []
     seen_frames: set[int] = set()
     for ref in gc.get_referrers(obj):

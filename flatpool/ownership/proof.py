@@ -72,14 +72,14 @@ def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None =
     # An old impl someone else also owns (a graph that saved the view we moved off it) stays
     # on the original after we let go of it.
     extra += sum(max(0, tc.tensor_impl_users(old) - 1) for old in known.values())
-    # Python references to the storage object: the originals entry and our local, plus one C++
-    # keeps while the storage has other users (PyObject preservation).
-    extra += max(0, tc.python_refs(storage) - 2 - (1 if users > 1 else 0))
+    # Python references to the storage object: the originals entry and our local, plus the one
+    # torch keeps while the storage has other users (PyObject preservation, torch 2.10+).
+    extra += max(0, tc.python_refs(storage) - 2 - (tc.PRESERVED_STORAGE_REF if users > 1 else 0))
     del storage
     for addr in list(bases):
         base = bases[addr]
         # The bases entry and our local, plus preservation while views link to it.
-        preserved = 1 if tc.tensor_impl_users(base) > 1 else 0
+        preserved = tc.PRESERVED_TENSOR_REF if tc.tensor_impl_users(base) > 1 else 0
         extra += max(0, tc.python_refs(base) - 2 - preserved)
         del base
     return extra > 0

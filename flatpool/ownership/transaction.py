@@ -85,7 +85,7 @@ class Transaction:
 
     def save_bytes(self, view: torch.Tensor) -> None:
         """Keep a copy of pool bytes about to be overwritten (an existing slice), for rollback."""
-        self.saved.append((view, view.detach().clone()))
+        self.saved.append((view, tc.clone(view.detach())))
 
     def detach_buffer(self) -> None:
         """Relocation: the snapshot must not pin the pool's old storage (tracked as an original
@@ -135,7 +135,7 @@ class Transaction:
         errors = undo(self.journal, self.originals)
         with torch.no_grad():
             for view, before in reversed(self.saved):
-                view.copy_(before)
+                tc.foreach_copy([view], [before])
         snap = self.snapshot
         assert snap is not None
         if snap.buffer is None and snap.buffer_key is not None:  # relocation: rebuild it

@@ -10,8 +10,9 @@ layer re-validates (and re-adopts what moved) at the two points that matter:
   ``assign=True`` the caller's state dict pins the new storages until the call returns, so
   that case is left to the next point), and
 * before the first all-gather of every forward (a forward pre-hook on the root, prepended so it
-  runs before FSDP2's lazy init), which also catches ``to_empty`` and groups that were still
-  on meta when :func:`fuse_fully_sharded` was called.
+  runs before FSDP2's own pre-forward; it runs FSDP2's lazy init first, which on torch 2.7
+  re-pads uneven shards into fresh memory), which also catches ``to_empty`` and groups that
+  were still on meta when :func:`fuse_fully_sharded` was called.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class FusedModule:
 
     def install_hooks(self) -> None:
         def pre_forward(*_: Any) -> None:
+            # FSDP2's lazy init (first thing in this forward otherwise; idempotent) can move
+            # shards: torch 2.7's reset_sharded_param re-pads every uneven shard into fresh
+            # memory. Run it first, so the check sees where the all-gather will read.
+            lazy_init(self.module)
             with torch.no_grad():
                 self.revalidate()
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from flatpool import local_tensor
 from flatpool.integrations.hsdp.fsdp2 import FusedModule
 
-from hsdp_workers import build, check_aliasing, train
+from hsdp_workers import build, check_aliasing, refuse_if_torch_does, train
 
 
 def _shared_dir() -> str:
@@ -56,6 +56,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def dcp_round_trip(mesh: DeviceMesh, name: str, target: str) -> None:
     """Save a trained fused model with DCP; load it into a fused ``target`` ("adopt"|"meta")."""
+    refuse_if_torch_does(name, mesh)
     src, src_fused, _ = build(name, mesh, "adopt")
     assert src_fused is not None
     train(name, src, "adam")
@@ -99,6 +100,7 @@ def torch_save_local_shards(mesh: DeviceMesh, name: str) -> None:
     (``torch.save`` of the DTensors themselves fails in torch 2.13 for any DTensor whose local
     tensor starts at a non-zero storage offset, pool or not; see docs/checkpoints.md.)
     """
+    refuse_if_torch_does(name, mesh)
     model, fused, _ = build(name, mesh, "adopt")
     assert fused is not None
     ref, _, _ = build(name, mesh, "ref")

@@ -10,6 +10,7 @@ from flatpool.integrations.hsdp import demo
 
 
 def test_demo_passes_and_draws_the_seed_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # --png draws with it (flatpool's 'viz' extra)
     out = tmp_path / "pictures"
     code = demo.main(["--hidden", "32", "--ffn", "64", "--steps", "2", "--png", str(out)])
     text = capsys.readouterr().out
