@@ -687,8 +687,11 @@ def test_free_refuses_a_slice_backing_adopted_tensors() -> None:
 
 
 def test_public_names() -> None:
-    for name in ("AdoptSpec", "Holder", "AdoptionReport", "AdoptedItem", "set_fault_hook", "census"):
+    for name in ("AdoptSpec", "Holder", "AdoptionReport", "AdoptedItem", "census"):
         assert hasattr(flatpool, name)
+    # The old test-hook names still resolve, with a deprecation warning naming the new home.
+    with pytest.warns(DeprecationWarning, match="flatpool.testing.set_fault_hook"):
+        assert flatpool.set_fault_hook is flatpool.testing.set_fault_hook  # type: ignore[attr-defined]
 
 
 def test_fail_at_raises_once_at_its_checkpoint() -> None:
