@@ -11,11 +11,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+# First: importing torch_compat refuses an unsupported torch with one clear error, before any
+# module reads a private torch API that release may lack.
 from .torch_compat import UnsupportedTorchError, check_supported
 
-check_supported()
-
-from .aliasing import (  # noqa: E402  (after the torch check: one clear error first)
+from .aliasing import (  # noqa: E402
     ByteRange,
     byte_range,
     check_no_aliasing,

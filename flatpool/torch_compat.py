@@ -55,6 +55,9 @@ def check_supported() -> None:
         )
 
 
+check_supported()  # before the probes below: an old torch lacks some of what they read
+
+
 # -- reading a tensor's TensorImpl ----------------------------------------------------------
 _Base = torch._C.TensorBase
 
