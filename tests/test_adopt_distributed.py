@@ -1,14 +1,12 @@
 """Adoption of DTensor parameters sharded over a 2-rank gloo mesh on CPU.
 
-One spawn (two processes on 127.0.0.1, a free port) runs every scenario; each rank reports
+One 2-rank job (``flatpool.integrations.hsdp.launch``) runs every scenario; each rank reports
 ``{scenario: None | traceback}`` and every scenario is its own test here.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -168,55 +166,34 @@ def _s_grow_then_train(mesh: Any) -> None:
     assert torch.equal(local_tensor(params[0]), local_tensor(ref[0]))
 
 
-def _worker(rank: int, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    results: dict[str, str | None] = {}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        from torch.distributed.device_mesh import init_device_mesh
+def run_all() -> dict[str, str | None]:
+    """Every scenario on this rank (the process group is up): ``{scenario: None | traceback}``."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2,))
-        for name in SCENARIOS:
-            try:
-                globals()[f"_s_{name}"](mesh)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    finally:
-        queue.put((rank, results))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,))
+    results: dict[str, str | None] = {}
+    for name in SCENARIOS:
+        try:
+            globals()[f"_s_{name}"](mesh)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    return results
 
 
 # -- test side ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def two_rank_results() -> dict[int, dict[str, str | None]]:
-    import torch.multiprocessing as mp
+    """One 2-rank job (a file rendezvous: no port to race for). A scenario failing on one rank
+    before a collective leaves the other waiting: launch's timeout turns that into a failure
+    naming the ranks instead of a hang."""
+    from flatpool.integrations.hsdp.launch import launch
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo is not available")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True,
-                       start_method="spawn")
-    out: dict[int, dict[str, str | None]] = {}
-    while not queue.empty():
-        rank, results = queue.get()
-        out[rank] = results
-    assert sorted(out) == [0, 1], out
-    for rank, results in out.items():
-        assert "setup" not in results, f"rank {rank} setup failed:\n{results['setup']}"
-    return out
+    return dict(enumerate(launch(run_all, world_size=2, timeout_s=180)))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

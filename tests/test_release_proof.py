@@ -352,3 +352,51 @@ def test_report_counts_bytes_and_rebinds() -> None:
     r2 = pool.adopt(window)
     assert r2.items[0].original_nbytes == 40 and r2.items[0].released
     assert r2.slices[0].nbytes == 16
+
+
+def test_a_cpp_owner_that_lets_go_within_milliseconds_does_not_pin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gloo's worker thread holds the tensors of a collective for a moment after ``wait()``
+    returns (seen as a spurious "held only from C++" pin, adopting right after
+    ``distribute_tensor`` on a loaded machine). The pre-move check looks again before moving;
+    here the owner (a pending graph that saved the tensor) goes away during the first wait."""
+    import flatpool.ownership.proof as proof
+
+    t = torch.randn(4, requires_grad=True)
+    graph = {"loss": (t * t).sum()}  # saves t: an owner of its impl Python cannot see
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            graph.clear()  # the holder lets go while flatpool waits
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    dead = StorageWeakRef(storage_of(t))
+    report = FlatPool(capacity=1024).adopt(t)
+    assert report.all_released and dead.expired()
+    assert waits == [0.0]  # looked again once, after a bare yield
+
+
+def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flatpool.ownership.proof as proof
+
+    t = torch.randn(4, requires_grad=True)
+    loss = (t * t).sum()
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    key = tc.storage_key(storage_of(t))
+    with pytest.raises(PinnedStorageError, match="held"):
+        FlatPool(capacity=1024).adopt(t)
+    assert tc.storage_key(storage_of(t)) == key  # nothing moved
+    assert waits == list(proof._SETTLE_DELAYS_S) and sum(waits) < 0.02
+    loss.backward()  # the graph still works on the original
+    assert torch.equal(t.grad, 2 * t.detach())
