@@ -258,12 +258,21 @@ def count_lines_second(op: str, k: int) -> int:
 
 
 def test_an_interrupt_leaves_no_handler_or_gc_change_behind() -> None:
-    """The guard restores the user's SIGINT handler and gc setting exactly, interrupted or not."""
+    """The guard restores the user's SIGINT handler and gc setting exactly, interrupted or not.
+
+    (A handler of the test's own: a process started in the background has SIGINT ignored, so
+    Python's default handler is not a given.)"""
+
+    def users_handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, users_handler)
     gc.disable()
     try:
         w = batch_world()
         exc = _traced(lambda: w.pool.adopt(w.targets), LineTracer(50))
         assert exc is not None
-        assert not gc.isenabled() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert not gc.isenabled() and signal.getsignal(signal.SIGINT) is users_handler
     finally:
         gc.enable()
+        signal.signal(signal.SIGINT, previous)
