@@ -7,6 +7,7 @@ One 2-rank job (``flatpool.integrations.hsdp.launch``) runs every scenario; each
 from __future__ import annotations
 
 import copy
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +180,9 @@ def run_all() -> dict[str, str | None]:
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()
+            # Now, not only in the result: if the other rank is left waiting in a collective,
+            # the job ends by timeout and this is what says why (launch shows ranks' stderr).
+            print(f"rank {dist.get_rank()} {name}:\n{results[name]}", file=sys.stderr, flush=True)
         dist.barrier()
     return results
 
