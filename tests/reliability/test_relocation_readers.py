@@ -18,8 +18,7 @@ import gc
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -49,12 +48,17 @@ class Outcome:
     writer_failures: list[str] = field(factory=list)
 
 
-@contextmanager
-def _switch_often() -> Iterator[None]:
+def _race(*targets: Callable[[], None], timeout: float) -> None:
+    """Run ``targets`` in threads of their own until all return (or ``timeout`` s each), with a
+    thread switch every few bytecodes so that races show up at once."""
     old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # a thread switch every few bytecodes: races show up at once
+    sys.setswitchinterval(1e-5)
     try:
-        yield
+        threads = [threading.Thread(target=t) for t in targets]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout)
     finally:
         sys.setswitchinterval(old)
 
@@ -112,12 +116,7 @@ def stress(iterations: int) -> Outcome:
         out.reads = i
 
     start = time.perf_counter()
-    with _switch_often():
-        threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(600)
+    _race(reader, writer, timeout=600)
     out.seconds = time.perf_counter() - start
     check_layout(pool)
     assert pool.is_valid() and all(pool.owns(t) for t in ts)
@@ -245,12 +244,7 @@ def test_free_bytes_never_negative_while_another_thread_plans() -> None:
             if free < 0 or pool.largest_free_bytes < 0:
                 bad.append(free)
 
-    with _switch_often():
-        threads = [threading.Thread(target=plan), threading.Thread(target=read)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
+    _race(plan, read, timeout=120)
     assert not bad, bad[:5]
 
 
@@ -283,11 +277,6 @@ def test_process_wide_census_never_makes_an_adoption_fail() -> None:
             census()
             scans[0] += 1
 
-    with _switch_often():
-        threads = [threading.Thread(target=scan), threading.Thread(target=adopt)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
+    _race(scan, adopt, timeout=120)
     assert scans[0] > 0
     assert not failures, failures[:3]
