@@ -23,9 +23,9 @@ from types import FrameType
 
 import flatpool
 
-from .state import Snapshot, check_layout
+from .state import Snapshot
 from .scenarios import values_of
-from .test_interrupts import OPS, Interrupt, _done
+from .test_interrupts import OPS, Interrupt, settled
 
 FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
 
@@ -78,12 +78,7 @@ def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
         try:
             assert gc.get_threshold() == gc_threshold, "the gc pause was not undone"
             assert signal.getsignal(signal.SIGALRM) is handler, "a handler was left installed"
-            problems = snap.diff()
-            if problems:
-                _done(op, w, before)  # not as before: it must be fully done
-            else:
-                for p in w.pools:
-                    check_layout(p)
+            settled(op, w, before, snap)
         except AssertionError as err:
             bad.append(f"{op} (landed in {landed[0]}): {err}")
     return {"rounds": rounds, "inside": inside, "outside": outside, "inconsistent": bad}

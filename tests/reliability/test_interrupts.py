@@ -196,21 +196,29 @@ def interrupt_at(op: str, k: int, second: int | None = None, retry: bool = True)
         _done(op, w, before)
         return "not reached"
     del exc
+    try:
+        outcome = settled(op, w, before, snap)
+    except AssertionError as err:
+        raise AssertionError(f"{op}: interrupt at line {k} (rollback line {second}) {err}") from None
+    if outcome == "rolled back" and retry:
+        run()
+        _done(op, w, before)
+    return outcome
+
+
+def settled(op: str, w: World, before: dict[str, torch.Tensor], snap: Snapshot) -> str:
+    """The verdict on an interrupted ``op``: "rolled back" (exactly as before, every pool's
+    layout consistent) or "done" (fully); an AssertionError naming the mix otherwise."""
     problems = snap.diff()
     if not problems:
         for p in w.pools:
             check_layout(p)
-        if retry:
-            run()
-            _done(op, w, before)
         return "rolled back"
     try:
         _done(op, w, before)
     except AssertionError as err:
         raise AssertionError(
-            f"{op}: interrupt at line {k} (rollback line {second}) left a mix:\n"
-            + "\n".join(problems) + f"\nand not fully done: {err}"
-        ) from None
+            "left a mix:\n" + "\n".join(problems) + f"\nand not fully done: {err}") from None
     return "done"
 
 
