@@ -76,3 +76,21 @@ class PinnedStorageError(AdoptionError):
 class PoolInvariantError(FlatPoolError, RuntimeError):
     """An operation would leave a pool inconsistent (its storage grown past its capacity, a
     tensor outside its slice): a bug or a tensor that lied about itself. It was rolled back."""
+
+
+class FlatPoolWarning(UserWarning):
+    """Base class of every warning flatpool issues; filter it to silence flatpool only."""
+
+
+class OriginalKeptAliveWarning(FlatPoolWarning):
+    """An adoption went ahead but an original storage stayed alive (a reference the caller
+    holds pinned it); its bytes are kept until that reference is dropped."""
+
+
+class ExternalMemoryWarning(FlatPoolWarning):
+    """An adopted original's memory belongs to another owner (numpy, DLPack, shared memory):
+    flatpool copied it but cannot free it."""
+
+
+class UntestedTorchWarning(FlatPoolWarning):
+    """The installed torch is newer than the newest release flatpool was tested on."""

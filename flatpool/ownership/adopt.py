@@ -11,12 +11,12 @@ named) take the lean path in :mod:`flatpool.ownership.fastpath`, with the same g
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from .. import torch_compat as tc
-from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
+from .._warn import warn
+from ..errors import AdoptionError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
 from ..registry import Record, make_record
 from ..state import PoolState
 from .copying import COPY_CHUNK, copy_all
@@ -137,7 +137,7 @@ def _adopt(
     expired, late = release(txn, label, pins, on_pinned)
     external = [p.label for p in plans if p.primary.external]
     if external:
-        warnings.warn(_external_message(external), stacklevel=4)
+        warn(_external_message(external), ExternalMemoryWarning)
     items = []
     for p in plans:
         assert p.slice is not None

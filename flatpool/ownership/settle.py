@@ -15,13 +15,13 @@ Shared by adoption (both paths) and re-adoption. After the moves:
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from .. import torch_compat as tc
-from ..errors import PinnedStorageError, PoolInvariantError
+from .._warn import warn
+from ..errors import OriginalKeptAliveWarning, PinnedStorageError, PoolInvariantError
 from ..state import PoolState
 from ..unreleased import UnreleasedOriginal
 from .faults import checkpoint
@@ -142,7 +142,7 @@ def settle_pins(
     if on_pinned == "raise":
         named = labelled(pins, label)
         raise PinnedStorageError(pinned_message(named), named)
-    warnings.warn(pinned_message(labelled(pins, label), kept=True), stacklevel=4)
+    warn(pinned_message(labelled(pins, label), kept=True), OriginalKeptAliveWarning)
     return pins
 
 
@@ -197,7 +197,7 @@ def release(
     if on_pinned == "raise":
         named = labelled(late, label)
         raise PinnedStorageError(pinned_message(named), named)
-    warnings.warn(pinned_message(labelled(late, label), kept=True), stacklevel=4)
+    warn(pinned_message(labelled(late, label), kept=True), OriginalKeptAliveWarning)
     return expired, late
 
 
