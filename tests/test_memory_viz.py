@@ -216,7 +216,17 @@ def test_no_label_leaves_the_picture_and_no_empty_panel(tmp_path: Path) -> None:
     assert len(mixed.axes) == 3  # type: ignore[attr-defined]
     layout = mixed.axes[2]  # type: ignore[attr-defined]
     assert layout.get_position().width > 0.8  # one layout across both columns
-    for fig in (alone, mixed, viz.figure([("naive copy", before), ("adopted", after)])):
+    torch.manual_seed(0)
+    bf16 = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+    fp32 = nn.Linear(128, 32)
+    crowded = FlatPool("cpu", name="mixed")
+    crowded.adopt([*bf16.parameters(), *fp32.parameters()])
+    many = capture(roots={"model": bf16, "extra": fp32}, pools=[crowded], scan=False)
+    many_fig = viz.figure([("14 slices, 2 dtypes", many)])
+    named = " ".join(texts(many_fig.axes[1]))  # type: ignore[attr-defined]
+    for s in many.manifest.pools[0].slices:  # every slice named, the 128 B biases too
+        assert s.tensors[0] in named, (s, named)
+    for fig in (alone, mixed, many_fig, viz.figure([("naive copy", before), ("adopted", after)])):
         canvas = agg.FigureCanvasAgg(fig)
         canvas.draw()
         renderer = canvas.get_renderer()

@@ -391,9 +391,10 @@ def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
              f"slice:{s.slice_id}", scale, height=0.8)
         label = s.tensors[0] if s.tensors else f"slice {s.slice_id}"
         text = f"{_short(label, 28)}\n{fmt_bytes(s.nbytes)}"
-        if scale.fits(_short(label, 28), s.nbytes, 7):
-            ax.text(s.offset + s.nbytes / 2, 0.5, text, ha="center", va="center", fontsize=7,
-                    color="black", gid="label")
+        size = next((f for f in (7, 6) if scale.fits(_short(label, 28), s.nbytes, f)), None)
+        if size is not None:
+            ax.text(s.offset + s.nbytes / 2, 0.5, text, ha="center", va="center",
+                    fontsize=size, color="black", gid="label")
         else:
             shown = max(float(s.nbytes), scale.shortest())
             above.append((s.offset + shown / 2, f"{_short(label, 24)} {fmt_bytes(s.nbytes)}"))
@@ -408,10 +409,10 @@ def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
     more = f" ({unlabelled} small slice(s) not named)" if unlabelled else ""
     ax.set_title(
         f"{where}layout of pool {p.name!r} on {p.device}: capacity {fmt_bytes(p.capacity)}, "
-        f"alignment {p.alignment} B; bar length = bytes\n{len(p.slices)} slice(s) holding "
+        f"alignment {p.alignment} B\n{len(p.slices)} slice(s) holding "
         f"{fmt_bytes(p.used_bytes)} ({fmt_bytes(p.adopted_bytes)} adopted), padding "
         f"{fmt_bytes(padding)}, free {fmt_bytes(sum(g.nbytes for g in free))} in "
-        f"{len(free)} range(s){more}", fontsize=9, loc="left")
+        f"{len(free)} range(s)\nbar length = bytes{more}", fontsize=9, loc="left")
     handles = [mpl.patch(facecolor=colour[d], label=d) for d in dtypes]
     handles.append(mpl.patch(facecolor=PADDING, edgecolor="#7F7F7F", hatch="////",
                              label="alignment padding"))
@@ -422,18 +423,21 @@ def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
 
 def _label_above(ax: Axes, labels: Sequence[tuple[float, str]], scale: _Scale) -> int:
     """Name small slices above the bar on two staggered levels, each on a leader line to its
-    slice, moved right until it clears its neighbours; how many found no room."""
+    slice, moved right (or, at the end, left) until it clears its neighbours; how many found
+    no room."""
     level_end = [0.0, 0.0]
     levels = (1.1, 1.4)
     placed = 0
     for x, text in sorted(labels)[:_SMALL_LABELS]:
         w = scale.text_bytes(text, 6)
-        best = min(range(2), key=lambda i: max(x - w / 2, level_end[i]))
-        left = max(x - w / 2, level_end[best], 0.0)
-        if left + w > scale.span:
-            left = scale.span - w
-            if left < level_end[best]:
-                continue
+        spots = []
+        for i in range(2):
+            left = min(max(x - w / 2, level_end[i], 0.0), scale.span - w)
+            if left >= level_end[i]:
+                spots.append((abs(left + w / 2 - x), i, left))
+        if not spots:
+            continue
+        _, best, left = min(spots)
         level_end[best] = left + w
         y = levels[best]
         ax.plot([x, left + w / 2], [0.9, y - 0.06], color="#555555", linewidth=0.5)

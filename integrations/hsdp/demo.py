@@ -13,10 +13,13 @@ report. Four modes are compared:
   storages proven dead, training bit-identical.
 * ``meta init``: built on meta and materialized straight into the pool, then loaded.
 
-Each rank's table is printed; the process exits non-zero if a flatpool row fails its checks.
-Under ``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that
-sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints
-the same tables, and every rank exits with the same code.
+Each rank's table is printed on stdout; the process exits non-zero if a flatpool row fails its
+checks. Rank 0 writes a ``progress:`` line per mode and training step to stderr. ``--png DIR``
+draws each rank's memory, buggy mode beside flatpool, in ``DIR/rank<r>.png``. Under
+``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that sets
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints the
+same tables, and every rank exits with the same code. ``--client hyperparallel``
+(:mod:`.demo_hyperparallel`) does all of this in the HyperParallel simulation.
 """
 
 from __future__ import annotations
@@ -217,8 +220,8 @@ def parse(argv: Sequence[str] | None) -> Config:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--png", default=None, metavar="DIR",
-                    help="write each rank's memory picture (naive rebase vs flatpool) to "
-                         "DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
+                    help="write each rank's memory picture (the buggy mode beside flatpool's) "
+                         "to DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
     ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
                     help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
     a = ap.parse_args(argv)

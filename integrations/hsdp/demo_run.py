@@ -21,6 +21,7 @@ from attrs import define, evolve
 from .launch import launch, set_local_device
 
 R = TypeVar("R")
+_STARTED = time.perf_counter()  # in a spawned rank: when it imported this module
 
 
 @define(frozen=True)
@@ -40,9 +41,11 @@ class Config:
 
 
 def progress(text: str) -> None:
-    """``progress: text`` on stderr, from rank 0 only (or from a process outside any job)."""
+    """``progress: text (N s)`` on stderr, from rank 0 only (or from a process outside any
+    job); N counts from this process's start."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"progress: {text}", file=sys.stderr, flush=True)
+        print(f"progress: {text} ({time.perf_counter() - _STARTED:.1f} s)", file=sys.stderr,
+              flush=True)
 
 
 def picture_path(folder: str, rank: int) -> str:

@@ -4,6 +4,7 @@ its progress lines, for both clients, and the HyperParallel client under torchru
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ def assert_progress(stderr: str, modes: list[str], steps: int) -> None:
     want = [f"progress: {m}: step {s}/{steps}" for m in modes for s in range(1, steps + 1)]
     got = [ln.split(", loss")[0] for ln in lines if ": step " in ln]
     assert got == want, stderr
-    assert lines[0] == "progress: starting 2 ranks on cpu (gloo)", stderr
+    assert lines[0].startswith("progress: starting 2 ranks on cpu (gloo) ("), stderr
+    assert all(re.search(r" \(\d+\.\d s\)$", ln) for ln in lines), stderr  # elapsed time
 
 
 def test_demo_passes_and_draws_the_seed_case(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
