@@ -185,6 +185,7 @@ def rank_main(cfg: Config) -> list[Row]:
         del model, params, flats, originals, fused
     if panels:
         draw_panels(cfg, panels)
+    progress("every mode done; the ranks send their tables and exit")
     return rows
 
 

@@ -196,6 +196,7 @@ def rank_main(cfg: Config) -> list[Row]:
     rows = rank_rows(cfg.ffn, cfg.hidden, cfg.steps, cfg.device, panels)
     if panels:
         draw_panels(cfg, panels)
+    progress("every mode done; the ranks send their tables and exit")
     return rows
 
 

@@ -21,7 +21,10 @@ from attrs import define, evolve
 from .launch import launch, set_local_device
 
 R = TypeVar("R")
-_STARTED = time.perf_counter()  # in a spawned rank: when it imported this module
+_STARTED_ENV = "FLATPOOL_DEMO_STARTED"
+"""The launching process's start (``time.time()``), inherited by the ranks it spawns, so every
+progress line counts seconds from the same moment."""
+_STARTED = float(os.environ.get(_STARTED_ENV) or time.time())
 
 
 @define(frozen=True)
@@ -42,10 +45,9 @@ class Config:
 
 def progress(text: str) -> None:
     """``progress: text (N s)`` on stderr, from rank 0 only (or from a process outside any
-    job); N counts from this process's start."""
+    job); N counts from the start of the process that launched the ranks."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"progress: {text} ({time.perf_counter() - _STARTED:.1f} s)", file=sys.stderr,
-              flush=True)
+        print(f"progress: {text} ({time.time() - _STARTED:.1f} s)", file=sys.stderr, flush=True)
 
 
 def picture_path(folder: str, rank: int) -> str:
@@ -83,6 +85,7 @@ def run_client(
     if launched_by_torchrun():
         return _torchrun_rank(cfg, header, rank_main, report)
     print(header(cfg), flush=True)
+    os.environ.setdefault(_STARTED_ENV, repr(_STARTED))  # for the spawned ranks
     progress(f"starting {cfg.world_size} ranks on {cfg.device} ({cfg.backend})")
     t0 = time.perf_counter()
     results = launch(rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend,
