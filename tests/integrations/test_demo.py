@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flatpool.integrations.hsdp import demo, demo_hyperparallel
+from flatpool.memory.viz import COLOURS
 
 HP_MODES = [m for m, _, _ in demo_hyperparallel.modes(4, 4, "cpu")]
 
@@ -62,6 +64,10 @@ def test_hyperparallel_client_draws_and_reports_progress(
     assert text.count("BUG (as reported)") == 2 and "FAIL" not in text
     assert_pictures(out, text)
     assert_progress(err, HP_MODES, 2)
+    # the shipped group's surviving originals are drawn stale (its two 4-row shards)
+    image = pytest.importorskip("matplotlib.image").imread(str(out / "rank0.png"))
+    stale = torch.tensor([int(COLOURS["stale"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    assert int(((torch.tensor(image[..., :3]) - stale).abs().max(-1).values < 0.01).sum()) > 3000
 
 
 def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
