@@ -62,9 +62,7 @@ class Guard:
 
     def open(self) -> None:
         self.deferring = False
-        while self.pending:
-            signum, frame = self.pending.pop(0)
-            self.deliver(signum, frame)
+        deliver_all(self.pending, self.deliver)
 
     def finishing(self) -> None:
         self.deferring = True
@@ -107,9 +105,34 @@ def signals_guarded() -> Iterator[Guard]:
         _depth.active = False
         for sig, handler in originals.items():
             signal.signal(sig, handler)
-        while pending:  # delivered now, after the rollback finished
-            signum, frame = pending.pop(0)
-            originals[signum](signum, frame)
+        # delivered now, after the rollback finished
+        deliver_all(pending, lambda signum, frame: originals[signum](signum, frame))
+
+
+def deliver_all(pending: list[tuple[int, FrameType | None]],
+                deliver: Callable[[int, FrameType | None], None]) -> None:
+    """Deliver every deferred signal in arrival order, emptying ``pending``.
+
+    A handler that raises (a second Ctrl-C's ``KeyboardInterrupt``) does not cost the signals
+    after it their handlers: the first exception is raised once all have run; how many more
+    raised is added to it as a note (Python 3.11+).
+    """
+    first: BaseException | None = None
+    later = 0
+    while pending:
+        signum, frame = pending.pop(0)
+        try:
+            deliver(signum, frame)
+        except BaseException as exc:  # noqa: B902 - raised after the others are delivered
+            if first is None:
+                first = exc
+            else:
+                later += 1
+    if first is not None:
+        if later and hasattr(first, "add_note"):
+            first.add_note(f"flatpool: {later} more deferred signal handler(s) raised after this "
+                           "one; all deferred signals were delivered")
+        raise first
 
 
 def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
