@@ -10,7 +10,10 @@ itself) the signal is recorded, and it is delivered to the original handler once
 has finished. Outside unwinding the original handler runs at once, as if nothing was installed.
 
 Only the main thread can install handlers, and only it receives them; in other threads this is
-a no-op. Nested operations share the outermost guard.
+a no-op. Nested operations share the outermost guard. A process forked by another thread while
+the main thread is inside a guard gets the user's handlers back (:func:`after_fork_in_child`):
+the guard's thread does not exist in the child, and its dispatcher would defer signals there
+forever.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class _Depth(threading.local):
 
 
 _depth = _Depth()
+
+_installed: list[tuple[int, dict[int, Any], list[bool]]] = []
+"""The guard whose dispatcher is installed (at most one, the main thread's): its thread, the
+user's handlers it replaced and its "ended" flag."""
 
 Handler = Callable[[int, "FrameType | None"], Any]
 
@@ -92,8 +99,10 @@ def signals_guarded() -> Iterator[Guard]:
 
     guard.deliver = lambda signum, frame: originals[signum](signum, frame)
 
+    installed = (threading.get_ident(), originals, done)
     try:
         _depth.active = True
+        _installed.append(installed)
         for sig in _ASYNC_SIGNALS:
             handler = signal.getsignal(sig)
             if callable(handler):
@@ -103,6 +112,8 @@ def signals_guarded() -> Iterator[Guard]:
     finally:
         done.append(True)
         _depth.active = False
+        if installed in _installed:
+            _installed.remove(installed)
         for sig, handler in originals.items():
             signal.signal(sig, handler)
         # delivered now, after the rollback finished
@@ -135,6 +146,19 @@ def deliver_all(pending: list[tuple[int, FrameType | None]],
         raise first
 
 
+def after_fork_in_child() -> None:
+    """In a child forked by another thread than the guard's: put the user's handlers back (the
+    guard that would have done it does not exist here). What it deferred belongs to the
+    parent, which delivers it."""
+    me = threading.get_ident()
+    for thread, originals, done in _installed:
+        if thread != me:
+            done.append(True)
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+    _installed[:] = [entry for entry in _installed if entry[0] == me]
+
+
 def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     """Run an idempotent ``undo`` to the end even if exceptions land inside it.
 
@@ -153,4 +177,4 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["Guard", "RollbackError", "run_undo", "signals_guarded"]
+__all__ = ["Guard", "RollbackError", "after_fork_in_child", "run_undo", "signals_guarded"]
