@@ -75,12 +75,34 @@ def pool_of_storage(key: int) -> PoolState | None:
     return pool if pool is not None and pool._buffer_key == key else None
 
 
+_pool_storages: dict[int, int] = {}
+"""Every storage a pool has had that may still live: key -> raw weak reference. A storage
+outlives its pool object while tensors still view it (``del pool``), and the checkpoint rule
+must still know it. The weak reference keeps the StorageImpl's address from being reused, so
+a key found here is that storage; dead entries are dropped as new storages come."""
+
+
+def was_pool_storage(key: int) -> bool:
+    """The storage with key ``key`` is (or was) a pool's storage, and still lives."""
+    ref = _pool_storages.get(key)
+    return ref is not None and not tc.weak_expired(ref)
+
+
+def _remember_storage(pool: PoolState, key: int) -> None:
+    if key in _pool_storages or pool._buffer is None:
+        return
+    for dead in [k for k, r in _pool_storages.items() if tc.weak_expired(r)]:
+        tc.weak_free(_pool_storages.pop(dead))
+    _pool_storages[key] = tc.weak_storage(pool._buffer.untyped_storage())
+
+
 def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
     with _registry_lock:
         if old is not None and (r := _by_storage.get(old)) is not None and r() is pool:
             del _by_storage[old]
         if new is not None:
             _by_storage[new] = weakref.ref(pool)
+            _remember_storage(pool, new)
 
 
 def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
