@@ -24,7 +24,7 @@ from typing import Any, Union
 
 from attrs import define
 
-from .errors import SnapshotError
+from .errors import SnapshotError, shown
 
 ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 """States of a block that holds memory: in use, or freed but still used by a stream
@@ -136,7 +136,7 @@ def parse_snapshot(data: object) -> Snapshot:
     source = "allocator"
     if isinstance(data, Mapping):
         if "segments" not in data:
-            keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+            keys = ", ".join(sorted(shown(k, 30) for k in data)[:8]) or "none"
             raise SnapshotError(
                 f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
             )
@@ -166,7 +166,7 @@ def parse_snapshot(data: object) -> Snapshot:
 
 def _int(value: object, field: str, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SnapshotError(f"expected an int, got {type(value).__name__}: {value!r:.60}", field)
+        raise SnapshotError(f"expected an int, got {type(value).__name__}: {shown(value)}", field)
     out = int(value)
     if out < minimum:
         raise SnapshotError(f"must be >= {minimum}, got {out}", field)
@@ -221,12 +221,31 @@ def _block(value: object, field: str, cursor: int) -> Block:
     size = _int(_required(d, "size", field), f"{field}.size")
     state = _required(d, "state", field)
     if not isinstance(state, str) or state not in STATES:
-        raise SnapshotError(f"expected one of {', '.join(STATES)}, got {state!r:.60}",
+        raise SnapshotError(f"expected one of {', '.join(STATES)}, got {shown(state)}",
                             f"{field}.state")
     address = _int(d["address"], f"{field}.address") if "address" in d else cursor
     requested = d.get("requested_size")
     req = size if requested is None else _int(requested, f"{field}.requested_size")
     return Block(address, size, req, state, _where(d.get("frames"), f"{field}.frames"))
+
+
+MAX_FRAMES = 256
+"""Frames of one block looked at for its first frame outside torch (then the first frame is
+named): a frames list shared by every block of a pickle must not cost its length per block."""
+
+
+def _frame_field(frame: Mapping[str, Any], key: str, kind: type, field: str) -> str:
+    """``frame[key]`` as text; a value of another type (a hostile file's deep nesting or huge
+    int, which ``str()`` itself cannot show) is a :class:`SnapshotError`."""
+    value = frame.get(key)
+    if value is None:
+        return "?"
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise SnapshotError(f"expected {'a string' if kind is str else 'an int'}, got "
+                            f"{type(value).__name__}: {shown(value)}", f"{field}.{key}")
+    if kind is int and abs(value) >= 1 << 63:
+        raise SnapshotError(f"a line number, got {shown(value)}", f"{field}.{key}")
+    return str(value)
 
 
 def _where(frames: object, field: str) -> str | None:
@@ -236,11 +255,13 @@ def _where(frames: object, field: str) -> str | None:
     if not isinstance(frames, Sequence) or isinstance(frames, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(frames).__name__}", field)
     fallback: str | None = None
-    for frame in frames:
+    for k, frame in enumerate(frames[:MAX_FRAMES]):
         if not isinstance(frame, Mapping):
             continue
-        filename = str(frame.get("filename", "?"))
-        text = f"{os.path.basename(filename)}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+        filename = _frame_field(frame, "filename", str, f"{field}[{k}]")
+        line = _frame_field(frame, "line", int, f"{field}[{k}]")
+        name = _frame_field(frame, "name", str, f"{field}[{k}]")
+        text = f"{os.path.basename(filename)}:{line} ({name})"
         fallback = fallback or text
         if "/torch/" not in filename and not filename.startswith("??"):
             return text
