@@ -21,7 +21,7 @@ from ..errors import FlatPoolError
 from .attribution import attribute_manifest
 from .manifest import Manifest
 from .mpl import load, plain_text
-from .snapshot import load_snapshot
+from .snapshot import MAX_BLOCKS, load_snapshot
 from .viz import draw
 
 LARGE = 10_000
@@ -79,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pool", help="pool to lay out in the picture (default: the largest)")
     ap.add_argument("--title", default=None, help="picture title")
     ap.add_argument("--top", type=int, default=15, help="largest items listed (default 15)")
+    ap.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
+                    help=f"refuse snapshots listing more blocks (default {MAX_BLOCKS:,})")
     ap.add_argument("--progress", action="store_true",
                     help=f"report progress even below {LARGE} blocks")
     args = ap.parse_args(argv)
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             load()  # fail before the work when the viz extra is missing
             _check_picture_path(args.png)  # ... or when the picture could not be written
         t0 = time.perf_counter()
-        snap = load_snapshot(args.snapshot)
+        snap = load_snapshot(args.snapshot, max_blocks=args.max_blocks)
         manifest = Manifest.read(args.manifest) if args.manifest else Manifest()
         loud = args.progress or snap.block_count >= LARGE
         result = attribute_manifest(snap, manifest,

@@ -31,6 +31,10 @@ ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_fre
 (``active_pending_free``; torch's docstring calls it ``active_awaiting_free``)."""
 STATES = ACTIVE_STATES + ("inactive",)
 
+MAX_BLOCKS = 2_000_000
+"""Blocks a snapshot may list (about 0.7 GB parsed; real snapshots list thousands to a few
+hundred thousand). ``parse_snapshot(..., max_blocks=)`` and the CLI's ``--max-blocks`` raise it."""
+
 
 @define(frozen=True)
 class Block:
@@ -121,22 +125,60 @@ def read_pickle(path: str | os.PathLike[str]) -> Any:
         ) from exc
 
 
-def load_snapshot(source: SnapshotSource) -> Snapshot:
+def load_snapshot(source: SnapshotSource, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
     """A checked :class:`Snapshot` from a snapshot dict, a segment list, a pickle path, or a
     :class:`Snapshot` (returned as is)."""
     if isinstance(source, Snapshot):
         return source
     if isinstance(source, (str, os.PathLike)):
-        return parse_snapshot(read_pickle(source))
-    return parse_snapshot(source)
+        return parse_snapshot(read_pickle(source), max_blocks=max_blocks)
+    return parse_snapshot(source, max_blocks=max_blocks)
 
 
-def parse_snapshot(data: object) -> Snapshot:
-    """Check ``data`` (a snapshot dict or a list of segments) and type it."""
+def _check_size(raw: Sequence[Any], max_blocks: int) -> None:
+    """Refuse, before anything is built, a snapshot that lists more than ``max_blocks`` blocks
+    or lists one segment or block entry more than once.
+
+    A pickle's memo lets a 2 MB file name one block dict a million times (a million blocks,
+    ~360 MB parsed); an allocator writes every segment and block as an entry of its own, so a
+    repeated *object* is never a real snapshot.
+    """
+    seen_segments: set[int] = set()
+    seen_blocks: set[int] = set()
+    total = 0
+    for i, seg in enumerate(raw):
+        if id(seg) in seen_segments:
+            raise SnapshotError("the same segment entry is listed more than once (a pickle "
+                                "that repeats one object through its memo is not an allocator "
+                                "snapshot)", f"segments[{i}]")
+        seen_segments.add(id(seg))
+        blocks = seg.get("blocks") if isinstance(seg, Mapping) else None
+        if not isinstance(blocks, Sequence) or isinstance(blocks, (str, bytes)):
+            continue  # reported with its path by _segment
+        total += len(blocks)
+        if total > max_blocks:
+            raise SnapshotError(
+                f"more than {max_blocks:,} blocks (the limit; real allocator snapshots list "
+                "far fewer): refusing to expand it. Raise it with max_blocks= (CLI: "
+                "--max-blocks) if this snapshot is genuine", "segments")
+        for j, b in enumerate(blocks):
+            if isinstance(b, Mapping):
+                if id(b) in seen_blocks:
+                    raise SnapshotError(
+                        "the same block entry is listed more than once (a pickle that repeats "
+                        "one object through its memo is not an allocator snapshot)",
+                        f"segments[{i}].blocks[{j}]")
+                seen_blocks.add(id(b))
+
+
+def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
+    """Check ``data`` (a snapshot dict or a list of segments) and type it; more than
+    ``max_blocks`` blocks, or one entry listed twice, is a :class:`SnapshotError`."""
     source = "allocator"
     if isinstance(data, Mapping):
         if "segments" not in data:
-            keys = ", ".join(sorted(shown(k, 30) for k in data)[:8]) or "none"
+            keys = ", ".join(sorted(k if isinstance(k, str) else shown(k, 30) for k in data)[:8])
+            keys = keys or "none"
             raise SnapshotError(
                 f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
             )
@@ -153,6 +195,7 @@ def parse_snapshot(data: object) -> Snapshot:
         )
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
+    _check_size(raw, max_blocks)
     segments = [_segment(seg, f"segments[{i}]") for i, seg in enumerate(raw)]
     segments.sort(key=lambda s: (s.device if s.device is not None else -1, s.address))
     for prev, nxt in zip(segments, segments[1:]):
@@ -243,8 +286,8 @@ def _frame_field(frame: Mapping[str, Any], key: str, kind: type, field: str) -> 
     if isinstance(value, bool) or not isinstance(value, kind):
         raise SnapshotError(f"expected {'a string' if kind is str else 'an int'}, got "
                             f"{type(value).__name__}: {shown(value)}", f"{field}.{key}")
-    if kind is int and abs(value) >= 1 << 63:
-        raise SnapshotError(f"a line number, got {shown(value)}", f"{field}.{key}")
+    if isinstance(value, int) and abs(value) >= 1 << 63:
+        raise SnapshotError(f"expected a line number, got {shown(value)}", f"{field}.{key}")
     return str(value)
 
 
@@ -271,6 +314,7 @@ def _where(frames: object, field: str) -> str | None:
 __all__ = [
     "ACTIVE_STATES",
     "Block",
+    "MAX_BLOCKS",
     "STATES",
     "Segment",
     "Snapshot",
