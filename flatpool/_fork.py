@@ -25,51 +25,60 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from . import checkpoint, state
 from ._warn import warn
 from .errors import FlatPoolWarning
 from .ownership import gcpause, interrupts
 
+class LockLike(Protocol):
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
 FORK_WAIT = 2.0
 """Seconds ``fork()`` waits, in all, for pool operations running in other threads to end."""
 
-_taken: list[state.PoolState] = []  # pools whose lock the forking thread took for the fork
-_missed: list[state.PoolState] = []  # pools whose lock another thread kept
+_held: list[Callable[[], None]] = []
+"""How to let go of each lock the forking thread took for the fork, in the order taken: an
+interrupt inside :func:`_before` (CPython only reports it) leaves exactly these to release."""
+_missed: list[state.PoolState] = []  # pools whose lock another thread kept past FORK_WAIT
+
+
+def _module_locks() -> tuple[LockLike, ...]:
+    return (checkpoint._lock, checkpoint._twins_lock, state._registry_lock, gcpause._lock)
 
 
 def _before() -> None:
     deadline = time.monotonic() + FORK_WAIT
     for pool in sorted(state.live_pools(), key=id):
-        if pool.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            _taken.append(pool)
+        lock = pool.lock
+        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            _held.append(lock.release)
         else:
             _missed.append(pool)
-    checkpoint._lock.acquire()
-    checkpoint._twins_lock.acquire()
-    state._registry_lock.acquire()
-    gcpause.before_fork()
+    for module_lock in _module_locks():  # each held for a few instructions only
+        module_lock.acquire()
+        _held.append(module_lock.release)
 
 
-def _release_taken() -> None:
-    state._registry_lock.release()
-    checkpoint._twins_lock.release()
-    checkpoint._lock.release()
-    for pool in reversed(_taken):
-        pool.lock.release()
-    _taken.clear()
+def _release_held() -> None:
+    while _held:
+        _held.pop()()
 
 
 def _after_in_parent() -> None:
-    gcpause.after_fork_in_parent()
-    _release_taken()
+    _release_held()
     _missed.clear()
 
 
 def _after_in_child() -> None:
     gcpause.after_fork_in_child()
     interrupts.after_fork_in_child()
-    _release_taken()
+    _release_held()
     missed = list(_missed)
     _missed.clear()
     for pool in missed:

@@ -65,19 +65,10 @@ def paused() -> bool:
     return _depth > 0
 
 
-def before_fork() -> None:
-    """Take the pause's lock (held only for a few instructions) so a child never inherits it
-    held; :func:`after_fork_in_parent` / :func:`after_fork_in_child` let go of it."""
-    _lock.acquire()
-
-
-def after_fork_in_parent() -> None:
-    _lock.release()
-
-
 def after_fork_in_child() -> None:
     """Only the forking thread lives on: forget the other threads' pauses (they never end
-    here) and give automatic collection back if none of the forking thread's is left."""
+    here) and give automatic collection back if none of the forking thread's is left. Called
+    by :mod:`flatpool._fork` while it holds ``_lock`` (taken before the fork)."""
     global _depth
     mine = _by_thread.get(threading.get_ident(), 0)
     _by_thread.clear()
@@ -85,7 +76,6 @@ def after_fork_in_child() -> None:
         _by_thread[threading.get_ident()] = mine
     _depth = mine
     _restore_if_unpaused()
-    _lock.release()
 
 
-__all__ = ["after_fork_in_child", "after_fork_in_parent", "before_fork", "gc_paused", "paused"]
+__all__ = ["after_fork_in_child", "gc_paused", "paused"]
