@@ -205,3 +205,29 @@ def test_png_into_a_missing_folder_fails_first(files: tuple[Path, Path], tmp_pat
     typed_exit_2(proc, "PictureError", "does not exist; create it first")
     assert proc.stdout == "" and ".tmp" not in proc.stderr
     typed_exit_2(cli(files[0], "--png", tmp_path, cwd=tmp_path), "PictureError", "is a folder")
+
+
+class _CountedFrames(list):  # type: ignore[type-arg]
+    """A frames list that counts how often it is read."""
+
+    reads = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountedFrames.reads += 1
+        return super().__iter__()
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        _CountedFrames.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_frames_list_shared_by_every_block_is_read_once() -> None:
+    """What a memo makes cheap to write (one long frames list named by every block) used to
+    cost its length per block; only its first frames are read, once."""
+    torch_frame = {"filename": "/x/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}
+    frames = _CountedFrames([torch_frame] * 5_000)
+    blocks = [blk(0x100000 + 512 * i, 512, frames=frames) for i in range(2_000)]
+    _CountedFrames.reads = 0
+    snap = parse_snapshot(snapshot(seg(0x100000, 512 * 2_000, blocks)))
+    assert _CountedFrames.reads == 1
+    assert {b.where for b in snap.segments[0].blocks} == {"module.py:1 (_call_impl)"}

@@ -196,7 +196,8 @@ def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
     _check_size(raw, max_blocks)
-    segments = [_segment(seg, f"segments[{i}]") for i, seg in enumerate(raw)]
+    named: dict[int, str | None] = {}  # frames list (by identity) -> its name, for this parse
+    segments = [_segment(seg, f"segments[{i}]", named) for i, seg in enumerate(raw)]
     segments.sort(key=lambda s: (s.device if s.device is not None else -1, s.address))
     for prev, nxt in zip(segments, segments[1:]):
         if prev.device == nxt.device and nxt.address < prev.end:
@@ -228,7 +229,7 @@ def _required(d: Mapping[str, Any], key: str, field: str) -> Any:
     return d[key]
 
 
-def _segment(value: object, field: str) -> Segment:
+def _segment(value: object, field: str, named: dict[int, str | None]) -> Segment:
     d = _dict(value, field)
     address = _int(_required(d, "address", field), f"{field}.address")
     total = _int(_required(d, "total_size", field), f"{field}.total_size")
@@ -241,7 +242,7 @@ def _segment(value: object, field: str) -> Segment:
     blocks: list[Block] = []
     cursor = address
     for j, raw in enumerate(raw_blocks):
-        b = _block(raw, f"{field}.blocks[{j}]", cursor)
+        b = _block(raw, f"{field}.blocks[{j}]", cursor, named)
         if b.address < address or b.end > address + total:
             raise SnapshotError(
                 f"block [{b.address:#x}, {b.end:#x}) lies outside its segment "
@@ -259,7 +260,7 @@ def _segment(value: object, field: str) -> Segment:
     return Segment(address, total, tuple(blocks), dev, kind if isinstance(kind, str) else None)
 
 
-def _block(value: object, field: str, cursor: int) -> Block:
+def _block(value: object, field: str, cursor: int, named: dict[int, str | None]) -> Block:
     d = _dict(value, field)
     size = _int(_required(d, "size", field), f"{field}.size")
     state = _required(d, "state", field)
@@ -269,7 +270,10 @@ def _block(value: object, field: str, cursor: int) -> Block:
     address = _int(d["address"], f"{field}.address") if "address" in d else cursor
     requested = d.get("requested_size")
     req = size if requested is None else _int(requested, f"{field}.requested_size")
-    return Block(address, size, req, state, _where(d.get("frames"), f"{field}.frames"))
+    frames = d.get("frames")
+    if id(frames) not in named:  # one frames list shared by many blocks is read once
+        named[id(frames)] = _where(frames, f"{field}.frames")
+    return Block(address, size, req, state, named[id(frames)])
 
 
 MAX_FRAMES = 256
