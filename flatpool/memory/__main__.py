@@ -19,6 +19,7 @@ from typing import TextIO
 
 from ..errors import FlatPoolError
 from .attribution import attribute_manifest
+from .errors import PictureError
 from .manifest import Manifest
 from .mpl import load, plain_text
 from .snapshot import MAX_BLOCKS, load_snapshot
@@ -32,10 +33,6 @@ NO_MANIFEST = (
     "Pass the manifest the training process wrote (flatpool.memory.Manifest.write() or "
     "capture(manifest_out=...)) to name pools, slices, tensors and stale originals."
 )
-
-
-class PictureError(FlatPoolError, OSError):
-    """The ``--png`` file cannot be written (its folder is missing or is not a folder)."""
 
 
 def _check_picture_path(path: str) -> None:

@@ -47,6 +47,11 @@ class ManifestError(InvalidRequestError):
         self.field = field
 
 
+class PictureError(FlatPoolError, OSError):
+    """A picture cannot be written where asked (its folder is missing, or the path is a
+    folder); raised before any work is done."""
+
+
 class MissingExtraError(FlatPoolError, ImportError):
     """An optional dependency is not installed; ``extra`` is the flatpool extra that brings it."""
 
@@ -55,4 +60,4 @@ class MissingExtraError(FlatPoolError, ImportError):
         self.extra = extra
 
 
-__all__ = ["ManifestError", "MissingExtraError", "SnapshotError", "shown"]
+__all__ = ["ManifestError", "MissingExtraError", "PictureError", "SnapshotError", "shown"]
