@@ -250,3 +250,17 @@ def test_dtype_colours_are_not_class_colours(tmp_path: Path) -> None:
     out = tmp_path / "after.png"
     draw(after, out, title="adopted")
     assert pixels_of(out, DTYPE_COLOURS[0]) > 5_000  # the float32 slices
+
+
+def test_names_like_tex_math_are_drawn_as_written(tmp_path: Path) -> None:
+    """``draw`` called from Python (not only the CLI) must not parse ``$...$`` names as
+    mathtext: ``$\\frac{a$`` is a mathtext parse error that aborted the picture."""
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    pool = FlatPool("cpu", name=r"$\frac{a$")
+    pool.adopt(list(model.parameters()))
+    after = capture(roots={"model": model}, pools=[pool], scan=False)
+    out = tmp_path / "tex.png"
+    draw(after, out, title=r"rank $0$ of \frac{a$", pool=r"$\frac{a$")
+    assert out.read_bytes()[:4] == b"\x89PNG"

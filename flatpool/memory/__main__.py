@@ -21,7 +21,7 @@ from ..errors import FlatPoolError
 from .attribution import attribute_manifest
 from .errors import PictureError
 from .manifest import Manifest
-from .mpl import load, plain_text
+from .mpl import load
 from .snapshot import MAX_BLOCKS, load_snapshot
 from .viz import draw
 
@@ -95,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.manifest:
             print(NO_MANIFEST, file=sys.stderr)
         if args.png:
-            with plain_text():  # names are shown as written, never parsed as mathtext
-                draw(result, args.png, title=args.title or args.snapshot, pool=args.pool)
+            draw(result, args.png, title=args.title or args.snapshot, pool=args.pool)
             print(f"picture: {args.png}")
         if loud:
             print(f"flatpool.memory: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -29,7 +29,7 @@ from attrs import define
 from .errors import ManifestError
 from .files import write_atomic
 from .manifest import PoolEntry
-from .mpl import Axes, Figure, Matplotlib, load
+from .mpl import Axes, Figure, Matplotlib, load, plain_text
 from .result import MemoryAttribution
 from .units import fmt_bytes
 
@@ -97,9 +97,10 @@ def render_png(
 ) -> bytes:
     """The PNG bytes :func:`draw_comparison` writes."""
     mpl = load()
-    fig = figure(panels, pool=pool, max_segments=max_segments, mpl=mpl)
-    buf = io.BytesIO()
-    mpl.canvas(fig).print_png(buf)
+    with plain_text():  # names are shown as written, never parsed as mathtext
+        fig = figure(panels, pool=pool, max_segments=max_segments, mpl=mpl)
+        buf = io.BytesIO()
+        mpl.canvas(fig).print_png(buf)
     return buf.getvalue()
 
 
