@@ -76,14 +76,41 @@ def _plain_world() -> World:
     return w
 
 
-OPS: dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]] = {
-    "adopt-plain": (_plain_world, lambda w: lambda: w.pool.adopt(w.targets)),
+def _big_world(count: int, numel: int, large: int = 0, large_numel: int = 1 << 20) -> World:
+    """``count`` plain tensors of ``numel`` floats (and ``large`` of ``large_numel``) into a
+    growable pool: batches big enough for the threaded copy (:mod:`flatpool.ownership.copying`)."""
+    w = World()
+    w.pools.append(FlatPool(name="big"))
+    sizes = [numel] * count + [large_numel] * large
+    w.targets = [torch.full((n,), float(i % 251)) for i, n in enumerate(sizes)]
+    w.tensors = {f"t{i}": t for i, t in enumerate(w.targets)}
+    return w
+
+
+Ops = dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]]
+
+
+def _adopt_targets(w: World) -> Callable[[], Any]:
+    return lambda: w.pool.adopt(w.targets)
+
+
+OPS: Ops = {
+    "adopt-plain": (_plain_world, _adopt_targets),
     **OPERATIONS,
 }
 
+BIG_OPS: Ops = {
+    # 2,000 x 24 KiB: threaded small copies; 16 x 4 MiB: large copies; the two mixed: the
+    # calling thread copies the large ones while the workers copy the small ones.
+    "adopt-plain-2000x24KiB": (lambda: _big_world(2000, 6144), _adopt_targets),
+    "adopt-plain-16x4MiB": (lambda: _big_world(0, 0, 16), _adopt_targets),
+    "adopt-plain-mixed": (lambda: _big_world(1000, 6144, 4), _adopt_targets),
+}
+"""Plain batches for the SIGALRM fuzz (too many lines for the every-line test)."""
+
 
 def _done(op: str, w: World, before: dict[str, torch.Tensor]) -> None:
-    if op == "adopt-plain":
+    if op.startswith("adopt-plain"):
         pool = w.pool
         check_layout(pool)
         assert pool.is_valid()
