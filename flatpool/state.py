@@ -339,8 +339,13 @@ class PoolState:
                     requested=nbytes, free=free, largest_free=largest,
                 )
             slc = Slice(self, next(self._slice_ids), start, dims, dt)
-            self._alloc.take(start, nbytes)
-            self._insert(slc)
+            with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
+                try:
+                    self._alloc.take(start, nbytes)
+                    self._insert(slc)
+                except BaseException:
+                    self._unindex(slc)
+                    raise
             return slc
 
     def free(self, slc: Slice) -> None:
@@ -355,9 +360,18 @@ class PoolState:
             self._drop(slc)
 
     def _drop(self, slc: Slice) -> None:
-        self._remove(slc)
-        self._alloc.release(slc.offset, slc.end)
-        self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+        """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
+        records = self._registry.records(slc.slice_id)
+        with self._alloc.journaled():
+            try:
+                self._remove(slc)
+                self._alloc.release(slc.offset, slc.end)
+                self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+            except BaseException:
+                self._reindex(slc)
+                if records and not self._registry.records(slc.slice_id):
+                    self._registry.bind(slc.slice_id, list(records))
+                raise
 
     def disown(self, slc: Slice) -> None:
         """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
@@ -392,6 +406,25 @@ class PoolState:
         i = bisect.bisect_left(self._offsets, slc.offset)
         del self._offsets[i]
         del self._at_offset[slc.offset]
+
+    def _unindex(self, slc: Slice) -> None:
+        """Undo :meth:`_insert` however far it got (absolute: each entry removed if there)."""
+        if self._live.get(slc.slice_id) is slc:
+            del self._live[slc.slice_id]
+        if self._at_offset.get(slc.offset) is slc:
+            del self._at_offset[slc.offset]
+        if slc.offset not in self._at_offset:
+            i = bisect.bisect_left(self._offsets, slc.offset)
+            if i < len(self._offsets) and self._offsets[i] == slc.offset:
+                del self._offsets[i]
+
+    def _reindex(self, slc: Slice) -> None:
+        """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
+        self._live[slc.slice_id] = slc
+        self._at_offset[slc.offset] = slc
+        i = bisect.bisect_left(self._offsets, slc.offset)
+        if i == len(self._offsets) or self._offsets[i] != slc.offset:
+            self._offsets.insert(i, slc.offset)
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:

@@ -429,3 +429,70 @@ def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
     storage-less meta tensor onto real storage, where ``set_`` refuses.
     """
     torch._C._swap_tensor_impl(a, b)
+
+
+# -- hostile inputs round 3 (adoption engine): view links, math bits ---------------------
+def _links_of(make: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> int:
+    base = torch.zeros(2, dtype=dtype)
+    before = tensor_impl_users(base)
+    view = make(base)
+    links = tensor_impl_users(base) - before
+    del view
+    return links
+
+
+_MATH_VIEW_LINKS = _links_of(lambda b: b.conj(), torch.complex64)
+"""Owners of its base's TensorImpl one conj view adds (measured: 2 on torch 2.13, its
+backward and forward-mode view records each keep the base; a narrow view keeps 1)."""
+_NEG_VIEW_LINKS = _links_of(lambda b: b._neg_view(), torch.float32)
+_REAL_VIEW_LINKS = _links_of(lambda b: b.real, torch.complex64)
+
+
+_is_conj = cast(Callable[[torch.Tensor], bool], _Base.is_conj)
+_is_neg = cast(Callable[[torch.Tensor], bool], _Base.is_neg)
+
+
+def view_links(view: torch.Tensor, base: torch.Tensor) -> int:
+    """How many owners of ``base``'s TensorImpl the autograd view ``view`` accounts for."""
+    if _is_conj(view) != _is_conj(base):
+        return _MATH_VIEW_LINKS
+    if _is_neg(view) != _is_neg(base):
+        return _NEG_VIEW_LINKS
+    if impl_dtype(base).is_complex and not impl_dtype(view).is_complex:
+        return _REAL_VIEW_LINKS
+    return 1
+
+
+def has_math_bits(t: torch.Tensor) -> bool:
+    """``t`` reads its bytes through a lazy conj or neg bit."""
+    return _is_conj(t) or _is_neg(t)
+
+
+_grad_slot = _Base.__dict__["grad"]
+_hook_slots = tuple(_Base.__dict__[n] for n in ("_backward_hooks", "_post_accumulate_grad_hooks")
+                    if n in _Base.__dict__)
+
+
+def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
+    """After :func:`swap_impl`: give ``obj``'s new TensorImpl the ``.grad`` and the hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``) its old one, now ``old``'s,
+    had. Both live on the impl's autograd meta; the hook dicts stay on the Python object, and
+    assigning them again registers them on the impl it has now."""
+    if not (impl_is_leaf(old) and impl_requires_grad(old) and impl_requires_grad(obj)):
+        return
+    grad = _grad_slot.__get__(old, type(old))
+    if grad is not None:
+        _grad_slot.__set__(obj, grad)
+    for slot in _hook_slots:
+        hooks = slot.__get__(obj, type(obj))
+        if hooks is not None:
+            slot.__set__(obj, hooks)
+
+
+_detach = cast(Callable[[torch.Tensor], torch.Tensor], _Base.detach)
+
+
+def counter_alias(t: torch.Tensor) -> torch.Tensor:
+    """A new plain tensor (no autograd link) sharing ``t``'s storage *and version counter*
+    (``detach()`` shares the counter); ``set_`` it elsewhere and the counter stays shared."""
+    return _detach(t)

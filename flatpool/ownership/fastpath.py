@@ -90,6 +90,8 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
             return None  # (a meta tensor is on neither)
         if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
             return None
+        if tc.has_math_bits(t):
+            return None  # lazy conj/neg bits: the copy into itself would see them
         size, stride = tuple(t.size()), t.stride()
         if 0 in size:
             return None

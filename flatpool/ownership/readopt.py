@@ -22,7 +22,7 @@ from ..state import PoolState
 from .adopt import adopt, check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, SetMove, fresh_on, geometry_of, place_many, swap_many
+from .moves import ImplSwap, SetMove, fresh_like, fresh_on, geometry_of, place_many, swap_many
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
@@ -176,7 +176,7 @@ def _readopt(
             old = (tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
             if swap:
                 grad = tc.impl_requires_grad(obj) and tc.impl_is_leaf(obj)
-                fresh = fresh_on(target, offset, rec[2], rec[3], rec[4], grad)
+                fresh = fresh_like(obj, target, offset, rec[2], rec[3], rec[4], grad)
                 records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
                 swaps.append((obj, fresh))
                 del fresh  # after the swap it carries the old impl: only the journal may hold it

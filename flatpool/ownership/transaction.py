@@ -22,7 +22,7 @@ from .. import torch_compat as tc
 from ..state import PoolSnapshot, PoolState
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, Record, SetMove, fresh_on, undo
+from .moves import ImplSwap, Record, SetMove, fresh_like, undo
 
 T = TypeVar("T")
 
@@ -165,7 +165,7 @@ class Transaction:
         for rec in self.journal:
             if isinstance(rec, ImplSwap) and rec.old_impl_holder() is None and rec.key is not None:
                 assert rec.geometry is not None and rec.dtype is not None
-                rec.other = fresh_on(self.originals[rec.key], *rec.geometry, rec.dtype)
+                rec.other = fresh_like(rec.obj, self.originals[rec.key], *rec.geometry, rec.dtype)
 
     def _refill(self, key: int, fresh: torch.UntypedStorage) -> None:
         """Copy an original's bytes back from where its tensors sit in the pool now."""

@@ -902,6 +902,67 @@ def _as_subclass_alone(c: Ctx) -> Call:
     return call
 
 
+def _math_bits(c: Ctx) -> Call:
+    """Every way a tensor carries a lazy conj or neg bit, alone and in a batch."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j])
+    want_conj = z.conj().resolve_conj()
+    r = ints(3, start=1)
+    want_neg = -r
+
+    def call() -> None:
+        p = c.pool()
+        conj_view = z.clone().conj()  # its base dropped
+        conj_detached = z.clone().conj().detach()  # no base, conj bit on the leaf
+        neg_view = r.clone()._neg_view()
+        neg_detached = r.clone()._neg_view().detach()
+        base = z.clone()
+        named = base.conj()
+        p.adopt(conj_view)  # alone: the lean path's batch shape
+        p.adopt(neg_detached)
+        report = p.adopt([conj_detached, neg_view, AdoptSpec(base, views=(named,))])
+        assert report.all_released
+        for t, want in ((conj_view, want_conj), (conj_detached, want_conj), (named, want_conj),
+                        (neg_view, want_neg), (neg_detached, want_neg), (base, z)):
+            assert p.owns(t) and torch.equal(t, want), (t, want)
+        p.readopt()
+        assert torch.equal(conj_view, want_conj) and torch.equal(neg_view, want_neg)
+
+    return call
+
+
+def _leaf_view_grad(c: Ctx) -> Call:
+    b = ints(8)
+    v = b[2:6]
+    v.requires_grad_(True)
+    del b
+    calls: list[str] = []
+    v.register_hook(lambda g: calls.append("hook"))
+    v.register_post_accumulate_grad_hook(lambda t: calls.append("post"))
+    v.sum().backward()
+
+    def call() -> None:
+        assert c.pool().adopt(v).all_released and v._base is None
+        v.sum().backward()
+        assert calls == ["hook", "post"] * 2 and v.grad is not None
+        assert torch.equal(v.grad, torch.full((4,), 2.0))
+
+    return call
+
+
+def _shared_counter(c: Ctx) -> Call:
+    base = ints(12)
+    data, local = base.narrow(0, 0, 12), base.narrow(0, 0, 10)
+    del base
+
+    def call() -> None:
+        assert c.pool().adopt(AdoptSpec(data, views=(local,))).all_released
+        v = data._version
+        local.add_(0)
+        assert data._version == v + 1  # one counter, as before
+
+    return call
+
+
 def _readopt_half(c: Ctx) -> Call:
     p = c.pool()
     lin = nn.Linear(2, 2)
@@ -1143,6 +1204,20 @@ ROWS: tuple[Row, ...] = (
         "nothing changed; the holder of t is named (it was called an autograd view before)"),
     Row("as-subclass", "t.as_subclass(MySub) alone, or with t in AdoptSpec.views",
         _as_subclass_alone, None, "", "adopted, identity and class kept"),
+    Row("conj-neg-bits", "tensors read through a lazy conj or neg bit: x.conj() with x "
+        "dropped, x.conj().detach(), x._neg_view() (with and without its base), a conj view "
+        "named in AdoptSpec.views", _math_bits, None, "",
+        "adopted, each reading the same values as before (the bit is kept on the moved tensor; "
+        "a conj view read unconjugated values, the others raised a raw RuntimeError or were "
+        "called held outside Python before)"),
+    Row("leaf-view-grad-hooks", "a leaf autograd view (b[2:6].requires_grad_(), b dropped) "
+        "with a .grad, register_hook and register_post_accumulate_grad_hook", _leaf_view_grad,
+        None, "", "adopted; its .grad and hooks stay with it (they were lost silently when it "
+        "moved off its base)"),
+    Row("aliases-version-counter", "aliases sharing a version counter (FSDP2's padded data and "
+        "local tensor: two views of a dropped base)", _shared_counter, None, "",
+        "adopted; they still share one counter, so autograd sees an in-place write through "
+        "either (each had its own before: backward ran on modified values)"),
     Row("readopt-half", "readopt() after module.half()", _readopt_half,
         flatpool.InvalidRequestError, r"disown\(slice\) and pool.free\(slice\), then adopt",
         "nothing changed; following the advice works (test_hostile.py)"),
