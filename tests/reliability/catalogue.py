@@ -825,6 +825,27 @@ def _holder_tuple(c: Ctx) -> Call:
     return lambda: p.adopt(AdoptSpec(t, holders=(Holder(slots, 0, item=True),)))
 
 
+class _Halve(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    def right_inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y / 2
+
+
+def _holder_parametrized(c: Ctx) -> Call:
+    from torch.nn.utils import parametrize
+
+    p = c.pool()
+    lin = nn.Linear(3, 2)
+    parametrize.register_parametrization(lin, "weight", _Halve())
+    c.keep.append(lin)
+    c.tensor("original", lin.parametrizations.weight.original)
+    c.tensor("bias", lin.bias)
+    c.places["parametrizations.weight.original"] = (lin.parametrizations.weight, "original", False)
+    return lambda: p.adopt(AdoptSpec(lin.bias, holders=(Holder(lin, "weight"),)))
+
+
 def _views_single_tensor(c: Ctx) -> Call:
     t = c.tensor("t", ints(4))
     return lambda: AdoptSpec(t, views=t)  # type: ignore[arg-type]
@@ -1179,6 +1200,11 @@ ROWS: tuple[Row, ...] = (
         flatpool.InvalidTypeError, r"_ReadOnly.t .*cannot be assigned.*read-only property"),
     Row("holder-tuple", "a Holder naming a tuple slot", _holder_tuple,
         flatpool.InvalidTypeError, r"tuple\[0\] .*cannot be assigned"),
+    Row("holder-parametrized", "a Holder naming a torch.nn.utils.parametrize module's "
+        "parametrized weight, in a refused adoption", _holder_parametrized,
+        flatpool.InvalidRequestError, r"ParametrizedLinear.weight .*does not hold a tensor",
+        "nothing changed: assignability is judged from the owner's type, without writing (the "
+        "write-back ran right_inverse, which replaced the parameter's storage)"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
