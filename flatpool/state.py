@@ -103,7 +103,7 @@ class PoolSnapshot:
     """Everything :meth:`PoolState.restore` needs to put a pool back (O(slices) to take)."""
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
-                 "traces")
+                 "traces", "freed", "__weakref__")
 
     def __init__(self, pool: PoolState) -> None:
         self.alloc = pool._alloc.snapshot()
@@ -114,6 +114,9 @@ class PoolSnapshot:
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
         self.traces = list(pool._traces)
+        self.freed: list[Slice] = []
+        """Slices of this snapshot freed by others since (a finalizer run by a gc pass inside
+        the operation): :meth:`PoolState.restore` keeps them freed."""
 
 
 class PoolState:
@@ -165,6 +168,8 @@ class PoolState:
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
+        # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
+        self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
         with _registry_lock:
             _all_pools.add(self)
@@ -358,6 +363,9 @@ class PoolState:
                     "call pool.disown(slice) (or release them) before freeing it"
                 )
             self._drop(slc)
+            for snap in list(self._watching):  # an operation's rollback must not bring it back
+                if snap.live.get(slc.slice_id) == slc:
+                    snap.freed.append(slc)
 
     def _drop(self, slc: Slice) -> None:
         """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
@@ -547,9 +555,17 @@ class PoolState:
 
     # -- all-or-nothing support ----------------------------------------------------------
     def capture(self) -> PoolSnapshot:
-        """Remember layout, storage, registry and traces, for :meth:`restore`."""
+        """Remember layout, storage, registry and traces, for :meth:`restore`; until
+        :meth:`forget`, slices :meth:`free` frees meanwhile are remembered as freed."""
         with self._lock:
-            return PoolSnapshot(self)
+            snap = PoolSnapshot(self)
+            self._watching.add(snap)
+            return snap
+
+    def forget(self, snap: PoolSnapshot) -> None:
+        """``snap`` is done with (its operation finished)."""
+        with self._lock:
+            self._watching.discard(snap)
 
     def restore(self, snap: PoolSnapshot) -> None:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
@@ -563,6 +579,9 @@ class PoolState:
             _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
             self._traces = list(snap.traces)
+            for slc in snap.freed:  # freed by others meanwhile (absolute: skip if gone)
+                if self._live.get(slc.slice_id) == slc:
+                    self._drop(slc)
 
     def install(
         self, buffer: torch.Tensor | None, allocator: RangeAllocator, slices: Sequence[Slice]

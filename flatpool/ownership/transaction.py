@@ -120,6 +120,8 @@ class Transaction:
         self.originals.clear()
         self.journal = []
         self.saved = []
+        if self.snapshot is not None:
+            self.pool.forget(self.snapshot)
         self.snapshot = None
         weak, self.weak = self.weak, {}
         for ref in weak.values():
