@@ -416,8 +416,12 @@ def subclass_alias(cls: type[torch.Tensor], t: torch.Tensor, requires_grad: bool
 
 
 def impl_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s TensorImpl: tells whether an impl swap happened."""
-    return int(t._cdata)
+    """The address of ``t``'s TensorImpl: tells whether an impl swap happened. (``_cdata`` is
+    a property a subclass's ``__torch_function__`` sees, and may refuse, unless disabled.)"""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return int(t._cdata)
+    with torch._C.DisableTorchFunctionSubclass():
+        return int(t._cdata)
 
 
 def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -496,3 +500,27 @@ def counter_alias(t: torch.Tensor) -> torch.Tensor:
     """A new plain tensor (no autograd link) sharing ``t``'s storage *and version counter*
     (``detach()`` shares the counter); ``set_`` it elsewhere and the counter stays shared."""
     return _detach(t)
+
+
+
+_UNREAL_MODES = frozenset({"FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode"})
+"""Dispatch modes under which tensors made are not real ones (fake, functional, traced). A
+mode that passes ops through (one counting allocations, say) is no obstacle."""
+
+
+def unreal_dispatch_mode() -> object | None:
+    """An active dispatch mode whose tensors have no real storage (``FakeTensorMode``,
+    ``FunctionalTensorMode``, ``make_fx``'s proxy mode), or ``None``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if any(k.__name__ in _UNREAL_MODES for k in type(mode).__mro__):
+            found: object = mode
+            return found
+    return None
+
+
+def in_functorch_transform() -> bool:
+    """True inside ``torch.func.grad``/``vmap``/``jacrev``...: tensors made there are wrapped
+    at the transform's level (``TensorWrapper``, which has no storage)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None

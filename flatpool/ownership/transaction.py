@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from .. import torch_compat as tc
+from ..errors import InvalidRequestError
 from ..state import PoolSnapshot, PoolState
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
@@ -38,6 +39,7 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
     gc pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
     after the operation, as their original handlers would have run.
     """
+    check_plain_torch()
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
         with gc_paused(), pool.lock:
             pool.release_kept()
@@ -53,6 +55,24 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
             guard.finishing()
             txn.close()
     return result
+
+
+def check_plain_torch() -> None:
+    """Refuse to run under a fake/functional/tracing dispatch mode or a functorch transform:
+    flatpool moves real storages, and there every tensor it makes would be fake or wrapped."""
+    mode = tc.unreal_dispatch_mode()
+    if mode is not None:
+        raise InvalidRequestError(
+            f"flatpool cannot move storages while a {type(mode).__name__} is active (its tensors "
+            "have no real storage, and the mode intercepts the copies); call it outside the "
+            "`with` block of the mode"
+        )
+    if tc.in_functorch_transform():
+        raise InvalidRequestError(
+            "flatpool cannot move storages inside a torch.func transform (grad, vmap, jacrev, "
+            "...): tensors made there are wrapped at the transform's level; adopt before "
+            "entering the transform"
+        )
 
 
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:

@@ -846,6 +846,52 @@ def _holder_parametrized(c: Ctx) -> Call:
     return lambda: p.adopt(AdoptSpec(lin.bias, holders=(Holder(lin, "weight"),)))
 
 
+def _under_fake_mode(c: Ctx) -> Call:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = c.pool()
+    t = c.tensor("t", ints(4))
+
+    def call() -> None:
+        with FakeTensorMode():
+            p.adopt(t)
+
+    return call
+
+
+def _in_func_transform(c: Ctx) -> Call:
+    p = c.pool()
+    t = c.tensor("t", ints(4))  # a plain tensor captured from outside the transform
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        p.adopt(t)
+        return (w * 2).sum()
+
+    return lambda: torch.func.grad(loss)(torch.ones(3))
+
+
+class _Strict(nn.Parameter):
+    """A Parameter subclass whose ``__torch_function__`` refuses every function it does not know."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is not torch.Tensor.add:
+            raise RuntimeError(f"_Strict does not support {func}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _strict_parameter(c: Ctx) -> Call:
+    p = c.pool()
+    w = _Strict(ints(4))
+
+    def call() -> None:
+        assert p.adopt(w).all_released and p.owns(w) and type(w) is _Strict
+        with torch._C.DisableTorchFunctionSubclass():
+            assert torch.equal(w, ints(4))
+
+    return call
+
+
 def _views_single_tensor(c: Ctx) -> Call:
     t = c.tensor("t", ints(4))
     return lambda: AdoptSpec(t, views=t)  # type: ignore[arg-type]
@@ -1205,6 +1251,17 @@ ROWS: tuple[Row, ...] = (
         flatpool.InvalidRequestError, r"ParametrizedLinear.weight .*does not hold a tensor",
         "nothing changed: assignability is judged from the owner's type, without writing (the "
         "write-back ran right_inverse, which replaced the parameter's storage)"),
+    Row("fake-mode-active", "adopt() of a real tensor while a FakeTensorMode is active",
+        _under_fake_mode, flatpool.InvalidRequestError, r"FakeTensorMode is active.*outside",
+        "nothing changed (a raw AssertionError from the mode before)"),
+    Row("func-transform", "adopt() inside torch.func.grad (or vmap), of a plain tensor captured "
+        "from outside", _in_func_transform, flatpool.InvalidRequestError,
+        r"torch.func transform.*before entering", "nothing changed (a raw NotImplementedError "
+        "from a TensorWrapper before)"),
+    Row("strict-torch-function", "a Parameter subclass whose __torch_function__ refuses every "
+        "function it does not know", _strict_parameter, None, "",
+        "adopted, class kept: flatpool reads the TensorImpl with __torch_function__ off (one "
+        "read bypassed that and failed with the subclass's error before)"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
