@@ -892,6 +892,24 @@ def _strict_parameter(c: Ctx) -> Call:
     return call
 
 
+def _interleaved_strides(c: Ctx) -> Call:
+    p = c.pool()
+    t = torch.as_strided(ints(8), (2, 3), (3, 2))  # elements 0 2 4 / 3 5 7: none shared
+    want = t.clone()
+
+    def call() -> None:
+        assert p.adopt(t).all_released and p.owns(t) and t.stride() == (3, 2)
+        assert torch.equal(t, want)
+
+    return call
+
+
+def _as_strided_overlap(c: Ctx) -> Call:
+    p = c.pool()
+    t = c.tensor("t", torch.as_strided(ints(8), (2, 3), (2, 1)))  # element 2 twice
+    return lambda: p.adopt(t)
+
+
 def _views_single_tensor(c: Ctx) -> Call:
     t = c.tensor("t", ints(4))
     return lambda: AdoptSpec(t, views=t)  # type: ignore[arg-type]
@@ -1262,6 +1280,12 @@ ROWS: tuple[Row, ...] = (
         "function it does not know", _strict_parameter, None, "",
         "adopted, class kept: flatpool reads the TensorImpl with __torch_function__ off (one "
         "read bypassed that and failed with the subclass's error before)"),
+    Row("interleaved-strides", "a tensor with sizes (2, 3) and strides (3, 2): interleaved, "
+        "but no element reached twice", _interleaved_strides, None, "",
+        "adopted, strides kept (refused as 'an expanded/broadcast view' before)"),
+    Row("as-strided-overlap", "an as_strided view reaching an element twice (sizes (2, 3), "
+        "strides (2, 1))", _as_strided_overlap, flatpool.InvalidRequestError,
+        r"overlaps itself \(strides \(2, 1\) .*twice"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
