@@ -524,3 +524,44 @@ def in_functorch_transform() -> bool:
     """True inside ``torch.func.grad``/``vmap``/``jacrev``...: tensors made there are wrapped
     at the transform's level (``TensorWrapper``, which has no storage)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# Which allocator a CPU storage's memory came from. ``t.numpy()`` marks a storage
+# non-resizable for good, as torch.from_numpy / frombuffer storages are; only the latter's
+# memory belongs to another owner. torch exposes neither the allocator nor the deleter, so the
+# StorageImpl's ``allocator_`` word is located at import by probes (two storages of torch's
+# CPU allocator agree on it, a frombuffer storage has none there), and read only where found.
+def _impl_words(storage: torch.UntypedStorage, n: int) -> list[int]:
+    import ctypes
+
+    return list((ctypes.c_uint64 * n).from_address(int(storage._cdata)))
+
+
+_WORDS = 12
+
+
+def _probe_allocator_word() -> tuple[int, int] | None:
+    try:
+        a = torch.empty(64, dtype=torch.uint8).untyped_storage()
+        b = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
+        buf = bytearray(64)
+        c = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+        wa, wb, wc = (_impl_words(s, _WORDS) for s in (a, b, c))
+        data = {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+    except Exception:  # noqa: BLE001 - an unknown build: the word is simply not used
+        return None
+    found = [i for i in range(3, _WORDS)
+             if wa[i] == wb[i] and wa[i] > 4096 and wc[i] == 0 and wa[i] not in data]
+    return (found[0], wa[found[0]]) if len(found) == 1 else None
+
+
+_ALLOCATOR_WORD = _probe_allocator_word()
+
+
+def torch_allocated(storage: torch.UntypedStorage) -> bool | None:
+    """The CPU ``storage``'s memory came from torch's own CPU allocator (so freeing the
+    storage frees it, whatever its resizable flag says); ``None`` when unknown."""
+    if _ALLOCATOR_WORD is None or storage.device.type != "cpu":
+        return None
+    index, value = _ALLOCATOR_WORD
+    return _impl_words(storage, index + 1)[index] == value

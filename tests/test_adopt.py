@@ -761,3 +761,36 @@ def test_aliases_keep_sharing_a_version_counter() -> None:
     values). torch raises; so must it after adoption."""
     assert _padded_shard(adopt=False) == ("raised", None)
     assert _padded_shard(adopt=True) == ("raised", None)
+
+
+def test_storage_once_viewed_by_numpy_is_reported_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``t.numpy()`` marks the storage non-resizable for good; adopt then called the memory
+    another owner's (a warning, ``external=True``, ``freed_bytes`` 0) and left the lean path,
+    though the array was gone and the original was freed. It is torch's own memory: freed."""
+    import warnings
+
+    import flatpool.ownership.adopt as adopt_mod
+
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    array = t.numpy()
+    del array
+    assert not t.untyped_storage().resizable()
+    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: pytest.fail("left the lean path"))
+    pool = FlatPool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ExternalMemoryWarning
+        report = pool.adopt(t)
+    item = report.items[0]
+    assert item.released and not item.external and report.freed_bytes == 4 << 20
+    assert pool.owns(t) and torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_from_numpy_memory_is_still_external() -> None:
+    """The rule above does not touch memory numpy owns: still external, nothing freed."""
+    import numpy
+
+    array = numpy.arange(16, dtype=numpy.float32)
+    t = torch.from_numpy(array)
+    with pytest.warns(flatpool.ExternalMemoryWarning):
+        report = FlatPool().adopt(t)
+    assert report.items[0].external and report.freed_bytes == 0

@@ -227,7 +227,9 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         )
     # Memory another owner keeps: numpy's (from_numpy), a buffer's (frombuffer), or shared
     # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
-    p.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
+    # A storage t.numpy() once marked non-resizable still holds torch's own memory: freed.
+    p.external = (not storage.resizable() and tc.torch_allocated(storage) is not True) or (
+        device.type == "cpu" and storage.is_shared())
     p.storage = storage
     return p
 

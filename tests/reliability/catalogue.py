@@ -910,6 +910,19 @@ def _as_strided_overlap(c: Ctx) -> Call:
     return lambda: p.adopt(t)
 
 
+def _numpy_transient(c: Ctx) -> Call:
+    p = c.pool()
+    t = ints(16)
+    array = t.numpy()
+    del array  # the storage stays non-resizable for good
+
+    def call() -> None:
+        report = p.adopt(t)
+        assert not report.items[0].external and report.freed_bytes == 64 and p.owns(t)
+
+    return call
+
+
 def _views_single_tensor(c: Ctx) -> Call:
     t = c.tensor("t", ints(4))
     return lambda: AdoptSpec(t, views=t)  # type: ignore[arg-type]
@@ -1286,6 +1299,10 @@ ROWS: tuple[Row, ...] = (
     Row("as-strided-overlap", "an as_strided view reaching an element twice (sizes (2, 3), "
         "strides (2, 1))", _as_strided_overlap, flatpool.InvalidRequestError,
         r"overlaps itself \(strides \(2, 1\) .*twice"),
+    Row("numpy-transient", "a tensor whose t.numpy() array is gone (numpy left its storage "
+        "non-resizable)", _numpy_transient, None, "",
+        "adopted on the lean path, reported freed (external=False; it was reported external with "
+        "freed_bytes 0 and a warning before): the memory came from torch's allocator"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
