@@ -794,3 +794,28 @@ def test_from_numpy_memory_is_still_external() -> None:
     with pytest.warns(flatpool.ExternalMemoryWarning):
         report = FlatPool().adopt(t)
     assert report.items[0].external and report.freed_bytes == 0
+
+
+def test_aliases_keep_sharing_a_version_counter_through_readopt() -> None:
+    """The same when re-adoption finds new objects in the holders' places (a framework that
+    rebuilt its shard: a new base and a narrow view of it): the view is moved off the new base
+    and still shares the base's counter."""
+    from flatpool import Holder
+
+    class Shard:
+        pass
+
+    shard = Shard()
+    shard.data = torch.arange(12.0)  # type: ignore[attr-defined]
+    shard.local = shard.data.narrow(0, 0, 10)  # type: ignore[attr-defined]
+    pool = FlatPool()
+    holders = (Holder(shard, "data"), Holder(shard, "local"))
+    pool.adopt(AdoptSpec(shard.data, holders=holders))  # type: ignore[attr-defined]
+    shard.data = torch.arange(12.0) + 1  # type: ignore[attr-defined]
+    shard.local = shard.data.narrow(0, 0, 10)  # type: ignore[attr-defined]
+    assert pool.readopt().all_released
+    data, local = shard.data, shard.local  # type: ignore[attr-defined]
+    assert pool.owns(data) and pool.owns(local) and local._base is None
+    v = data._version
+    local.add_(0)
+    assert data._version == v + 1
