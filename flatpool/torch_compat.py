@@ -482,15 +482,16 @@ def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
     (``register_hook``, ``register_post_accumulate_grad_hook``) its old one, now ``old``'s,
     had. Both live on the impl's autograd meta; the hook dicts stay on the Python object, and
     assigning them again registers them on the impl it has now."""
-    if not (impl_is_leaf(old) and impl_requires_grad(old) and impl_requires_grad(obj)):
-        return
-    grad = _grad_slot.__get__(old, type(old))
-    if grad is not None:
-        _grad_slot.__set__(obj, grad)
-    for slot in _hook_slots:
-        hooks = slot.__get__(obj, type(obj))
-        if hooks is not None:
-            slot.__set__(obj, hooks)
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass may route these properties
+        if not (impl_is_leaf(old) and impl_requires_grad(old) and impl_requires_grad(obj)):
+            return
+        grad = _grad_slot.__get__(old, type(old))
+        if grad is not None:
+            _grad_slot.__set__(obj, grad)
+        for slot in _hook_slots:
+            hooks = slot.__get__(obj, type(obj))
+            if hooks is not None:
+                slot.__set__(obj, hooks)
 
 
 _detach = cast(Callable[[torch.Tensor], torch.Tensor], _Base.detach)
