@@ -133,7 +133,7 @@ class PoolSnapshot:
     """Everything :meth:`PoolState.restore` needs to put a pool back (O(slices) to take)."""
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
-                 "traces")
+                 "traces", "freed", "__weakref__")
 
     def __init__(self, pool: PoolState) -> None:
         self.alloc = pool._alloc.snapshot()
@@ -144,6 +144,9 @@ class PoolSnapshot:
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
         self.traces = list(pool._traces)
+        self.freed: list[Slice] = []
+        """Slices of this snapshot freed by others since (a finalizer run by a gc pass inside
+        the operation): :meth:`PoolState.restore` keeps them freed."""
 
 
 class PoolState:
@@ -195,6 +198,8 @@ class PoolState:
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
+        # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
+        self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
         with _registry_lock:
             _all_pools.add(self)
@@ -369,8 +374,13 @@ class PoolState:
                     requested=nbytes, free=free, largest_free=largest,
                 )
             slc = Slice(self, next(self._slice_ids), start, dims, dt)
-            self._alloc.take(start, nbytes)
-            self._insert(slc)
+            with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
+                try:
+                    self._alloc.take(start, nbytes)
+                    self._insert(slc)
+                except BaseException:
+                    self._unindex(slc)
+                    raise
             return slc
 
     def free(self, slc: Slice) -> None:
@@ -383,11 +393,23 @@ class PoolState:
                     "call pool.disown(slice) (or release them) before freeing it"
                 )
             self._drop(slc)
+            for snap in list(self._watching):  # an operation's rollback must not bring it back
+                if snap.live.get(slc.slice_id) == slc:
+                    snap.freed.append(slc)
 
     def _drop(self, slc: Slice) -> None:
-        self._remove(slc)
-        self._alloc.release(slc.offset, slc.end)
-        self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+        """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
+        records = self._registry.records(slc.slice_id)
+        with self._alloc.journaled():
+            try:
+                self._remove(slc)
+                self._alloc.release(slc.offset, slc.end)
+                self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+            except BaseException:
+                self._reindex(slc)
+                if records and not self._registry.records(slc.slice_id):
+                    self._registry.bind(slc.slice_id, list(records))
+                raise
 
     def disown(self, slc: Slice) -> None:
         """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
@@ -422,6 +444,25 @@ class PoolState:
         i = bisect.bisect_left(self._offsets, slc.offset)
         del self._offsets[i]
         del self._at_offset[slc.offset]
+
+    def _unindex(self, slc: Slice) -> None:
+        """Undo :meth:`_insert` however far it got (absolute: each entry removed if there)."""
+        if self._live.get(slc.slice_id) is slc:
+            del self._live[slc.slice_id]
+        if self._at_offset.get(slc.offset) is slc:
+            del self._at_offset[slc.offset]
+        if slc.offset not in self._at_offset:
+            i = bisect.bisect_left(self._offsets, slc.offset)
+            if i < len(self._offsets) and self._offsets[i] == slc.offset:
+                del self._offsets[i]
+
+    def _reindex(self, slc: Slice) -> None:
+        """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
+        self._live[slc.slice_id] = slc
+        self._at_offset[slc.offset] = slc
+        i = bisect.bisect_left(self._offsets, slc.offset)
+        if i == len(self._offsets) or self._offsets[i] != slc.offset:
+            self._offsets.insert(i, slc.offset)
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:
@@ -544,9 +585,17 @@ class PoolState:
 
     # -- all-or-nothing support ----------------------------------------------------------
     def capture(self) -> PoolSnapshot:
-        """Remember layout, storage, registry and traces, for :meth:`restore`."""
+        """Remember layout, storage, registry and traces, for :meth:`restore`; until
+        :meth:`forget`, slices :meth:`free` frees meanwhile are remembered as freed."""
         with self._lock:
-            return PoolSnapshot(self)
+            snap = PoolSnapshot(self)
+            self._watching.add(snap)
+            return snap
+
+    def forget(self, snap: PoolSnapshot) -> None:
+        """``snap`` is done with (its operation finished)."""
+        with self._lock:
+            self._watching.discard(snap)
 
     def restore(self, snap: PoolSnapshot) -> None:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
@@ -560,6 +609,9 @@ class PoolState:
             _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
             self._traces = list(snap.traces)
+            for slc in snap.freed:  # freed by others meanwhile (absolute: skip if gone)
+                if self._live.get(slc.slice_id) == slc:
+                    self._drop(slc)
 
     def install(
         self, buffer: torch.Tensor | None, allocator: RangeAllocator, slices: Sequence[Slice]
