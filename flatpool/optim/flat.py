@@ -36,8 +36,8 @@ class FlatOptimizer:
     Args:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (others raise
             :class:`UnsupportedOptimizerError`).
-        pools: the pools holding the parameters (``FlatPool`` s, e.g. the buckets of
-            :func:`flatpool.integrations.hsdp.fuse_fully_sharded`).
+        pools: the pools holding the parameters, or a function returning them now (the HSDP
+            layer's pools can appear later: :func:`flatpool.integrations.hsdp.optim.flat_optimizer`).
         module: when given, a forward pre-hook re-installs pooled gradients after
             ``optimizer.zero_grad()`` set them to ``None``, so backward accumulates into the
             pool and no per-parameter gradient storage is ever made.
@@ -51,7 +51,7 @@ class FlatOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        pools: Sequence[FlatPool],
+        pools: Sequence[FlatPool] | Callable[[], Sequence[FlatPool]],
         *,
         module: nn.Module | None = None,
         fused: FusedPolicy = "foreach",
@@ -59,15 +59,12 @@ class FlatOptimizer:
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidTypeError(f"FlatOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        pools = list(pools)
-        for p in pools:
-            if not isinstance(p, FlatPool):
-                raise InvalidTypeError(f"pools must be FlatPools, got {type(p).__name__}")
+        self._pool_source = pools if callable(pools) else tuple(pools)
+        self.pools = self._current_pools()
         if fused not in ("foreach", "fused"):
             raise InvalidTypeError(f"fused must be 'foreach' or 'fused', got {fused!r}")
         self.optimizer = optimizer
         self.rule = rule_for(optimizer)
-        self.pools = pools
         self.fused: FusedPolicy = fused
         self.verify = verify
         self._mirrors = Mirrors()
@@ -80,8 +77,17 @@ class FlatOptimizer:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
 
     # -- planning -------------------------------------------------------------------------
+    def _current_pools(self) -> list[FlatPool]:
+        src = self._pool_source
+        pools = list(src() if callable(src) else src)
+        for p in pools:
+            if not isinstance(p, FlatPool):
+                raise InvalidTypeError(f"pools must be FlatPools, got {type(p).__name__}")
+        return pools
+
     def _plan(self, first: bool = False) -> None:
         opt = self.optimizer
+        self.pools = self._current_pools()
         segments, reasons = plan(opt.param_groups, self.pools)
         for g, group in enumerate(opt.param_groups):
             why = group_refusal(group)
@@ -136,6 +142,10 @@ class FlatOptimizer:
 
     def _check(self) -> None:
         opt = self.optimizer
+        if callable(self._pool_source) and [id(p) for p in self._current_pools()] != [
+                id(p) for p in self.pools]:
+            self._plan()  # the framework made new pools (a group adopted late)
+            return
         if (opt.state is not self._state_dict or len(opt.param_groups) != self._groups
                 or [p.storage_key for p in self.pools] != self._keys
                 or any(s.pool.used_bytes != self._used[id(s.pool)]
