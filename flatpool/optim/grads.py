@@ -11,6 +11,7 @@ die. ``zero_grad(set_to_none=False)`` zeroes the pooled views in place.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,9 @@ from .buffers import Mirrors, member_view, segment_view
 from .errors import FlatStepError
 from .layout import Member, Segment
 from .wrap import wrap_like
+
+
+_grad_of = operator.attrgetter("grad")
 
 
 class GradBuffers:
@@ -34,6 +38,7 @@ class GradBuffers:
                 self._bufs[id(m.pool)] = mirrors.get(m.pool, "grad")[0]
         self.locals = [member_view(self._bufs[id(m.pool)], m) for m in self.members]
         self.views = [wrap_like(m.param, v) for m, v in zip(self.members, self.locals)]
+        self._params = [m.param for m in self.members]
         self.install()
 
     def buffer(self, pool: FlatPool) -> FlatPool:
@@ -45,28 +50,28 @@ class GradBuffers:
     def flat(self, segment: Segment) -> torch.Tensor:
         return segment_view(self._bufs[id(segment.pool)], segment)
 
-    def missing(self) -> list[Member]:
-        """Members whose ``.grad`` is ``None`` now."""
-        return [m for m in self.members if m.param.grad is None]
+    def install(self, *, fill_missing: bool = True) -> list[Member]:
+        """Make every member's ``.grad`` its pooled view, in one pass over the members.
 
-    def install(self) -> int:
-        """Make every member's ``.grad`` its pooled view; returns how many were (re)installed.
-
-        ``None`` becomes a zeroed view (all of them at once: one fill of each buffer); a
-        gradient elsewhere is copied into the view (its own storage then dies).
+        A gradient elsewhere is copied into the view (its own storage then dies). ``None``
+        becomes a zeroed view (all of them at once: one fill of each buffer) with
+        ``fill_missing``; otherwise it stays ``None`` and the members left so are returned.
         """
+        grads = list(map(_grad_of, self._params))
+        if all(map(operator.is_, grads, self.views)):
+            return []
         todo_none: list[int] = []
         todo_copy: list[int] = []
-        for i, (m, v) in enumerate(zip(self.members, self.views)):
-            g = m.param.grad
+        for i, (g, v) in enumerate(zip(grads, self.views)):
             if g is v:
                 continue
             if g is None:
                 todo_none.append(i)
             else:
                 todo_copy.append(i)
-        if not todo_none and not todo_copy:
-            return 0
+        missing = [] if fill_missing else [self.members[i] for i in todo_none]
+        if not fill_missing:
+            todo_none = []
         with torch.no_grad():
             if todo_copy:
                 src = []
@@ -90,7 +95,7 @@ class GradBuffers:
                     torch._foreach_zero_([self.locals[i] for i in todo_none])
                 for i in todo_none:
                     self.members[i].param.grad = self.views[i]
-        return len(todo_copy) + len(todo_none)
+        return missing
 
     def _name(self, i: int) -> str:
         m = self.members[i]
