@@ -27,7 +27,8 @@ from .grads import GradBuffers
 from .layout import Member, Segment, gaps, plan
 from .rules import group_refusal, rule_for
 from .state import StateBuffers, state_refusal
-from .wrap import supported
+from .wrap import is_dtensor, supported
+from ..aliasing import local_tensor
 
 FusedPolicy = Literal["foreach", "fused"]
 Verify = Literal["step", "forward"]
@@ -44,6 +45,12 @@ def _locals(params: list[torch.Tensor], wrapped: bool | None) -> list[torch.Tens
     if wrapped:
         return list(map(_local_of, params))
     return [getattr(p, "_local_tensor", p) for p in params]
+
+
+def _norm_input(grad: torch.Tensor) -> torch.Tensor:
+    """What torch's norm reads: a torch DTensor as it is (its reduction runs), the local tensor
+    of any other wrapper (a HyperParallel-style DTensor's ops on lists cannot dispatch)."""
+    return grad if is_dtensor(grad) else local_tensor(grad)
 
 
 class FlatOptimizer:
@@ -296,7 +303,7 @@ class FlatOptimizer:
         gradients, so the result is bit-identical to clipping the parameters."""
         if self.verify == "step":
             self.grads.install(fill_missing=False)  # absorb foreign gradients; None stays None
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+        grads = [_norm_input(p.grad) for g in self.optimizer.param_groups for p in g["params"]
                  if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
