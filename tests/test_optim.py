@@ -392,3 +392,61 @@ def test_bad_arguments_are_typed_and_change_nothing() -> None:
     with pytest.raises(InvalidTypeError):
         FlatOptimizer(opt, [pool], fused="yes")  # type: ignore[arg-type]
     assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_pool_growth_replans_and_keeps_state() -> None:
+    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+    for m, o, s in ((ref, o_ref, o_ref.step), (flat, o_flat, fo.step)):
+        train_step(m, 0)
+        s()
+        o.zero_grad()
+    old_state = fo.buffers()["state"]
+    pool.grow(pool.capacity * 2)  # a new parameter storage and a new layout signature
+    for m, o, s in ((ref, o_ref, o_ref.step), (flat, o_flat, fo.step)):
+        train_step(m, 1)
+        s()
+    assert fo.replans == 1
+    assert all(b.name.startswith("params/") for b in fo.buffers()["state"])
+    assert not any(a is b for a in old_state for b in fo.buffers()["state"])
+    assert_same(ref, o_ref, flat, o_flat)
+    records = census(flat, o_flat).records
+    assert len(records) == 5 and all(r.pool is not None for r in records)
+
+
+def test_checks_in_the_forward_hook() -> None:
+    cls, kw = OPTIMIZERS["adamw"]
+    ref, flat = mlp(), mlp()
+    pool = FlatPool()
+    pool.adopt(list(flat.parameters()))
+    o_ref = cls(ref.parameters(), foreach=True, **kw)
+    o_flat = cls(flat.parameters(), foreach=True, **kw)
+    fo = FlatOptimizer(o_flat, [pool], module=flat, verify="forward")
+    for step in range(3):
+        train_step(ref, step)
+        train_step(flat, step)
+        o_ref.step()
+        fo.step()
+        o_ref.zero_grad()
+        o_flat.zero_grad()
+    assert_same(ref, o_ref, flat, o_flat)
+    w = flat[0].weight
+    with torch.no_grad():
+        w.set_(w.detach().clone())
+    with pytest.raises(LostPlaceError):
+        train_step(flat, 3)  # the forward hook finds it, before any gradient is made
+    assert all(p.grad is None for p in flat.parameters())
+
+
+def test_a_sparse_gradient_is_refused_before_anything_moves() -> None:
+    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+    train_step(flat, 0)
+    fo.step()
+    before = [p.detach().clone() for p in flat.parameters()]
+    state = {k: v.clone() for k, v in o_flat.state[flat[0].weight].items()}
+    grads = [p.grad.clone() for p in flat.parameters()]  # type: ignore[union-attr]
+    flat[2].bias.grad = torch.ones(16).to_sparse()  # torch refuses other shapes and dtypes itself
+    with pytest.raises(FlatStepError, match="cannot be pooled"):
+        fo.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+    assert all(torch.equal(v, o_flat.state[flat[0].weight][k]) for k, v in state.items())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads[:3], list(flat.parameters())[:3]))
