@@ -150,7 +150,8 @@ class FlatOptimizer:
         self.reasons = reasons
         members = [m for s in segments for m in s.members]
         self.grads = GradBuffers(members, self._mirrors)
-        self.state = StateBuffers(opt, self.rule, segments, self._mirrors)
+        self.state = StateBuffers(opt, self.rule, segments, self._mirrors, steps_on_device=(
+            self.fused == "fused" and any(opt.param_groups[s.group].get("fused") for s in segments)))
         with torch.no_grad():
             for s in segments:  # free bytes inside a segment: zero, so they stay inert
                 for a, b in gaps(s):

@@ -53,7 +53,7 @@ class StateBuffers:
     """Pooled state of the flat groups' members; made by adopting the current state."""
 
     def __init__(self, opt: torch.optim.Optimizer, rule: Rule, segments: Sequence[Segment],
-                 mirrors: Mirrors) -> None:
+                 mirrors: Mirrors, *, steps_on_device: bool = False) -> None:
         self.opt, self.rule = opt, rule
         self.segments = list(segments)
         self._bufs: dict[tuple[int, str], FlatPool] = {}
@@ -62,7 +62,7 @@ class StateBuffers:
         self.fresh: list[bool] = []
         """Per segment: its lazy state (SGD momentum) does not exist yet."""
         self._flat: list[dict[str, torch.Tensor]] = []
-        step_slots = self._plan_steps()
+        step_slots = self._plan_steps(steps_on_device)
         with torch.no_grad():
             for i, seg in enumerate(self.segments):
                 group = opt.param_groups[seg.group]
@@ -75,7 +75,10 @@ class StateBuffers:
                 self.fresh.append(self._adopt(seg, kinds, step_slots[i]))
                 self.slots.append(step_slots[i])
 
-    def _plan_steps(self) -> list[torch.Tensor | None]:
+    def _plan_steps(self, on_device: bool) -> list[torch.Tensor | None]:
+        """One float32 slot per segment, one step pool per parameter pool: on the CPU, as torch
+        keeps ``step`` for its non-capturable kernels, or on the pool's device for the fused
+        kernel (which reads it there)."""
         if not self.rule.has_step:
             return [None] * len(self.segments)
         per_pool: dict[int, list[int]] = {}
@@ -84,7 +87,8 @@ class StateBuffers:
         out: list[torch.Tensor | None] = [None] * len(self.segments)
         for indices in per_pool.values():
             pool = self.segments[indices[0]].pool
-            steps = FlatPool("cpu", alignment=4, name=f"{pool.name}/step")
+            steps = FlatPool(pool.device if on_device else "cpu", alignment=4,
+                             name=f"{pool.name}/step")
             slots = steps.allocate_many([((1,), torch.float32)] * len(indices))
             steps.materialize()
             self._steps[id(pool)] = steps
@@ -115,7 +119,8 @@ class StateBuffers:
             base = slot.untyped_storage()
             off = slot.storage_offset()
             for st in states:
-                st["step"] = torch.empty(0, dtype=torch.float32).set_(base, off, (), ())
+                st["step"] = torch.empty(0, dtype=torch.float32, device=slot.device).set_(
+                    base, off, (), ())
         return fresh and self.rule.lazy(self.opt.param_groups[seg.group])
 
     def flats(self, i: int) -> dict[str, torch.Tensor]:
