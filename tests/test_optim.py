@@ -450,3 +450,39 @@ def test_a_sparse_gradient_is_refused_before_anything_moves() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
     assert all(torch.equal(v, o_flat.state[flat[0].weight][k]) for k, v in state.items())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads[:3], list(flat.parameters())[:3]))
+
+
+def test_mixed_dtypes_in_one_pool_step_per_dtype() -> None:
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4).to(torch.bfloat16))
+
+    def run(m: nn.Module, step: int) -> None:
+        x = batch(step)
+        m[1](m[0](x).to(torch.bfloat16)).float().square().mean().backward()
+
+    ref, flat = model(), model()
+    pool = FlatPool()
+    pool.adopt(list(flat.parameters()))  # float32 and bfloat16 slices in one pool
+    o_ref = torch.optim.AdamW(ref.parameters(), foreach=True, lr=1e-2, weight_decay=0.1)
+    o_flat = torch.optim.AdamW(flat.parameters(), foreach=True, lr=1e-2, weight_decay=0.1)
+    fo = FlatOptimizer(o_flat, [pool], module=flat)
+    assert sorted(str(s.dtype) for s in fo.segments) == ["torch.bfloat16", "torch.float32"]
+    for step in range(4):
+        run(ref, step)
+        run(flat, step)
+        o_ref.step()
+        fo.step()
+        o_ref.zero_grad()
+        o_flat.zero_grad()
+    assert_same(ref, o_ref, flat, o_flat)
+
+
+def test_flat_norm_equals_torch_norm_up_to_rounding() -> None:
+    ref, o_ref, flat, o_flat, fo, _ = pair("adamw")
+    train_step(ref, 0)
+    train_step(flat, 0)
+    exact = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, foreach=True)
+    fast = fo.clip_grad_norm_(1e9, exact=False)  # one norm over the flat gradient buffer
+    torch.testing.assert_close(fast, exact, rtol=1e-6, atol=0.0)
+    assert torch.equal(fo.clip_grad_norm_(1e9), exact)

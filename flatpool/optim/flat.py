@@ -298,24 +298,36 @@ class FlatOptimizer:
 
     # -- gradient norm --------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, exact: bool = True) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer, with the
-        scaling done once per gradient buffer: the norm is torch's own over the (pooled)
-        gradients, so the result is bit-identical to clipping the parameters."""
+        scaling done once per gradient buffer.
+
+        ``exact`` (default): the norm is torch's own over the (pooled) gradients, so norm and
+        result are bit-identical to clipping the parameters. ``exact=False``: the norm is taken
+        over the flat buffers (one norm a segment), equal up to rounding (docs/optim.md gives
+        the measured difference); single-process only (a sharded norm needs its reduction).
+        """
         if self.verify == "step":
             self.grads.install(fill_missing=False)  # absorb foreign gradients; None stays None
-        grads = [_norm_input(p.grad) for g in self.optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
+        pooled = {id(m.param) for m in self._members}
+        others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None and id(p) not in pooled]
+        flats = [self.grads.flat(s) for s in self.segments]
+        if exact:
+            grads = [_norm_input(p.grad) for g in self.optimizer.param_groups
+                     for p in g["params"] if p.grad is not None]
+        else:
+            if self._wrapped is not False or any(local_tensor(g) is not g for g in others):
+                raise InvalidRequestError(
+                    "clip_grad_norm_(exact=False) takes the norm of this rank's flat buffers: "
+                    "sharded (DTensor) parameters need the reduction of exact=True")
+            grads = flats + others
         if not grads:
             return torch.tensor(0.0)
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=True)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         local = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
-        pooled = {id(m.param) for m in self._members}
-        others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in pooled]
         with torch.no_grad():
-            flats = [self.grads.flat(s) for s in self.segments]
             if flats:
                 torch._foreach_mul_(flats, local.to(flats[0].device))
             if others:

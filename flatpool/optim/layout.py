@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 from attrs import define
 
-from .. import torch_compat as tc
 from ..aliasing import local_tensor
 from ..pool import FlatPool
 from ..slices import Slice
@@ -36,12 +35,6 @@ class Member:
     @property
     def numel(self) -> int:
         return self.shape.numel()
-
-    def in_place(self, key: int) -> bool:
-        """Still on the pool storage ``key`` at its offset (two C reads, no Python storage)."""
-        local = local_tensor(self.param)
-        return bool(tc.storage_address(local) == key
-                    and local.storage_offset() * self.dtype.itemsize == self.offset)
 
 
 @define(frozen=True, eq=False)
