@@ -486,3 +486,48 @@ def test_flat_norm_equals_torch_norm_up_to_rounding() -> None:
     fast = fo.clip_grad_norm_(1e9, exact=False)  # one norm over the flat gradient buffer
     torch.testing.assert_close(fast, exact, rtol=1e-6, atol=0.0)
     assert torch.equal(fo.clip_grad_norm_(1e9), exact)
+
+
+def test_an_lr_scheduler_changes_the_flat_step_like_the_per_parameter_one() -> None:
+    ref, o_ref, flat, o_flat, fo, _ = pair("adamw")
+    s_ref = torch.optim.lr_scheduler.CosineAnnealingLR(o_ref, T_max=5)
+    s_flat = torch.optim.lr_scheduler.CosineAnnealingLR(o_flat, T_max=5)
+    for step in range(5):
+        train_step(ref, step)
+        train_step(flat, step)
+        o_ref.step()
+        fo.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+            s_ref.step()
+            s_flat.step()
+        o_ref.zero_grad()
+        o_flat.zero_grad()
+    assert o_flat.param_groups[0]["lr"] == o_ref.param_groups[0]["lr"] != 1e-2
+    assert_same(ref, o_ref, flat, o_flat)
+
+
+def test_an_interrupted_replan_is_redone_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flatpool.optim import state as state_mod
+
+    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+    for m, o, s in ((ref, o_ref, o_ref.step), (flat, o_flat, fo.step)):
+        train_step(m, 0)
+        s()
+        o.zero_grad()
+    pool.grow(pool.capacity * 2)  # the next step re-plans into new mirrors
+    real = state_mod.StateBuffers._adopt
+
+    def interrupted(self: Any, *args: Any) -> bool:
+        real(self, *args)  # the dict entries are rebound, then the "Ctrl-C" lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state_mod.StateBuffers, "_adopt", interrupted)
+    train_step(ref, 1)
+    train_step(flat, 1)
+    with pytest.raises(KeyboardInterrupt):
+        fo.step()
+    monkeypatch.setattr(state_mod.StateBuffers, "_adopt", real)
+    fo.step()
+    o_ref.step()
+    assert_same(ref, o_ref, flat, o_flat)

@@ -118,6 +118,7 @@ class FlatOptimizer:
 
     def _plan(self, first: bool = False) -> None:
         opt = self.optimizer
+        self._planned = False  # an exception in here (a Ctrl-C too) leaves the next step to re-plan
         self.pools = self._current_pools()
         segments, reasons = plan(opt.param_groups, self.pools)
         for g, group in enumerate(opt.param_groups):
@@ -162,6 +163,7 @@ class FlatOptimizer:
         self._groups = len(opt.param_groups)
         self._keys = [p.storage_key for p in self.pools]
         self._used = {id(s.pool): s.pool.used_bytes for s in segments if gaps(s)}
+        self._planned = True
         if not first:
             self.replans += 1
             logger.info("flatpool.optim: re-adopted gradients and state of %d segment(s)",
@@ -185,7 +187,8 @@ class FlatOptimizer:
                 id(p) for p in self.pools]:
             self._plan()  # the framework made new pools (a group adopted late)
             return
-        if (opt.state is not self._state_dict or len(opt.param_groups) != self._groups
+        if (not self._planned or opt.state is not self._state_dict
+                or len(opt.param_groups) != self._groups
                 or [p.storage_key for p in self.pools] != self._keys
                 or any(s.pool.used_bytes != self._used[id(s.pool)]
                        for s in self.segments if id(s.pool) in self._used)):
