@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from flatpool import census, local_tensor
 from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
-from flatpool.integrations.hsdp.optim import flat_optimizer, fused_pools
+from flatpool.integrations.hsdp.optim import flat_optimizer
 from flatpool.optim import FlatOptimizer
 
 STEPS = 20
@@ -108,14 +108,10 @@ def after_step_storages(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOp
     outside = [r for r in records if r.pool is None]
     assert not outside, [r.referrers for r in outside]
     names = sorted(r.pool or "" for r in records)
-    groups = [p.name for p in fused_pools_of(fo)]
+    groups = [p.name for p in fo.pools]
     expected = sorted(f"{g}{suffix}" for g in groups
                       for suffix in ("", "/grad", "/exp_avg", "/exp_avg_sq", "/step"))
     assert names == expected, (names, expected)
-
-
-def fused_pools_of(fo: FlatOptimizer) -> list[Any]:
-    return fo.pools
 
 
 def local_state(opt: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
@@ -238,4 +234,4 @@ def run_all() -> dict[str, str | None]:
     return results
 
 
-__all__ = ["fused_pools", "run_all", "scenarios"]
+__all__ = ["run_all", "scenarios"]
