@@ -94,3 +94,9 @@ class ExternalMemoryWarning(FlatPoolWarning):
 
 class UntestedTorchWarning(FlatPoolWarning):
     """The installed torch is newer than the newest release flatpool was tested on."""
+
+
+class FlatStepWarning(FlatPoolWarning):
+    """A flat optimizer step (:mod:`flatpool.optim`) could not run flat for some parameters and
+    stepped them per parameter instead, or ran other math than the optimizer asked for (the
+    foreach math for ``fused=True``); the message says which and why."""

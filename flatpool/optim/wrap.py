@@ -1,0 +1,61 @@
+"""Give a pooled local view the parameter's own tensor type (a DTensor for a DTensor).
+
+A HyperParallel-style DTensor (a ``_make_subclass`` wrapper sharing its local tensor's storage,
+rebuilt by ``type(p).from_local(local, p._layout)``, as the shipped simulation's) is wrapped the
+same way.
+
+Gradients and optimizer state of a DTensor parameter are DTensors with its mesh and placements;
+DCP, ``get_optimizer_state_dict`` and FSDP2's gradient accumulation (it adds into
+``grad._local_tensor``) rely on it, so the pooled views are wrapped the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..aliasing import local_tensor
+from .errors import NotPooledError
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``param``'s kind of tensor: itself for a plain tensor, a DTensor with
+    ``param``'s mesh, placements, global shape and stride for a DTensor."""
+    if DTensor is not None and isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.size(), stride=param.stride())
+    if local_tensor(param) is not param:
+        if _layout_wrapper(param):
+            out: torch.Tensor = type(param).from_local(local, param._layout)  # type: ignore[attr-defined]
+            return out
+        raise NotPooledError(
+            f"{type(param).__name__}: a wrapper flatpool.optim cannot rebuild around a pooled "
+            "view (plain tensors, torch DTensors and from_local(local, layout) wrappers are "
+            "supported)")
+    return local
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _layout_wrapper(param: torch.Tensor) -> bool:
+    """A HyperParallel-style DTensor: ``type(p).from_local(local, p._layout)`` rebuilds it."""
+    return callable(getattr(type(param), "from_local", None)) and hasattr(param, "_layout")
+
+
+def supported(param: torch.Tensor) -> str | None:
+    """Why ``param``'s type cannot get pooled gradients and state, or ``None``."""
+    if DTensor is not None and isinstance(param, DTensor):
+        return None
+    if local_tensor(param) is not param and not _layout_wrapper(param):
+        return (f"{type(param).__name__} wrapper: only plain tensors, torch DTensors and "
+                "from_local(local, layout) wrappers")
+    return None
+
+
+__all__ = ["is_dtensor", "supported", "wrap_like"]
