@@ -225,10 +225,13 @@ def parse(argv: Sequence[str] | None) -> Config:
                          "to DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
     ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
                     help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
+    ap.add_argument("--optim", choices=("per-parameter", "flat"), default="per-parameter",
+                    help="flat: also show gradients and AdamW state per rank, per parameter vs "
+                         "in flatpool.optim pools (one buffer per kind per group and dtype)")
     a = ap.parse_args(argv)
     backend = a.backend or {"cuda": "nccl", "npu": "hccl"}.get(a.device.split(":")[0], "gloo")
     return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps,
-                  client=a.client, png=a.png)
+                  client=a.client, png=a.png, optim=a.optim)
 
 
 def header(cfg: Config) -> str:
@@ -269,8 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.client == "hyperparallel":
         from . import demo_hyperparallel
 
-        return demo_hyperparallel.main(cfg)
-    return run_client(cfg, header, rank_main, report)
+        rc = demo_hyperparallel.main(cfg)
+    else:
+        rc = run_client(cfg, header, rank_main, report)
+    if cfg.optim == "flat" and rc == 0:
+        from . import optim_demo
+
+        rc = optim_demo.main(["--steps", str(cfg.steps), "--world-size", str(cfg.world_size)])
+    return rc
 
 
 if __name__ == "__main__":

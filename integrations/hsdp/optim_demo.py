@@ -9,11 +9,13 @@ foreach AdamW per group; the table also says whether the two trainings stayed bi
 (step times: ``python -m benchmarks.run --only optim``).
 
     python -m flatpool.integrations.hsdp.optim_demo [--layers 8] [--hidden 64] [--steps 5]
+    ./scripts/demo.sh --optim flat     # the same table after the main demo's
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -83,9 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="an even number")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--world-size", type=int, default=2)
     a = ap.parse_args(argv)
-    for table in launch(_rank, a.layers, a.hidden, a.steps, world_size=2, timeout_s=300):
+    tables = launch(_rank, a.layers, a.hidden, a.steps, world_size=a.world_size, timeout_s=300)
+    for table in tables:
         print(table)
+    if any("DIFFER" in t for t in tables):
+        print("FAILED: the flat optimizer's losses differ from the per-parameter ones",
+              file=sys.stderr)
+        return 1
     return 0
 
 

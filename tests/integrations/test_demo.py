@@ -88,3 +88,17 @@ def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
     assert out.count("BUG (as reported)") == 2 and "FAIL" not in out, report
     assert "progress: starting" not in proc.stderr, report  # torchrun started the ranks
     assert proc.stderr.count("progress: no fusion: step 1/1") == 1, report  # rank 0 only
+
+
+def test_optim_flat_adds_the_optimizer_storage_rows(capfd: pytest.CaptureFixture[str]) -> None:
+    """``--optim flat``: after the fusion tables, each rank's gradient and AdamW state
+    storages per parameter vs one buffer per kind per (group, dtype), losses identical."""
+    code = demo.main(["--hidden", "32", "--ffn", "64", "--steps", "2", "--optim", "flat"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    flat = re.findall(r"^  flat \(flatpool\.optim\)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)",
+                      out, re.M)
+    assert len(flat) == 2, out  # one row per rank
+    for params, pstor, grads, state, verdict in flat:
+        assert (int(grads), int(state), verdict) == (int(pstor), 3 * int(pstor), "identical")
+        assert int(params) > int(pstor)
