@@ -99,3 +99,8 @@ class UntestedTorchWarning(FlatPoolWarning):
 class UnfusedGroupWarning(FlatPoolWarning):
     """A fusion hook inside a framework's forward could not fuse a group (the reason is in the
     message): the step went on with that group unfused, as without flatpool."""
+
+
+class OrphanedSliceWarning(FlatPoolWarning):
+    """Every parameter adopted into a slice is gone (its module replaced it): nothing trains on
+    those bytes, and the pool cannot see the replacement."""
