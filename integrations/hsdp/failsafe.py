@@ -95,7 +95,7 @@ def keep_fused(
                            kept=previous.kept)
         if reason not in told:
             told.add(reason)
-            logger.warning("%s: %s", where, out.skipped)
+            logger.info("%s: %s", where, out.skipped)  # the warning is the alert
             warn_from_hook(f"{where}: {out.skipped}. It is tried again at the next step.",
                            UnfusedGroupWarning)
     out.kept.report()

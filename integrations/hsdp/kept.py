@@ -96,7 +96,7 @@ class KeptAlive:
         record for each original noted since the last call."""
         todo, self._unreported = self._unreported, []
         for kept in todo:
-            logger.warning("kept alive: %s", kept.describe())
+            logger.info("kept alive: %s", kept.describe())  # the warning is the alert
             warn_from_hook(f"{kept.describe()}. Training goes on from the pool; the memory comes "
                            "back at the first step after those references are dropped.",
                            OriginalKeptAliveWarning)

@@ -17,9 +17,11 @@ rank stuck in a collective would make the whole job time out, which the test rep
 from __future__ import annotations
 
 import gc
+import logging
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -114,6 +116,26 @@ def train(model: nn.Module, steps: int = STEPS,
     return losses, full
 
 
+@contextmanager
+def flatpool_log() -> Iterator[list[str]]:
+    """The messages the ``flatpool`` logger records (INFO and up) inside the block."""
+    got: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    log = logging.getLogger("flatpool")
+    handler, level = _Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield got
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def check_fused(model: nn.Module, fused: FusedModule) -> None:
     """Valid, every member's storage one of the pools', and each pool of its members' dtype."""
     assert fused.is_valid(), f"not valid: {fused!r}"
@@ -164,8 +186,14 @@ def apply_case(mesh: DeviceMesh, how: str, op: str) -> None:
     # Whatever _apply gave the members is what the next forward must adopt and free.
     moved = OriginalStorages([p for p in _params_of(model)])
     pool_keys = {pl.storage_key for b in fused.buffers for pl in b.pools()}
-    got = train(model)
+    with flatpool_log() as log:
+        got = train(model)
     same(got, expected)
+    if op in ("double", "half", "bfloat16", "to_float64"):
+        assert any("planned anew (member 0 is torch." in m for m in log), log
+        assert any(": adopted 2 member(s) into 1 pool(s)" in m for m in log), log
+    elif op == "to_empty":
+        assert any("re-adopted" in m or "adopted" in m for m in log), log
     check_fused(model, fused)
     pools = {pl.storage.data_ptr() for b in fused.buffers for pl in b.pools()}
     pools |= {s.data_ptr() for s in old_pools}
@@ -262,9 +290,12 @@ def held_case(mesh: DeviceMesh, kind: str, ranks: str) -> None:
             full.clear()
             gc.collect()
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, flatpool_log() as log:
         warnings.simplefilter("always")
         got = train(model, between=between)
+    kept_logs = [m for m in log if m.startswith("kept alive: ")]
+    released_logs = [m for m in log if m.startswith("released: ")]
+    assert len(kept_logs) == len(released_logs) == counts[0], log
     same(got, expected)
     kept_warnings = [w for w in caught if issubclass(w.category, OriginalKeptAliveWarning)]
     if holds:
