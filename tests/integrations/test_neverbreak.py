@@ -22,7 +22,7 @@ OTHER = ["pytorch-to_float64_after_init", "strict-raises", "reprs"]
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, str | None]]:
     t0 = time.perf_counter()
-    out = launch(neverbreak_workers.run_all, world_size=2, timeout_s=400)
+    out = launch(neverbreak_workers.run_all, world_size=2, timeout_s=600)  # a loaded CI box
     print(f"2-rank job: {time.perf_counter() - t0:.1f} s")
     return out
 
