@@ -100,3 +100,13 @@ class FlatStepWarning(FlatPoolWarning):
     """A flat optimizer step (:mod:`flatpool.optim`) could not run flat for some parameters and
     stepped them per parameter instead, or ran other math than the optimizer asked for (the
     foreach math for ``fused=True``); the message says which and why."""
+
+
+class UnfusedGroupWarning(FlatPoolWarning):
+    """A fusion hook inside a framework's forward could not fuse a group (the reason is in the
+    message): the step went on with that group unfused, as without flatpool."""
+
+
+class OrphanedSliceWarning(FlatPoolWarning):
+    """Every parameter adopted into a slice is gone (its module replaced it): nothing trains on
+    those bytes, and the pool cannot see the replacement."""

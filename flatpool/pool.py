@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from .ownership.adopt import adopt
 from .ownership.meta import MetaTargets, materialize_into
-from .ownership.readopt import moved, readopt
+from .ownership.readopt import moved, orphaned, readopt
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
 from .ownership.validate import AdoptTargets
@@ -77,8 +77,10 @@ class FlatPool(PoolState):
         return list(seen.values())
 
     def is_valid(self) -> bool:
-        """True when every adopted tensor still aliases its slice."""
-        return not moved(self)
+        """True when every adopted tensor still aliases its slice, and no slice lost all the
+        parameters adopted into it (a module that replaced them, ``load_state_dict(assign=True)``:
+        :meth:`readopt` then warns and says how to re-adopt)."""
+        return not moved(self) and not orphaned(self)
 
     def materialize_into(
         self, targets: MetaTargets, slices: Sequence[Slice] | None = None

@@ -131,6 +131,6 @@ def hp_job() -> list[dict[str, Any]]:
     import hp_jobs
 
     t0 = time.perf_counter()
-    out: list[dict[str, Any]] = launch(hp_jobs.run_all, world_size=2, timeout_s=400)
+    out: list[dict[str, Any]] = launch(hp_jobs.run_all, world_size=2, timeout_s=900)
     print(f"2-rank HyperParallel job: {time.perf_counter() - t0:.1f} s")
     return out

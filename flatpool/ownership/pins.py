@@ -126,7 +126,14 @@ _MAX_PARENTS = 8
 """How many enclosing dicts a holder's name follows (``a[k1][k2]...``) before it stops."""
 
 
-def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
+def _slot(obj: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(obj, name)
+    except AttributeError:
+        return None
+
+
+def name_referrers(obj: Any, skip: Iterable[int] = (), depth: int = 0) -> list[str]:
     """Describe each Python object that references ``obj`` (attribute paths, keys, frames)."""
     skip_ids = set(skip) | {id(obj)} | _locals_copies()
     names: list[str] = []
@@ -172,6 +179,11 @@ def name_referrers(obj: Any, skip: Iterable[int] = ()) -> list[str]:
             v is obj for v in vars(ref).values()
         ):  # an instance whose attributes live inline (no dict object for gc to report)
             names.extend(f"{type(ref).__name__}.{k}" for k, v in vars(ref).items() if v is obj)
+        elif (isinstance(ref, torch.Tensor) and depth < _MAX_PARENTS
+              and _slot(ref, "_local_tensor") is obj):
+            # A wrapper (a DTensor in a state_dict or a detach() alias): name who holds *it*.
+            outer = name_referrers(ref, skip_ids | {id(obj)}, depth + 1)
+            names.extend(f"{n}._local_tensor" for n in outer or [f"a {type(ref).__name__}"])
         else:
             names.append(f"a {type(ref).__name__} object")
     # Locals of running frames are invisible to gc.get_referrers (Python >= 3.11): walk the stack.

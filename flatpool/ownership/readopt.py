@@ -15,8 +15,9 @@ import torch
 
 from .. import torch_compat as tc
 from ..aliasing import check_no_wrapper, check_strided, extent_of
-from ..errors import InvalidRequestError
-from ..registry import Record, current, make_record, record_holder
+from .._warn import warn
+from ..errors import InvalidRequestError, OrphanedSliceWarning
+from ..registry import ParamRef, Record, current, make_record, record_holder
 from ..slices import Slice
 from ..state import PoolState
 from .adopt import adopt, check_not_in_backward, check_policy
@@ -69,6 +70,35 @@ def moved(pool: PoolState) -> list[Moved]:
         return out
 
 
+def orphaned(pool: PoolState) -> list[Slice]:
+    """Live slices that had adopted *parameters* and none of whose bound objects lives now.
+
+    A module that replaced its parameters (``load_state_dict(assign=True)``, ``p = nn.Parameter
+    (...)``) drops the adopted objects; what it holds now is not on the pool and the pool cannot
+    see it (only holders named at adoption, ``AdoptSpec(holders=...)``, lead to a replacement).
+    Such a slice is memory nothing uses, and the pool is not what the model trains on."""
+    with pool.lock:
+        out = []
+        for slice_id, records in pool.registry.items():
+            slc = pool.live_slice(slice_id)
+            if (slc is not None and any(isinstance(r[0], ParamRef) for r in records)
+                    and all(current(r) is None for r in records)):
+                out.append(slc)
+        return out
+
+
+def orphan_message(slices: Sequence[Slice]) -> str:
+    ids = ", ".join(str(s.slice_id) for s in slices)
+    return (
+        f"the parameters adopted into slice(s) {ids} are gone: their module replaced them "
+        "(load_state_dict(assign=True)?) with objects the pool cannot see, so nothing trains on "
+        "those bytes. Re-adopt the module's current parameters into them with "
+        "pool.readopt([AdoptSpec(p, slice=s), ...]), or adopt with "
+        "AdoptSpec(p, holders=[Holder(module, name)]) so that readopt() finds a replacement; "
+        "or free the slices."
+    )
+
+
 def readopt(
     pool: PoolState,
     specs: Sequence[AdoptSpec] | None = None,
@@ -101,7 +131,12 @@ def readopt(
             return AdoptionReport(())
         return _readopt(pool, todo, txn, on_pinned)
 
-    return atomic(pool, body)
+    report = atomic(pool, body)
+    if not report.items:
+        lost = orphaned(pool)
+        if lost:
+            warn(orphan_message(lost), OrphanedSliceWarning)
+    return report
 
 
 def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:

@@ -4,21 +4,28 @@ Import path: ``flatpool.integrations.hsdp`` (the repository folder ``integration
 under the ``flatpool`` package).
 """
 
+from flatpool.errors import UnfusedGroupWarning
+
 from .allgather import fused_all_gather, per_param_all_gather
+from .failsafe import keep_fused
 from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .group import GroupBuffers, adopt_group, adopt_spec
 from .hyperparallel import cast_buffer, flat_buffer, fuse, is_fused
+from .kept import KeptAlive, KeptOriginal
 from .layout import Bucket, MemberLayout
 from .meta import materialize_group
 from .protocol import ShardedParam
-from .validity import is_valid, member_problems, problems, readopt_group
+from .validity import is_valid, member_problems, needs_replan, problems, readopt_group
 
 __all__ = [
     "Bucket",
     "FusedModule",
     "GroupBuffers",
+    "KeptAlive",
+    "KeptOriginal",
     "MemberLayout",
     "ShardedParam",
+    "UnfusedGroupWarning",
     "adopt_group",
     "adopt_spec",
     "cast_buffer",
@@ -29,9 +36,11 @@ __all__ = [
     "fused_all_gather",
     "is_fused",
     "is_valid",
+    "keep_fused",
     "lazy_init",
     "materialize_group",
     "member_problems",
+    "needs_replan",
     "per_param_all_gather",
     "problems",
     "readopt_group",

@@ -1,7 +1,8 @@
 """One spawned 2-rank gloo job for every HyperParallel-simulation test module.
 
 Spawning two ranks costs seconds (each re-imports torch); the simulation's own tests
-(``hp_faithful_workers``) and the drop-in lines' tests (``hp_hook_workers``) share one job,
+(``hp_faithful_workers``), the drop-in lines' tests (``hp_hook_workers``) and the held-reference
+cases (``hp_neverbreak_workers``) share one job,
 started by the session fixture in this folder's conftest.py.
 """
 
@@ -13,8 +14,10 @@ from typing import Any
 def run_all() -> dict[str, Any]:
     import hp_faithful_workers
     import hp_hook_workers
+    import hp_neverbreak_workers
 
-    return {"faithful": hp_faithful_workers.run_all(), "hook": hp_hook_workers.run_all()}
+    return {"faithful": hp_faithful_workers.run_all(), "hook": hp_hook_workers.run_all(),
+            "neverbreak": hp_neverbreak_workers.run_all()}
 
 
 __all__ = ["run_all"]

@@ -50,6 +50,50 @@ def rank_one_dies() -> int:
     return 7
 
 
+def rank_tensor() -> torch.Tensor:
+    return torch.arange(4) * (dist.get_rank() + 1)
+
+
+def _explode() -> None:
+    raise ValueError("this result cannot be rebuilt here")
+
+
+class Unloadable:
+    """Pickles fine in the rank; unpickling it in the launcher raises."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_explode, ())
+
+
+def rank_returns(what: str) -> Any:
+    if dist.get_rank() == 0:
+        return "fine"
+    return Unloadable() if what == "unloadable" else (lambda: None)
+
+
+def test_a_rank_may_return_tensors() -> None:
+    """Sent by value: torch's shared-memory handles died with the rank (FileNotFoundError)."""
+    got = launch(rank_tensor, world_size=2, timeout_s=120)
+    assert [t.tolist() for t in got] == [[0, 1, 2, 3], [0, 2, 4, 6]]
+
+
+@pytest.mark.parametrize("what, message", [("unloadable", "could not be unpickled here"),
+                                           ("lambda", "cannot be pickled")])
+def test_a_result_that_cannot_travel_is_that_ranks_typed_failure(what: str, message: str) -> None:
+    with pytest.raises(RankFailedError) as info:
+        launch(rank_returns, what, world_size=2, timeout_s=120)
+    assert set(info.value.failures) == {1} and message in info.value.failures[1]
+    assert info.value.results == {0: "fine"}
+
+
+def test_world_size_is_bounded_by_the_machine() -> None:
+    from flatpool.integrations.hsdp.launch import max_world_size
+
+    assert max_world_size("cpu") == 4 * (os.cpu_count() or 1)
+    with pytest.raises(InvalidRequestError, match="more ranks than this machine hosts"):
+        launch(rank_sum, 0, world_size=10**6)
+
+
 def test_ranks_meet_in_a_file_and_a_failing_rank_is_reported() -> None:
     with pytest.raises(RankFailedError) as info:
         launch(rank_one_raises, world_size=2, timeout_s=120)
