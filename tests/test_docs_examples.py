@@ -26,7 +26,8 @@ from flatpool.testing import set_fault_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *(f"docs/{n}" for n in ("pool.md", "ownership.md", "census.md", "meta.md",
-                                            "checkpoints.md", "integration.md", "threading.md"))]
+                                            "checkpoints.md", "integration.md", "threading.md",
+                                            "optim.md"))]
 BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
 
 

@@ -16,7 +16,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "optim.md"
 def test_optim_doc_example_runs() -> None:
     from test_docs_examples import blocks
 
-    code = blocks("optim.md")
+    code = [b.source for b in blocks("docs/optim.md")]
     assert len(code) == 1
     out = io.StringIO()
     with contextlib.redirect_stdout(out), warnings.catch_warnings():
