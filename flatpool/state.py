@@ -75,12 +75,41 @@ def pool_of_storage(key: int) -> PoolState | None:
     return pool if pool is not None and pool._buffer_key == key else None
 
 
+_pool_storages: dict[int, int] = {}
+"""The current storage of every pool that has one, and the last storage of every pool object
+that died: key -> raw weak reference. A storage outlives its pool object while tensors still
+view it (``del pool``), and the checkpoint rule must still know it. The weak reference keeps
+the StorageImpl's address (the key) from being reused while the entry exists, so a live
+storage whose key is here is that storage."""
+_pruned_at = [64]  # entries after which the next lookup drops the dead ones
+
+
+def was_pool_storage(key: int) -> bool:
+    """The live storage with key ``key`` is (or was) a pool's storage."""
+    with _registry_lock:
+        if len(_pool_storages) > _pruned_at[0]:  # dead pools' dead storages: amortized O(1)
+            for dead in [k for k, r in _pool_storages.items() if tc.weak_expired(r)]:
+                tc.weak_free(_pool_storages.pop(dead))
+            _pruned_at[0] = max(64, 2 * len(_pool_storages))
+        ref = _pool_storages.get(key)
+        return ref is not None and not tc.weak_expired(ref)
+
+
+def _remember_storage(pool: PoolState, old: int | None, new: int | None) -> None:
+    """O(1) and the same lines every time: it runs inside operations (and their rollback)."""
+    if old is not None and (ref := _pool_storages.pop(old, None)) is not None:
+        tc.weak_free(ref)
+    if new is not None and new not in _pool_storages and pool._buffer is not None:
+        _pool_storages[new] = tc.weak_storage(pool._buffer.untyped_storage())
+
+
 def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
     with _registry_lock:
         if old is not None and (r := _by_storage.get(old)) is not None and r() is pool:
             del _by_storage[old]
         if new is not None:
             _by_storage[new] = weakref.ref(pool)
+        _remember_storage(pool, old, new)
 
 
 def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
