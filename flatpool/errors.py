@@ -94,3 +94,8 @@ class ExternalMemoryWarning(FlatPoolWarning):
 
 class UntestedTorchWarning(FlatPoolWarning):
     """The installed torch is newer than the newest release flatpool was tested on."""
+
+
+class UnfusedGroupWarning(FlatPoolWarning):
+    """A fusion hook inside a framework's forward could not fuse a group (the reason is in the
+    message): the step went on with that group unfused, as without flatpool."""

@@ -4,6 +4,15 @@ Bindings keep only weak references (to tensors, and to holders' owners where the
 it), so a pool never keeps a model alive. They are what validity checks, re-adoption and
 relocation walk. A batch adoption binds thousands of tensors, so a binding is stored as a plain
 tuple (:data:`Record`) and turned into a :class:`Binding` only when someone asks for one.
+
+A *parameter* is never given a weak reference of any kind: ``torch.utils.swap_tensors``
+refuses a tensor that has a Python weak reference or a C++ weak reference to its TensorImpl, and
+``nn.Module._apply`` (``.to``, ``.cpu()``, ``.double()``, ``to_empty``) swaps DTensor
+parameters (every parameter under ``torch.__future__.set_swap_module_params_on_conversion(True)``).
+A :class:`ParamRef` holds the parameter strongly instead and reads as dead (and lets go) once it
+is the parameter's only holder: a Python reference count, no allocation. A parameter dropped by
+its model is let go at the pool's next look at that binding (``holds``, ``readopt``,
+relocation) or with the pool.
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from typing import Any, Callable, Union
 
 import torch
 from attrs import define
+from torch import nn
 
+from . import torch_compat as tc
 from .holder import Holder
 
 Ref = Callable[[], Any]
@@ -23,7 +34,41 @@ Record = tuple[Ref, int, tuple[int, ...], tuple[int, ...], torch.dtype, Union[Re
 holder key, holder is an item, primary)``."""
 
 
+class ParamRef:
+    """A reference to a parameter that ``torch.utils.swap_tensors`` does not refuse.
+
+    Strong, but it answers ``None`` (and drops the parameter) when nothing else holds it: no
+    Python reference beside its own, and none torch keeps for a C++ owner of the impl.
+    """
+
+    __slots__ = ("_obj",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._obj: torch.Tensor | None = t
+
+    def __call__(self) -> torch.Tensor | None:
+        obj = self._obj
+        if obj is None:
+            return None
+        # Ours: the slot and the local above; torch's own while C++ shares the impl.
+        ours = 2 + (tc.PRESERVED_TENSOR_REF if tc.tensor_impl_users(obj) > 1 else 0)
+        if tc.python_refs(obj) <= ours:
+            self._obj = None
+            return None
+        return obj
+
+
+def tensor_ref(t: torch.Tensor) -> Ref:
+    """How a record refers to ``t``: a Python weak reference, a :class:`ParamRef` for a
+    parameter (which ``nn.Module._apply`` may have to swap)."""
+    if isinstance(t, nn.Parameter):
+        return ParamRef(t)
+    return weakref.ref(t)
+
+
 def _ref(obj: Any) -> Ref:
+    if isinstance(obj, torch.Tensor):
+        return tensor_ref(obj)
     try:
         return weakref.ref(obj)
     except TypeError:  # dicts, lists: keep strongly, they are what the caller named
@@ -35,8 +80,8 @@ def make_record(
     dtype: torch.dtype, holder: Holder | None, primary: bool,
 ) -> Record:
     if holder is None:
-        return (weakref.ref(tensor), byte_offset, shape, stride, dtype, None, None, False, primary)
-    return (weakref.ref(tensor), byte_offset, shape, stride, dtype, _ref(holder.owner),
+        return (tensor_ref(tensor), byte_offset, shape, stride, dtype, None, None, False, primary)
+    return (tensor_ref(tensor), byte_offset, shape, stride, dtype, _ref(holder.owner),
             holder.key, holder.item, primary)
 
 
@@ -135,5 +180,5 @@ class AdoptionRegistry:
         self._records = dict(snap)
 
 
-__all__ = ["AdoptionRegistry", "Binding", "Geometry", "Record", "current", "make_record",
-           "record_holder"]
+__all__ = ["AdoptionRegistry", "Binding", "Geometry", "ParamRef", "Record", "current",
+           "make_record", "record_holder", "tensor_ref"]

@@ -496,3 +496,23 @@ def counter_alias(t: torch.Tensor) -> torch.Tensor:
     """A new plain tensor (no autograd link) sharing ``t``'s storage *and version counter*
     (``detach()`` shares the counter); ``set_`` it elsewhere and the counter stays shared."""
     return _detach(t)
+# -- FSDP2's private state (every private FSDP2 name the integration reads) ------------------
+# ``FSDPModule`` and ``fully_shard`` are public (``torch.distributed.fsdp``); a module's
+# ``FSDPState``, its lazy init and its param groups are not. torch.distributed is imported only
+# when a caller asks, so plain flatpool never pays for it.
+def fsdp_state(module: object) -> Any:
+    """The ``FSDPState`` of a ``fully_shard``-ed module (``FSDPModule._get_fsdp_state``)."""
+    return getattr(module, "_get_fsdp_state")()
+
+
+def fsdp_lazy_init(module: object) -> None:
+    """Run FSDP2's lazy initialization of ``module``'s state now (``FSDPState._lazy_init``)."""
+    fsdp_state(module)._lazy_init()
+
+
+def fsdp_module_param_groups(module: object) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of one ``fully_shard``-ed module."""
+    return fsdp_state_param_groups(fsdp_state(module))
+
+
+__all__ += ["fsdp_lazy_init", "fsdp_module_param_groups", "fsdp_state"]

@@ -8,12 +8,11 @@ holder lets go of the moved tensor's TensorImpl.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from attrs import define
 
 from . import torch_compat as tc
+from .registry import tensor_ref
 
 
 @define(frozen=True)
@@ -42,7 +41,7 @@ class Trace:
         self.info = info
         self.weak = tc.weak_storage(storage)
         self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
-        self.tensor_ref = weakref.ref(tensor) if tensor is not None else None
+        self.tensor_ref = tensor_ref(tensor) if tensor is not None else None
 
     def alive(self) -> bool:
         return not tc.weak_expired(self.weak)

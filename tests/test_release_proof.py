@@ -8,6 +8,7 @@ and check that the error names the holder and that the rollback leaves everythin
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from typing import Any
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from flatpool import AdoptSpec, FlatPool, Holder, PinnedStorageError, storage_of
+from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, InvalidTypeError
+from flatpool import PinnedStorageError, storage_of
 from flatpool import torch_compat as tc
 
 CAP = 1 << 16
@@ -397,6 +399,39 @@ def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.Mo
     with pytest.raises(PinnedStorageError, match="held"):
         FlatPool(capacity=1024).adopt(t)
     assert tc.storage_key(storage_of(t)) == key  # nothing moved
-    assert waits == list(proof._SETTLE_DELAYS_S) and sum(waits) < 0.02
+    assert waits == proof.settle_delays()
+    assert abs(sum(waits) - proof.cxx_holder_wait()) < 1e-9  # the whole bounded wait, no more
+    assert waits[1:4] == [0.0005, 0.001, 0.002] and max(waits) <= 0.032  # doubling, capped
     loss.backward()  # the graph still works on the original
     assert torch.equal(t.grad, 2 * t.detach())
+
+
+def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    import flatpool.ownership.proof as proof
+
+    assert proof.cxx_holder_wait() == proof.DEFAULT_CXX_HOLDER_WAIT_S == 0.25
+    previous = proof.set_cxx_holder_wait(1.5)
+    try:
+        assert previous == 0.25 and proof.cxx_holder_wait() == 1.5
+        assert abs(sum(proof.settle_delays()) - 1.5) < 1e-9
+        assert proof.settle_delays(0) == [0.0]
+        for bad, error in [(-1, InvalidRequestError), (float("nan"), InvalidRequestError),
+                           ("1", InvalidTypeError), (True, InvalidTypeError)]:
+            with pytest.raises(error, match="seconds"):
+                proof.set_cxx_holder_wait(bad)  # type: ignore[arg-type]
+            assert proof.cxx_holder_wait() == 1.5  # unchanged
+    finally:
+        proof.set_cxx_holder_wait(previous)
+    code = "import flatpool.ownership.proof as p; print(p.cxx_holder_wait())"
+    env = {**os.environ, proof.CXX_HOLDER_WAIT_ENV: "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr
+    env[proof.CXX_HOLDER_WAIT_ENV] = "soon"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "InvalidRequestError" in out.stderr
+    assert "FLATPOOL_CXX_HOLDER_WAIT_S='soon'" in out.stderr

@@ -19,12 +19,12 @@ that path raises the precise error for a bad input.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from .. import torch_compat as tc
+from ..registry import tensor_ref
 from ..requests import check_dtype
 from ..state import PoolState, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
@@ -177,7 +177,7 @@ def _adopt(
     keys = [it.key for it in items]
     pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [items, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
-    ref = weakref.ref
+    ref = tensor_ref  # no Python weakref on a Parameter: swap_tensors refuses those
     pool.registry.bind_many(  # make_record()'s tuples, inline: one per tensor of the batch
         (s.slice_id, [(ref(it.t), 0, it.size, it.stride, it.dtype, None, None, False, True)])
         for it, s in zip(items, slices)

@@ -18,12 +18,15 @@ this check only makes its failures rare and early.
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Iterable
 
 import torch
 
 from .. import torch_compat as tc
+from ..errors import InvalidRequestError, InvalidTypeError
 from .moves import ImplSwap
 from .transaction import Transaction
 
@@ -88,9 +91,69 @@ def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None =
 
 # A collective's worker thread can hold a tensor it just wrote for a moment after the caller's
 # wait() returned (gloo's runLoop drops its Work, and the tensors in it, only afterwards):
-# measured on a loaded 2-core machine, adopting right after distribute_tensor. Such owners go
-# away by themselves; a DLPack consumer does not. Look again a few times before calling it held.
-_SETTLE_DELAYS_S = (0.0, 0.0005, 0.001, 0.002, 0.004, 0.008)
+# measured on a loaded 2-core machine, adopting right after distribute_tensor, where 16 ms of
+# looking again was not enough. Such owners go away by themselves; a DLPack consumer does not.
+# So look again with a doubling back-off, up to a bounded total.
+CXX_HOLDER_WAIT_ENV = "FLATPOOL_CXX_HOLDER_WAIT_S"
+"""Environment variable that sets :func:`cxx_holder_wait` at import (seconds)."""
+DEFAULT_CXX_HOLDER_WAIT_S = 0.25
+"""How long, in total, a TensorImpl owner outside Python may take to go away by itself."""
+_FIRST_DELAY_S = 0.0005
+_MAX_DELAY_S = 0.032
+
+
+def _checked_wait(seconds: object, what: str) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidTypeError(f"{what} must be a number of seconds, got {seconds!r}")
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
+    return value
+
+
+def _wait_from_env() -> float:
+    raw = os.environ.get(CXX_HOLDER_WAIT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_CXX_HOLDER_WAIT_S
+    try:
+        return _checked_wait(float(raw), CXX_HOLDER_WAIT_ENV)
+    except ValueError:
+        raise InvalidRequestError(
+            f"{CXX_HOLDER_WAIT_ENV}={raw!r} is not a number of seconds (e.g. 0.25)") from None
+
+
+_wait_s = _wait_from_env()
+
+
+def cxx_holder_wait() -> float:
+    """The total time (seconds) an adoption waits for an owner outside Python to let go of a
+    tensor before it counts as a pin (:data:`DEFAULT_CXX_HOLDER_WAIT_S`, or
+    ``$FLATPOOL_CXX_HOLDER_WAIT_S`` at import, or :func:`set_cxx_holder_wait`)."""
+    return _wait_s
+
+
+def set_cxx_holder_wait(seconds: float) -> float:
+    """Set :func:`cxx_holder_wait` (0: look once more after a bare yield only); returns the
+    previous value. Raise it on a heavily loaded machine, lower it where a DLPack consumer or
+    autograd graph that saved a tensor is expected and the wait is wasted."""
+    global _wait_s
+    value = _checked_wait(seconds, "the C++ holder wait")
+    previous, _wait_s = _wait_s, value
+    return previous
+
+
+def settle_delays(limit: float | None = None) -> list[float]:
+    """The sleeps of one wait: a bare yield, then 0.5 ms doubling up to 32 ms a sleep, until
+    they add up to ``limit`` (default :func:`cxx_holder_wait`)."""
+    total = cxx_holder_wait() if limit is None else limit
+    out = [0.0]
+    left, delay = total, _FIRST_DELAY_S
+    while left > 1e-9:
+        step = min(delay, left)
+        out.append(step)
+        left -= step
+        delay = min(delay * 2, _MAX_DELAY_S)
+    return out
 
 
 def held_outside_python(
@@ -101,8 +164,9 @@ def held_outside_python(
     its base's; pass every tensor the operation moves), and a live graph's grad accumulator.
 
     Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator, after which
-    the two can no longer be told apart. An extra owner must still be there after about 16 ms
-    of looking again (only then is this slower than one pass).
+    the two can no longer be told apart. An extra owner must still be there after looking again
+    with a doubling back-off for :func:`cxx_holder_wait` seconds in all (default 0.25 s; only
+    a tensor that has such an owner pays it).
     """
     children: dict[int, int] = {}
     with tc.no_torch_function():
@@ -113,7 +177,9 @@ def held_outside_python(
                 children[a] = children.get(a, 0) + tc.view_links(v, base)
             del base
     out = _held(candidates, children)
-    for delay in _SETTLE_DELAYS_S:
+    if not out:
+        return out
+    for delay in settle_delays():
         if not out:
             break
         time.sleep(delay)  # lets the holder's thread run (0: a bare yield)
@@ -147,4 +213,6 @@ def _accumulator_holds(t: torch.Tensor) -> bool:
     return existed
 
 
-__all__ = ["OUTSIDE_PYTHON", "held_outside_python", "old_impls", "storage_pinned"]
+__all__ = ["CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "cxx_holder_wait",
+           "held_outside_python", "old_impls", "set_cxx_holder_wait", "settle_delays",
+           "storage_pinned"]

@@ -11,8 +11,19 @@ layer re-validates (and re-adopts what moved) at the two points that matter:
   that case is left to the next point), and
 * before the first all-gather of every forward (a forward pre-hook on the root, prepended so it
   runs before FSDP2's own pre-forward; it runs FSDP2's lazy init first, which on torch 2.7
-  re-pads uneven shards into fresh memory), which also catches ``to_empty`` and groups that
-  were still on meta when :func:`fuse_fully_sharded` was called.
+  re-pads uneven shards into fresh memory), which also catches ``to_empty``, ``nn.Module._apply``
+  (``.to``, ``.cpu()``, ``.double()``: a new dtype or device plans the group's pools anew) and
+  groups that were still on meta when :func:`fuse_fully_sharded` was called.
+
+Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
+``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
+raise; the original is kept alive, reported once, counted in :attr:`FusedModule.kept_alive`,
+and released at the first step after the user drops it. Events (adopted, re-adopted, planned
+anew, kept alive, skipped) go to the ``flatpool`` logger.
+
+FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
+private state (``FSDPState``, lazy init, param groups) is read through
+:mod:`flatpool.torch_compat`.
 """
 
 from __future__ import annotations
@@ -22,17 +33,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from flatpool import FlatPoolError, OnPinned
 from flatpool import torch_compat as tc
-from flatpool import InvalidTypeError, PinnedStorageError
+from flatpool import InvalidTypeError
+from flatpool._warn import logger
+from flatpool.ownership.adopt import check_policy
 
+from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group
+from .kept import KeptAlive, KeptOriginal
 from .members import data_of, is_meta
 from .meta import materialize_group
-from .validity import is_valid, readopt_group
+from .validity import is_valid
+
+FSDPParamGroup = Any
+"""FSDP2's ``FSDPParamGroup`` (private to torch: read as the shape flatpool needs)."""
 
 
 def fsdp_param_groups(module: nn.Module) -> Iterator[FSDPParamGroup]:
@@ -40,7 +58,7 @@ def fsdp_param_groups(module: nn.Module) -> Iterator[FSDPParamGroup]:
     seen: set[int] = set()
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            for g in tc.fsdp_state_param_groups(sub._get_fsdp_state()):
+            for g in tc.fsdp_module_param_groups(sub):
                 if id(g) not in seen:
                     seen.add(id(g))
                     yield g
@@ -57,7 +75,7 @@ def lazy_init(module: nn.Module) -> None:
             f"{type(module).__name__} is not a fully_shard-ed module: call "
             "torch.distributed.fsdp.fully_shard(module) first"
         )
-    module._get_fsdp_state()._lazy_init()
+    tc.fsdp_lazy_init(module)
 
 
 def _world_size(group: FSDPParamGroup) -> int:
@@ -68,56 +86,95 @@ class FusedModule:
     """The layer applied to one ``fully_shard``-ed module: one :class:`GroupBuffers` per group.
 
     Build it with :func:`fuse_fully_sharded`. ``buffers[i]`` belongs to ``groups[i]``.
+    ``on_pinned`` is the policy inside the hooks and :meth:`revalidate`: ``"warn"`` (the
+    default, fail-safe: see :mod:`flatpool.integrations.hsdp.failsafe`) or ``"raise"``.
     """
 
-    def __init__(self, module: nn.Module, alignment: int = 1) -> None:
+    def __init__(self, module: nn.Module, alignment: int = 1, on_pinned: OnPinned = "warn") -> None:
         self.module = module
         self.alignment = alignment
+        self.on_pinned: OnPinned = check_policy(on_pinned)
         self.groups: list[FSDPParamGroup] = list(fsdp_param_groups(module))
-        self.buffers: list[GroupBuffers] = [GroupBuffers(skipped="not adopted yet")] * len(
-            self.groups
-        )
+        self.buffers: list[GroupBuffers] = [GroupBuffers(skipped="not adopted yet")
+                                            for _ in self.groups]
         self.readoptions = 0
         """How many times a moved member was brought back (for tests and logs)."""
         self._handles: list[RemovableHandle] = []
         self.deferred = 0
         """Re-adoptions put off from ``load_state_dict`` to the next forward (pinned then)."""
 
-    def _adopt(self, i: int, materialize: bool = False) -> None:
+    def _build(self, i: int, materialize: bool = False) -> Any:
         g = self.groups[i]
-        if materialize and g.fsdp_params and all(
-            is_meta(data_of(p, j)) for j, p in enumerate(g.fsdp_params)
-        ):
-            self.buffers[i] = materialize_group(
-                g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
-            )
-            return
-        self.buffers[i] = adopt_group(
-            g.fsdp_params,
-            device=g.device,
-            world_size=_world_size(g),
-            alignment=self.alignment,
-            name=f"fsdp{i}",
-        )
 
-    def revalidate(self) -> None:
-        """Bring every group back into its pools: adopt late groups, re-adopt moved members.
+        def build(on_pinned: OnPinned, kept: KeptAlive) -> GroupBuffers:
+            if materialize and g.fsdp_params and all(
+                is_meta(data_of(p, j)) for j, p in enumerate(g.fsdp_params)
+            ):
+                return materialize_group(
+                    g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
+                )
+            return adopt_group(
+                g.fsdp_params,
+                device=g.device,
+                world_size=_world_size(g),
+                alignment=self.alignment,
+                name=f"fsdp{i}",
+                on_pinned=on_pinned,
+                kept=kept,
+            )
+
+        return build
+
+    def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
+        policy = self.on_pinned if on_pinned is None else on_pinned
+        self.buffers[i], _ = keep_fused(
+            GroupBuffers(skipped="not adopted yet", kept=self.buffers[i].kept),
+            self.groups[i].fsdp_params, self._build(i, materialize), on_pinned=policy,
+            where=f"fsdp{i}")
+
+    def revalidate(self, on_pinned: OnPinned | None = None) -> None:
+        """Bring every group back into its pools: adopt late groups, re-adopt moved members,
+        plan anew a group whose members changed dtype or device.
 
         On a healthy rank this is :func:`is_valid` per group: a few TensorImpl reads a member
         (storage keys and offsets, so an empty shard on a trailing rank reads as in place); the
-        diagnosis and re-adoption run only when a member did move."""
+        diagnosis and re-adoption run only when a member did move. Under the fail-safe policy
+        (``on_pinned="warn"``, the default) nothing here raises a
+        :class:`flatpool.FlatPoolError`."""
+        policy = self.on_pinned if on_pinned is None else on_pinned
         for i, g in enumerate(self.groups):
-            buf = self.buffers[i]
-            if not buf.adopted:
-                self._adopt(i)
-            elif not is_valid(buf, g.fsdp_params):
-                self.readoptions += readopt_group(buf, g.fsdp_params)
+            self.buffers[i], moved = keep_fused(
+                self.buffers[i], g.fsdp_params, self._build(i), on_pinned=policy,
+                where=f"fsdp{i}")
+            self.readoptions += moved
 
     def is_valid(self) -> bool:
         """Every adoptable group adopted, and every member on its slice."""
         return all(
             b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers)
         )
+
+    @property
+    def kept_alive(self) -> list[KeptOriginal]:
+        """The original shard storages kept alive now (a held reference pinned each one at a
+        fail-safe fusion); empty once the holders dropped them."""
+        for b in self.buffers:
+            b.kept.refresh()
+        return [k for b in self.buffers for k in b.kept.originals]
+
+    @property
+    def kept_alive_count(self) -> int:
+        return len(self.kept_alive)
+
+    def __repr__(self) -> str:
+        adopted = sum(b.adopted for b in self.buffers)
+        pools = sum(len(b.buckets) for b in self.buffers)
+        kept = sum(len(b.kept) for b in self.buffers)
+        hooks = "hooks installed" if self._handles else "no hooks"
+        return (f"FusedModule({type(self.module).__name__}: {adopted}/{len(self.groups)} groups "
+                f"fused in {pools} pool(s), valid={self.is_valid()}, {kept} original(s) kept "
+                f"alive, {self.readoptions} re-adoption(s), on_pinned={self.on_pinned!r}, "
+                f"{hooks})")
 
     def install_hooks(self) -> None:
         def pre_forward(*_: Any) -> None:
@@ -134,9 +191,11 @@ class FusedModule:
             # flatpool rolls back cleanly, and the pre-forward hook re-adopts once they are gone.
             with torch.no_grad():
                 try:
-                    self.revalidate()
-                except PinnedStorageError:
+                    self.revalidate(on_pinned="raise")
+                except FlatPoolError as e:
                     self.deferred += 1
+                    logger.info("re-adoption after load_state_dict put off to the next "
+                                "forward: %s", type(e).__name__)
 
         self._handles.append(self.module.register_forward_pre_hook(pre_forward, prepend=True))
         self._handles.append(self.module.register_load_state_dict_post_hook(post_load))  # type: ignore[no-untyped-call]
@@ -148,7 +207,12 @@ class FusedModule:
 
 
 def fuse_fully_sharded(
-    module: nn.Module, *, alignment: int = 1, keep_valid: bool = True, materialize: bool = True
+    module: nn.Module,
+    *,
+    alignment: int = 1,
+    keep_valid: bool = True,
+    materialize: bool = True,
+    on_pinned: OnPinned = "warn",
 ) -> FusedModule:
     """Adopt the shards of every param group of ``module`` (after ``fully_shard``).
 
@@ -156,9 +220,12 @@ def fuse_fully_sharded(
     (:func:`flatpool.integrations.hsdp.meta.materialize_group`; initialize the module afterwards with
     ``reset_parameters()`` or ``load_state_dict``, *not* ``to_empty``) unless ``materialize`` is
     false, in which case they are adopted at the first forward after ``to_empty``. With
-    ``keep_valid`` the hooks described in this module's docstring are installed.
+    ``keep_valid`` the hooks described in this module's docstring are installed. ``on_pinned``
+    is the policy here and in the hooks: ``"warn"`` (default) fuses past a reference the caller
+    holds to an original, keeping it alive until dropped; ``"raise"`` raises
+    :class:`flatpool.PinnedStorageError` (nothing changed) instead.
     """
-    fused = FusedModule(module, alignment)
+    fused = FusedModule(module, alignment, on_pinned)
     with torch.no_grad():
         for i in range(len(fused.groups)):
             fused._adopt(i, materialize=materialize)

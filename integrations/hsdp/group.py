@@ -25,9 +25,10 @@ from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.moves import fresh_on, place_many
 from flatpool.pool import contiguous_strides
 
+from .kept import KeptAlive
 from .layout import Bucket, MemberLayout
 from .members import data_of, has_memory, impl_device, impl_dtype, impl_requires_grad, impl_size
-from .members import is_meta, local_of, padded_size, shard_dim
+from .members import is_meta, local_of, member_name, padded_size, shard_dim
 from .protocol import ShardedParam
 from .wrappers import WrapperKinds
 
@@ -46,10 +47,25 @@ class GroupBuffers:
     """Bytes of original shard storages proven released by the adoption."""
     wrapper_kinds: WrapperKinds = field(factory=WrapperKinds, eq=False, repr=False)
     """What the per-step check learned about each member's parameter wrapper (a cache)."""
+    kept: KeptAlive = field(factory=KeptAlive, eq=False, repr=False)
+    """Originals a fail-safe (``on_pinned="warn"``) fusion left alive, until they die."""
 
     @property
     def adopted(self) -> bool:
         return self.skipped is None
+
+    @property
+    def kept_alive(self) -> int:
+        """How many original shard storages this group's fusion keeps alive now."""
+        return self.kept.refresh()
+
+    def __repr__(self) -> str:
+        if not self.adopted:
+            return f"GroupBuffers(skipped={self.skipped!r})"
+        parts = [f"{str(b.dtype).replace('torch.', '')}: {len(b.members)} members, "
+                 f"{b.pool.capacity} bytes" for b in self.buckets]
+        kept = f", {len(self.kept)} original(s) kept alive" if len(self.kept) else ""
+        return f"GroupBuffers([{'; '.join(parts)}], freed_bytes={self.freed_bytes}{kept})"
 
     def flats(self) -> list[torch.Tensor]:
         """One 1-D tensor per bucket over its whole pool: zero-copy all-gather inputs."""
@@ -140,6 +156,7 @@ def adopt_group(
     alignment: int = 1,
     name: str = "group",
     on_pinned: OnPinned = "raise",
+    kept: KeptAlive | None = None,
 ) -> GroupBuffers:
     """Move a group's shards into one pool per dtype; return the flat buffers.
 
@@ -155,7 +172,10 @@ def adopt_group(
         alignment: byte alignment of slice starts; 1 (default) packs members without gaps so
             the flat buffer matches the group's existing all-gather split sizes.
         name: prefix of the pools' names (shown in errors and ``describe()``).
-        on_pinned: passed to :meth:`FlatPool.adopt`.
+        on_pinned: passed to :meth:`FlatPool.adopt`. Under ``"warn"`` a pinned original is
+            kept alive, recorded in the result's ``kept`` (reported once, by a warning and the
+            ``flatpool`` logger) until it dies.
+        kept: the tracker to record into (a re-planned group keeps its old one).
     """
     params = list(params)
     reason = skip_reason(params, world_size)
@@ -165,19 +185,26 @@ def adopt_group(
     plans = plan_buckets(params, dev, alignment, name)
 
     done: list[tuple[FlatPool, list[MemberLayout]]] = []
+    reports = []
     freed = 0
     try:
         for _, pool, layouts in plans:
             specs = [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
             if specs:
-                freed += pool.adopt(specs, on_pinned=on_pinned).freed_bytes
+                report = pool.adopt(specs, on_pinned=on_pinned)
+                freed += report.freed_bytes
+                reports.append((pool, report, [member_name(params[m.index], m.index)
+                                               for m in layouts if m.slice is not None]))
             done.append((pool, layouts))
     except BaseException:
         for pool, layouts in done:
             evict(pool, [params[m.index] for m in layouts], layouts)
         raise
+    kept = kept if kept is not None else KeptAlive()
+    for pool, report, names in reports:
+        kept.note(pool, report, names)
     buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
-    return GroupBuffers(buckets=buckets, freed_bytes=freed)
+    return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
 
 BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]

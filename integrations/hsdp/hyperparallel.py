@@ -25,11 +25,14 @@ from typing import Any
 
 import torch
 
+from flatpool import OnPinned
 from flatpool.devices import DeviceLike
 
+from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group, bucket_members
+from .kept import KeptAlive
 from .protocol import ShardedParam
-from .validity import is_valid, readopt_group
+from .validity import is_valid
 
 
 def fuse(
@@ -39,28 +42,37 @@ def fuse(
     device: DeviceLike | None,
     world_size: int | None,
     name: str = "hsdp",
+    on_pinned: OnPinned = "warn",
 ) -> GroupBuffers:
     """Build the group's (or bucket's) flat buffer the first time, repair it every later time.
 
     ``previous`` is what the last call returned (``None`` the first time). Adopted buffers are
     kept and the members that moved are re-adopted into their slices (values copied, the
     storages they had moved to proven dead); buffers that were skipped (meta shards at
-    construction, before ``lazy_init``) are tried again. HyperParallel's buffer is one tensor of
-    one dtype, so a group whose shards have several dtypes is skipped (reason in ``skipped``),
-    as HyperParallel skips it; it then all-gathers without the flat buffer.
+    construction, before ``lazy_init``) are tried again, and a group whose shards changed
+    dtype or device is planned anew. HyperParallel's buffer is one tensor of one dtype, so a
+    group whose shards have several dtypes is skipped (reason in ``skipped``), as HyperParallel
+    skips it; it then all-gathers without the flat buffer.
 
-    Raises a :class:`flatpool.FlatPoolError` (everything rolled back) when a member cannot be
-    adopted, e.g. :class:`flatpool.PinnedStorageError` naming what else holds an original.
+    Runs inside HyperParallel's forward, so it is fail-safe by default
+    (:mod:`flatpool.integrations.hsdp.failsafe`): a reference the user holds to an original
+    shard is kept alive and reported once (``GroupBuffers.kept``) and the buffer is built
+    anyway, on every rank alike; any other :class:`flatpool.FlatPoolError` leaves the buffer
+    ``None`` (HyperParallel's per-parameter all-gather, the same collective) with a warning.
+    ``on_pinned="raise"`` makes both raise instead.
     """
-    if previous is not None and previous.adopted:
-        readopt_group(previous, params)
-        return previous
-    dtypes = list(bucket_members(params))
-    if len(dtypes) > 1:
-        return GroupBuffers(skipped=(
-            f"shards of {len(dtypes)} dtypes ({', '.join(map(str, dtypes))}): HyperParallel's "
-            "flat buffer has one dtype"))
-    return adopt_group(params, device=device, world_size=world_size, name=name)
+    def build(policy: OnPinned, kept: KeptAlive) -> GroupBuffers:
+        dtypes = list(bucket_members(params))
+        if len(dtypes) > 1:
+            return GroupBuffers(skipped=(
+                f"shards of {len(dtypes)} dtypes ({', '.join(map(str, dtypes))}): "
+                "HyperParallel's flat buffer has one dtype"), kept=kept)
+        return adopt_group(params, device=device, world_size=world_size, name=name,
+                           on_pinned=policy, kept=kept)
+
+    start = previous if previous is not None else GroupBuffers(skipped="not built yet")
+    out, _ = keep_fused(start, params, build, on_pinned=on_pinned, where=name)
+    return out
 
 
 def flat_buffer(buffers: GroupBuffers | None) -> torch.Tensor | None:
@@ -92,8 +104,15 @@ def cast_buffer(
 
 
 def is_fused(buffers: GroupBuffers | None, params: Sequence[ShardedParam]) -> bool:
-    """The per-step validity: adopted, and every member (data, local tensor, wrapper) in place."""
-    return buffers is not None and is_valid(buffers, params)
+    """The per-step validity: adopted, and every member (data, local tensor, wrapper) in place.
+
+    Also lets go of kept originals that died (only when some were kept: a list length
+    otherwise), so a pool-kept original is released at the first step its holder is gone."""
+    if buffers is None:
+        return False
+    if len(buffers.kept):
+        buffers.kept.refresh()
+    return is_valid(buffers, params)
 
 
 class V1Lines:

@@ -90,6 +90,13 @@ def padded_size(p: ShardedParam, index: int) -> torch.Size:
     return sharded
 
 
+def member_name(p: ShardedParam, index: int) -> str:
+    """How messages name member ``index``: its parameter's name where the framework keeps it
+    (FSDP2's ``_param_fqn``), else its position."""
+    fqn = getattr(p, "_param_fqn", None)
+    return f"{fqn} (member {index})" if isinstance(fqn, str) and fqn else f"member {index}"
+
+
 def shard_dim(p: ShardedParam) -> int:
     """The dimension the parameter is sharded on (``Shard(dim)``; 0 when not said)."""
     placement: Any = getattr(p, "fsdp_placement", None) or getattr(p, "hsdp_placement", None)
@@ -111,5 +118,5 @@ def has_memory(wrapper: torch.Tensor) -> bool:
 
 __all__ = [
     "PLAIN", "data_of", "has_memory", "impl_device", "impl_dtype", "impl_requires_grad", "impl_size",
-    "is_meta", "local_of", "padded_size", "shard_dim",
+    "is_meta", "local_of", "member_name", "padded_size", "shard_dim",
 ]

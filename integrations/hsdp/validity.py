@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from flatpool import AdoptionError, AdoptSpec, FlatPool, InvalidRequestError
+from flatpool import AdoptionError, AdoptSpec, FlatPool, InvalidRequestError, OnPinned
 from flatpool import torch_compat as tc
 
 from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout
-from .members import PLAIN, data_of, has_memory, is_meta, local_of
+from .members import PLAIN, data_of, has_memory, impl_device, impl_dtype, impl_size, is_meta
+from .members import local_of, member_name
 from .protocol import ShardedParam
 
 
@@ -178,7 +179,9 @@ def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec 
     return spec if along else AdoptSpec(spec.tensor, holders=spec.holders, slice=spec.slice)
 
 
-def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
+def readopt_group(
+    buffers: GroupBuffers, params: Sequence[ShardedParam], *, on_pinned: OnPinned = "raise"
+) -> int:
     """Bring members that moved back into their slices; return how many moved. Idempotent.
 
     The member's *current* values (a freshly loaded or re-initialized shard) are copied into
@@ -190,7 +193,11 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
     step of its own (if the second step then fails, those members stay repaired).
 
     Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
-    changed for it), or is still out of place afterwards.
+    changed for it), or is still out of place afterwards. ``on_pinned`` is passed to
+    :meth:`FlatPool.readopt`; what a ``"warn"`` re-adoption keeps alive goes to
+    ``buffers.kept``. A member whose dtype, device or padded size changed
+    (``module.double()``, ``.to(device)``) cannot go back into its slice: see
+    :func:`needs_replan`.
     """
     if not buffers.adopted:
         return 0
@@ -201,10 +208,13 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
             continue
         plans = [(m, _repair_spec(params[m.index], m, b.pool)) for m in stale]
         if any(spec is None for _, spec in plans):
-            b.pool.readopt()
+            report = b.pool.readopt(on_pinned=on_pinned)
+            buffers.kept.note(b.pool, report, [])
         specs = [spec for _, spec in plans if spec is not None]
         if specs:
-            b.pool.readopt(specs)
+            report = b.pool.readopt(specs, on_pinned=on_pinned)
+            buffers.kept.note(b.pool, report, [member_name(params[m.index], m.index)
+                                               for m, spec in plans if spec is not None])
         left = {m.index: member_problems(params[m.index], m, b.pool) for m in stale}
         left = {i: found for i, found in left.items() if found}
         if left:
@@ -216,4 +226,28 @@ def readopt_group(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> int:
     return moved
 
 
-__all__ = ["is_valid", "member_problems", "problems", "readopt_group"]
+def needs_replan(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> str | None:
+    """Why the group's pools no longer fit its members, or ``None``.
+
+    ``nn.Module._apply`` (``.double()``, ``.half()``, ``.to(dtype/device)``) gives every member
+    new padded data of another dtype or device; re-adoption into the old slices would copy into
+    the wrong type. Such a group is planned anew (:func:`~flatpool.integrations.hsdp.group.adopt_group`).
+    """
+    if not buffers.adopted:
+        return None
+    for b in buffers.buckets:
+        device = b.pool.device
+        for m in b.members:
+            data = data_of(params[m.index], m.index)
+            if is_meta(data):
+                return f"member {m.index} is on meta again"
+            if impl_dtype(data) != b.dtype:
+                return f"member {m.index} is {impl_dtype(data)} now, its pool {b.dtype}"
+            if impl_device(data) != device:
+                return f"member {m.index} is on {impl_device(data)} now, its pool on {device}"
+            if tuple(impl_size(data)) != (m.numel,):
+                return f"member {m.index} has {tuple(impl_size(data))} elements now, not {m.numel}"
+    return None
+
+
+__all__ = ["is_valid", "member_problems", "needs_replan", "problems", "readopt_group"]

@@ -9,16 +9,17 @@ raised error (about 8 us). The verdict depends only on the wrapper's TensorImpl,
 remembered per member for the wrapper object *and* its storage at the time: a different object
 (``load_state_dict(assign=True)``) or a new impl (``swap_tensors``, ``to_empty``) is judged
 again. Only "storage-less" verdicts are remembered; a wrapper with memory off the pool is a
-failure, which the caller reports without needing the cache.
+failure, which the caller reports without needing the cache. The wrapper is held strongly with
+its impl address, never by a weak reference (``nn.Module._apply``'s ``swap_tensors`` refuses a
+parameter with a Python or C++ weak reference); the group holds its parameters anyway.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from flatpool import Slice
+from flatpool import torch_compat as tc
 
 from .layout import Bucket
 from .members import has_memory
@@ -34,7 +35,7 @@ class WrapperKinds:
     __slots__ = ("_known", "_rows")
 
     def __init__(self) -> None:
-        self._known: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._known: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._rows: dict[int, tuple[Bucket, list[Row]]] = {}
 
     def rows(self, bucket: Bucket) -> list[Row]:
@@ -49,11 +50,12 @@ class WrapperKinds:
     def storage_less(self, index: int, wrapper: torch.Tensor, key: int) -> bool:
         """True when ``wrapper`` (whose storage key is ``key``) has no memory of its own."""
         known = self._known.get(index)
-        if known is not None and known[1] == key and known[0]() is wrapper:
+        if (known is not None and known[0] is wrapper and known[2] == key
+                and known[1] == tc.impl_address(wrapper)):
             return True
         if has_memory(wrapper):
             return False
-        self._known[index] = (weakref.ref(wrapper), key)
+        self._known[index] = (wrapper, tc.impl_address(wrapper), key)
         return True
 
 

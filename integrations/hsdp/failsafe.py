@@ -1,0 +1,105 @@
+"""Keep a group fused from inside a framework's forward, without ever breaking the step.
+
+A training loop that runs without flatpool must run with it. So where the fusion layer acts on
+its own, inside FSDP2's forward (:class:`~flatpool.integrations.hsdp.fsdp2.FusedModule`'s hooks
+and ``revalidate``) or HyperParallel's flat-buffer lines (:func:`~flatpool.integrations.hsdp.hyperparallel.fuse`),
+:func:`keep_fused` applies a fail-safe policy instead of raising:
+
+* a reference the user holds to an original shard is not an error: the group is fused with that
+  original kept alive (``on_pinned="warn"``), reported once per original (warning and log, with
+  the holder and the bytes) and counted in ``GroupBuffers.kept`` until it dies;
+* a group whose members changed dtype, device or size (``module.double()``, ``.to(...)``) is
+  planned anew instead of re-adopted into slices that no longer fit;
+* any other :class:`flatpool.FlatPoolError` leaves that group unfused for this step
+  (:class:`flatpool.errors.UnfusedGroupWarning`, once per reason) and it is tried again next step.
+
+What a group does depends only on its structure (dtypes, sizes, world size, where members
+sit), which is the same on every rank, and never on a held reference, which may be on one rank
+only: so every rank takes the same path and no rank-local problem turns into a hang in the
+next collective. ``on_pinned="raise"`` turns the policy off (errors propagate, for tests and
+strict users).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+from attrs import evolve
+
+from flatpool import FlatPoolError, OnPinned, OriginalKeptAliveWarning
+from flatpool._warn import logger, warn
+from flatpool.errors import UnfusedGroupWarning
+
+from .group import GroupBuffers
+from .kept import KeptAlive
+from .protocol import ShardedParam
+from .validity import is_valid, needs_replan, readopt_group
+
+Build = Callable[[OnPinned, KeptAlive], GroupBuffers]
+"""Adopt a group anew (``adopt_group`` / ``materialize_group`` with the caller's arguments)."""
+
+
+class _Quiet(warnings.catch_warnings):
+    """The engine's batch-level kept-alive warning is replaced by one per original."""
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        warnings.filterwarnings("ignore", category=OriginalKeptAliveWarning)
+
+
+def keep_fused(
+    previous: GroupBuffers,
+    params: Sequence[ShardedParam],
+    build: Build,
+    *,
+    on_pinned: OnPinned = "warn",
+    where: str = "group",
+) -> tuple[GroupBuffers, int]:
+    """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``.
+
+    ``previous`` is the group's current state; a valid one is returned as it is (after letting
+    go of kept originals that died). Each skip or failure reason is logged once per group.
+    """
+    told = previous.kept.logged
+    if previous.adopted and is_valid(previous, params):
+        previous.kept.refresh()
+        return previous, 0
+    moved = 0
+    out = previous
+    try:
+        with _Quiet() if on_pinned != "raise" else warnings.catch_warnings():
+            replan = needs_replan(previous, params)
+            if previous.adopted and replan is None:
+                moved = readopt_group(previous, params, on_pinned=on_pinned)
+                logger.info("%s: re-adopted %d moved member(s)", where, moved)
+            else:
+                if replan is not None:
+                    logger.info("%s: planned anew (%s)", where, replan)
+                    previous = GroupBuffers(skipped=replan, kept=previous.kept)  # old pools go
+                out = build(on_pinned, previous.kept)
+                if out.kept is not previous.kept:  # the group keeps one tracker for good
+                    out = evolve(out, kept=previous.kept)
+                if out.adopted:
+                    logger.info("%s: adopted %d member(s) into %d pool(s), %d bytes freed",
+                                where, sum(len(b.members) for b in out.buckets),
+                                len(out.buckets), out.freed_bytes)
+                elif out.skipped not in told:
+                    told.add(out.skipped or "")
+                    logger.info("%s: skipped: %s", where, out.skipped)
+    except FlatPoolError as e:
+        if on_pinned == "raise":
+            raise
+        reason = f"{type(e).__name__}: {e}"
+        out = GroupBuffers(skipped=f"fusion failed, the group trains unfused: {reason}",
+                           kept=previous.kept)
+        if reason not in told:
+            told.add(reason)
+            logger.warning("%s: %s", where, out.skipped)
+            warn(f"{where}: {out.skipped}. It is tried again at the next step.",
+                 UnfusedGroupWarning)
+    out.kept.report()
+    return out, moved
+
+
+__all__ = ["Build", "keep_fused"]

@@ -1,0 +1,110 @@
+"""Originals a fail-safe fusion left alive: which member, how many bytes, held by what.
+
+Inside a framework's forward (FSDP2's keep-valid hooks, HyperParallel's flat-buffer lines) a
+reference the user holds to an original shard (a ``to_local()`` handle, a ``state_dict()``
+taken earlier, a ``detach()`` alias, a checkpoint tensor the shard is a view of) is not an
+error: the group is fused anyway under ``on_pinned="warn"`` and the original lives on, held by
+that reference. :class:`KeptAlive` remembers each such original once (for the one warning and
+log line that name it) and forgets it when it dies, which happens by itself the moment the user
+drops the reference; :meth:`KeptAlive.refresh` also lets go of originals a pool kept for a
+holder outside Python that has gone since (``FlatPool.release_kept``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from attrs import define
+
+from flatpool import AdoptionReport, FlatPool, OriginalKeptAliveWarning
+from flatpool._warn import logger, warn
+
+
+@define(frozen=True)
+class KeptOriginal:
+    """One original shard storage a fail-safe fusion kept alive."""
+
+    member: str
+    """The member whose original it is (its parameter name where the framework knows it)."""
+    pool: str
+    nbytes: int
+    holders: tuple[str, ...]
+    """What holds it, as the release proof's gc scan named it."""
+    address: int
+    """Data pointer of the original storage (with ``pool``, how it is found again)."""
+
+    def describe(self) -> str:
+        return (f"{self.member} (pool {self.pool!r}): {self.nbytes} bytes of the original shard "
+                f"storage kept alive, held by: {'; '.join(self.holders)}")
+
+
+class KeptAlive:
+    """The originals of one group still kept alive (a mutable cache beside the frozen
+    :class:`~flatpool.integrations.hsdp.group.GroupBuffers`)."""
+
+    __slots__ = ("_items", "_unreported", "logged")
+
+    def __init__(self) -> None:
+        self._items: list[tuple[FlatPool, KeptOriginal]] = []
+        self._unreported: list[KeptOriginal] = []
+        self.logged: set[str] = set()
+        """Reasons the group's hooks already logged (skips, failures): each is logged once."""
+
+    def note(self, pool: FlatPool, report: AdoptionReport, names: Sequence[str]) -> None:
+        """Record what ``report``'s adoption into ``pool`` left alive (:meth:`report` tells).
+
+        ``names[i]`` names the member of the batch's spec ``i`` (the report has an item per
+        spec unless specs shared an original; then the engine's own labels are used)."""
+        items = list(report.items)
+        pinned = [(i, item) for i, item in enumerate(items) if item.pinned_by]
+        if not pinned:
+            return
+        if len(items) != len(names):
+            names = []
+        traced = {u.label.split(" ", 1)[0]: u for u in pool.unreleased_originals()}
+        for i, item in pinned:
+            u = traced.get(f"#{i}")
+            if u is None:  # died between the proof and now
+                continue
+            kept = KeptOriginal(names[i] if names else u.label, pool.name, u.nbytes,
+                                item.pinned_by, u.address)
+            if any(k == kept for _, k in self._items):
+                continue
+            self._items.append((pool, kept))
+            self._unreported.append(kept)
+
+    def report(self) -> None:
+        """One warning (:class:`flatpool.OriginalKeptAliveWarning`) and one ``flatpool`` log
+        record for each original noted since the last call."""
+        todo, self._unreported = self._unreported, []
+        for kept in todo:
+            logger.warning("kept alive: %s", kept.describe())
+            warn(f"{kept.describe()}. Training goes on from the pool; the memory comes back at "
+                 "the first step after those references are dropped.", OriginalKeptAliveWarning)
+
+    def refresh(self) -> int:
+        """Forget the originals that died (and let a pool release the ones it kept for a holder
+        that has gone); returns how many are still alive."""
+        if not self._items:
+            return 0
+        alive: list[tuple[FlatPool, KeptOriginal]] = []
+        by_pool: dict[int, set[int]] = {}
+        for pool, kept in self._items:
+            if id(pool) not in by_pool:  # unreleased_originals() runs release_kept() first
+                by_pool[id(pool)] = {u.address for u in pool.unreleased_originals()}
+            if kept.address in by_pool[id(pool)]:
+                alive.append((pool, kept))
+            else:
+                logger.info("released: %s (the reference was dropped)", kept.describe())
+        self._items = alive
+        return len(alive)
+
+    @property
+    def originals(self) -> list[KeptOriginal]:
+        return [k for _, k in self._items]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+__all__ = ["KeptAlive", "KeptOriginal"]
