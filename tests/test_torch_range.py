@@ -157,7 +157,11 @@ def test_pyproject_and_docs_state_the_same_range() -> None:
     deps = re.findall(r'"(torch(?:_npu)?\b[^"]*)"', text)
     # open-ended: no upper bound, a newer torch warns at import instead of being downgraded
     assert f"torch>={LO}" in deps and f"torch_npu>={LO}" in deps, deps
-    assert not [d for d in deps if "<" in d], deps
+    # the one upper bound: torch in the npu extra, at the newest torch_npu (which pins torch)
+    npu = re.search(r"^npu = \[(.*)\]$", text, re.M)
+    assert npu and re.findall(r'"([^"]+)"', npu[1]) == [f"torch_npu>={LO}", "torch<2.15"], npu
+    assert [d for d in deps if "<" in d] == ["torch<2.15"], deps
     compat = (REPO / "docs" / "compatibility.md").read_text()
     assert f"**torch {LO} to {TESTED}**" in compat
     assert SILENCE_ENV in compat
+    assert "torch_npu 2.14.0 with torch 2.14.0" in compat
