@@ -19,7 +19,7 @@ import math
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,6 +40,9 @@ from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
 
+if TYPE_CHECKING:
+    from .pool import FlatPool
+
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
 kernels want for their buffers, and a multiple of every dtype's element size."""
@@ -53,12 +56,12 @@ MAX_BYTES = 1 << 62
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _pool_ids = itertools.count()
-_all_pools: weakref.WeakSet[PoolState] = weakref.WeakSet()
+_all_pools: weakref.WeakSet[FlatPool] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
 _registry_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
 
 
-def live_pools() -> list[Any]:
+def live_pools() -> list[FlatPool]:
     """Every pool object still alive in this process."""
     with _registry_lock:
         return list(_all_pools)
@@ -196,7 +199,7 @@ class PoolState:
         self._registry = AdoptionRegistry()
         self._traces: list[Trace] = []
         with _registry_lock:
-            _all_pools.add(self)
+            _all_pools.add(self._public)
 
     # -- copying: a pool owns device memory that live tensors point into -----------------------
     def __reduce__(self) -> Any:
@@ -333,7 +336,7 @@ class PoolState:
             starts = self._alloc.append_many(sizes)
             if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
                 ids = self._slice_ids
-                out = [Slice(self, next(ids), start, dims, dt)
+                out = [Slice(self._public, next(ids), start, dims, dt)
                        for (dims, dt), start in zip(requests, starts)]
                 self._live.update((s.slice_id, s) for s in out)
                 self._at_offset.update(zip(starts, out))
@@ -367,7 +370,7 @@ class PoolState:
                     f"usable gap is {largest} bytes. Free slices, compact() or grow() the pool.",
                     requested=nbytes, free=free, largest_free=largest,
                 )
-            slc = Slice(self, next(self._slice_ids), start, dims, dt)
+            slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
             with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
                 try:
                     self._alloc.take(start, nbytes)
@@ -421,9 +424,15 @@ class PoolState:
                 f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
             )
 
+    @property
+    def _public(self) -> FlatPool:
+        """This pool as its public class, for the handles it gives out (``Slice.pool``): every
+        pool is a :class:`~flatpool.FlatPool`, the one subclass; this class is its layer."""
+        return cast("FlatPool", self)
+
     def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
         """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
-        return Slice(self, next(self._slice_ids), offset, shape, dtype)
+        return Slice(self._public, next(self._slice_ids), offset, shape, dtype)
 
     def _insert(self, slc: Slice) -> None:
         self._live[slc.slice_id] = slc
