@@ -25,6 +25,7 @@ import torch
 
 from . import torch_compat as tc
 from .aliasing import check_strided, extent_of, local_tensor
+from ._table import table
 from .allocator import RangeAllocator, align_up
 from .devices import DeviceLike, resolve_device
 from .errors import (
@@ -676,13 +677,12 @@ class PoolState:
                 pos = slc.end
             if self.capacity > pos:
                 rows.append((str(pos), str(self.capacity), str(self.capacity - pos), "gap", "", "", ""))
-            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
             lines = [
                 f"FlatPool {self.name!r} on {self.device} "
                 f"({'materialized' if self.is_materialized else 'planned'}, "
                 f"alignment {self.alignment})"
             ]
-            lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+            lines += table(rows, right=range(len(rows[0])))
             lines.append(
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"
