@@ -19,7 +19,7 @@ import warnings
 
 from ._common import Result, render
 
-BENCHMARKS = ("adopt", "memory", "validity", "census", "step")
+BENCHMARKS = ("adopt", "memory", "validity", "census", "step", "optim")
 
 
 def machine() -> str:

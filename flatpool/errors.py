@@ -99,3 +99,9 @@ class UntestedTorchWarning(FlatPoolWarning):
 class UnfusedGroupWarning(FlatPoolWarning):
     """A fusion hook inside a framework's forward could not fuse a group (the reason is in the
     message): the step went on with that group unfused, as without flatpool."""
+
+
+class FlatStepWarning(FlatPoolWarning):
+    """A flat optimizer step (:mod:`flatpool.optim`) could not run flat for some parameters and
+    stepped them per parameter instead, or ran other math than the optimizer asked for (the
+    foreach math for ``fused=True``); the message says which and why."""

@@ -1,0 +1,177 @@
+"""Optimizer step: flatpool's flat step vs torch's per-parameter ``foreach=True`` and
+``fused=True`` steps, and vs a bare AdamW step over one tensor of the same bytes (CPU).
+
+Parameters are mixed small shapes (16 to 512 elements, 1-D and 2-D, float32), every one with a
+gradient, AdamW with weight decay. The flat case adopts them into one pool (``alignment=1``,
+the HSDP layer's packing) and steps through :class:`flatpool.optim.FlatOptimizer` with its
+per-member checks at every step (``verify="step"``, the default), and once more with the
+checks moved into the module's forward pre-hook (``verify="forward"``: the step checks only its
+pools), whose cost is shown beside it. Cases run round-robin in one process; ratios are medians
+of per-round ratios. Peak memory is the largest sum of live bytes the CPU allocator reports to
+torch's profiler during one warm step (state already made), temporaries included. Every case
+runs with one intra-op thread.
+
+The optimizer step does no communication, so one process measures what each rank of a 2-rank
+job would run; on a small shared machine two ranks would only measure their contention.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from ._common import Case, Result, fmt_bytes, fmt_s, interleaved, median, median_ratio, timed
+
+
+def _shapes(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    out: list[tuple[int, ...]] = []
+    for _ in range(n):
+        numel = rng.randint(16, 512)
+        if rng.random() < 0.5:
+            out.append((numel,))
+        else:
+            rows = rng.choice([2, 4, 8])
+            out.append((rows, max(1, numel // rows)))
+    return out
+
+
+def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
+    import torch
+
+    from flatpool import FlatPool
+    from flatpool.optim import FlatOptimizer
+
+    shapes = _shapes(n)
+    g = torch.Generator().manual_seed(0)
+
+    def params() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+    steps: dict[str, Callable[[], None]] = {}
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    for name, extra in (("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+        ps = params()
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt = torch.optim.AdamW(ps, **kw, **extra)  # type: ignore[arg-type]
+        opt.step()  # state made: every timed step is a warm one
+        steps[name] = opt.step
+    ps = params()
+    pool = FlatPool(alignment=1, name="bench")
+    pool.adopt(ps)
+    opt = torch.optim.AdamW(ps, foreach=True, **kw)  # type: ignore[arg-type]
+    fo = FlatOptimizer(opt, [pool])
+    with torch.no_grad():
+        for p in ps:
+            assert p.grad is not None
+            p.grad.normal_(generator=g)
+    fo.step()
+    steps["flat"] = fo.step
+    ps2 = params()
+    module = torch.nn.ParameterList(ps2)  # a module for the forward hook of verify="forward"
+    fo_fw = FlatOptimizer(torch.optim.AdamW(ps2, foreach=True, **kw),  # type: ignore[arg-type]
+                          [_adopted(ps2)], module=module, verify="forward")
+    with torch.no_grad():
+        for p in ps2:
+            assert p.grad is not None
+            p.grad.normal_(generator=g)
+    fo_fw.step()
+    steps["flat_forward"] = fo_fw.step
+    steps["forward_checks"] = lambda: fo_fw._pre_forward()
+    total = sum(p.numel() for p in ps)
+    one = torch.nn.Parameter(torch.randn(total, generator=g))
+    one.grad = torch.randn(total, generator=g)
+    bare = torch.optim.AdamW([one], foreach=True, **kw)  # type: ignore[arg-type]
+    bare.step()
+    steps["bare"] = bare.step
+    return steps, total
+
+
+def _adopted(ps: list[Any]) -> Any:
+    from flatpool import FlatPool
+
+    pool = FlatPool(alignment=1, name="bench-fw")
+    pool.adopt(ps)
+    return pool
+
+
+def peak_bytes(step: Callable[[], object]) -> int:
+    """Largest live-bytes excess over the start seen by torch's profiler during one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def run(quick: bool) -> list[Result]:
+    import torch
+
+    sizes = (200, 1000) if quick else (1000, 10000)
+    results: list[Result] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank's share; threads would only fight on a shared machine
+    try:
+        for n in sizes:
+            results.extend(_size(n, quick))
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _size(n: int, quick: bool) -> list[Result]:
+    import torch
+
+    results: list[Result] = []
+    if True:
+        steps, total = _cases(n)
+        cases: dict[str, Case] = {k: (lambda f=f: timed(f)) for k, f in steps.items()}
+        reps = 3 if quick else (30 if n <= 1000 else 12)
+        with torch.no_grad():
+            t = interleaved(cases, reps=reps, warmup=1)
+        flat = t["flat"]
+        side = "  ".join(f"{k} {fmt_s(median(v))}" for k, v in t.items())
+        print(f"  [optim] {n} params ({total} elements): {side}", flush=True)
+        vs_foreach = median_ratio(flat, t["foreach"])
+        big = n >= 10000
+        results.append(Result(
+            "optim", f"AdamW step, {n} params: flat vs foreach=True", fmt_s(median(flat)),
+            fmt_s(median(t["foreach"])), vs_foreach,
+            "<= 0.25 (4x faster)" if big else "<= 1.0 (never slower)",
+            None if quick else (vs_foreach <= (0.25 if big else 1.0)),
+            note=f"{1 / vs_foreach:.1f}x faster"))
+        results.append(Result(
+            "optim", f"AdamW step, {n} params: flat vs fused=True", fmt_s(median(flat)),
+            fmt_s(median(t["fused"])), median_ratio(flat, t["fused"]), "reported", None,
+            note=f"{median(t['fused']) / median(flat):.1f}x faster"))
+        vs_bare = median_ratio(flat, t["bare"])
+        results.append(Result(
+            "optim", f"AdamW step, {n} params: flat vs bare AdamW on one tensor of the same bytes",
+            fmt_s(median(flat)), fmt_s(median(t["bare"])), vs_bare,
+            "reported", None,
+            note="verify='step': per-member checks at every step"))
+        results.append(Result(
+            "optim", f"AdamW step, {n} params: flat, checks in forward (verify='forward') vs bare",
+            fmt_s(median(t["flat_forward"])), fmt_s(median(t["bare"])),
+            median_ratio(t["flat_forward"], t["bare"]), "<= 1.2" if big else "reported",
+            None if quick or not big else median_ratio(t["flat_forward"], t["bare"]) <= 1.2,
+            note=f"the forward hook's checks: {fmt_s(median(t['forward_checks']))} a call"))
+        with torch.no_grad():
+            peaks = {k: peak_bytes(steps[k]) for k in ("flat", "foreach")}
+        results.append(Result(
+            "optim", f"AdamW step, {n} params: peak memory, flat vs foreach=True",
+            fmt_bytes(peaks["flat"]), fmt_bytes(peaks["foreach"]),
+            peaks["flat"] / max(1, peaks["foreach"]), "<= 1.0",
+            None if quick else peaks["flat"] <= peaks["foreach"]))
+    return results
+
+
+__all__ = ["peak_bytes", "run"]

@@ -1,0 +1,28 @@
+"""The errors a flat optimizer step raises (all :class:`flatpool.FlatPoolError`)."""
+
+from __future__ import annotations
+
+from ..errors import FlatPoolError
+
+
+class FlatStepError(FlatPoolError):
+    """A flat optimizer step cannot be set up or run as asked; nothing was changed."""
+
+
+class UnsupportedOptimizerError(FlatStepError, TypeError):
+    """The optimizer's math is not elementwise (or flatpool has no flat rule for it), so one
+    step over a flat buffer would not be the optimizer's step."""
+
+
+class NotPooledError(FlatStepError, ValueError):
+    """A parameter is not where a flat step needs it: outside every given pool, or not one
+    contiguous run of its slice."""
+
+
+class LostPlaceError(FlatStepError, RuntimeError):
+    """A parameter, its gradient or its optimizer state left its pooled place since the flat
+    step was planned (``to_empty``, ``load_state_dict(assign=True)``, a framework's own
+    re-materialization); call :meth:`FlatOptimizer.readopt` (or let ``readopt="auto"`` do it)."""
+
+
+__all__ = ["FlatStepError", "LostPlaceError", "NotPooledError", "UnsupportedOptimizerError"]
