@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -262,6 +263,12 @@ class PoolState:
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             return self._live.get(slice_id)
+
+    def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
+        """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
+        pass under one lock (per-step validity checks ask this of thousands of slices)."""
+        with self._lock:
+            return all(map(operator.is_, map(self._live.get, slice_ids), slices))
 
     @property
     def storage(self) -> torch.UntypedStorage:
