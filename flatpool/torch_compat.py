@@ -155,7 +155,7 @@ impl_is_contiguous = cast(Callable[[torch.Tensor], bool], _Base.is_contiguous)
 impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Base.untyped_storage)
 impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
 impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
-impl_cdata = cast(Callable[[torch.Tensor], int], operator.attrgetter("_cdata"))
+impl_key = cast(Callable[[torch.Tensor], int], operator.attrgetter("_cdata"))
 """:func:`impl_address` as a C callable, for ``map`` over many tensors (no bytecode per tensor)."""
 
 _getters: dict[str, Any] = {
@@ -464,7 +464,7 @@ __all__ = [
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
     "outside_inference",
     "is_functional", "new_storage", "no_torch_dispatch", "no_torch_function", "python_refs",
-    "impl_cdata", "set_versions", "storage_address", "storage_has_data", "storage_key",
+    "impl_key", "set_versions", "storage_address", "storage_has_data", "storage_key",
     "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
     "tensor_impl_users",
     "weak_expired", "weak_free", "weak_storage", "weak_upgrade",

@@ -178,7 +178,7 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
         less = (wrappers if len(r.storage_less) == len(wrappers)
                 else list(map(wrappers.__getitem__, r.storage_less)))
         if not (all(map(_is, less, r.objects))
-                and all(map(_eq, map(tc.impl_cdata, less), r.impls))):
+                and all(map(_eq, map(tc.impl_key, less), r.impls))):
             return False
     return True
 
