@@ -156,6 +156,8 @@ impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Bas
 impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
 impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
 impl_key = cast(Callable[[torch.Tensor], int], operator.attrgetter("_cdata"))
+impl_dtype_of = cast(Callable[[torch.Tensor], torch.dtype], _Base.__dict__["dtype"].__get__)
+""":func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
 """:func:`impl_address` as a C callable, for ``map`` over many tensors (no bytecode per tensor)."""
 
 _getters: dict[str, Any] = {
@@ -464,7 +466,8 @@ __all__ = [
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
     "outside_inference",
     "is_functional", "new_storage", "no_torch_dispatch", "no_torch_function", "python_refs",
-    "impl_key", "set_versions", "storage_address", "storage_has_data", "storage_key",
+    "impl_dtype_of", "impl_key", "set_versions", "storage_address", "storage_has_data",
+    "storage_key",
     "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
     "tensor_impl_users",
     "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
