@@ -159,6 +159,8 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
             or not pool.all_live(r.slice_ids, r.slices)):
         return False
     ps = _members(params, r)
+    if len(ps) != len(r.indices):
+        return False  # fewer parameters than members (``map`` would stop at the shorter)
     if not _same(list(map(_data, ps)), r.data, r.key):
         return False
     wrappers = list(map(_wrapper, ps))

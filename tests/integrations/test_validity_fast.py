@@ -150,3 +150,12 @@ def test_a_relocated_pool_is_caught(mesh: Any) -> None:
     assert is_valid(buffers, ps) == (not problems(buffers, ps))
     if is_valid(buffers, ps):
         assert buffers.wrapper_kinds.fast is not before and still_valid(buffers, ps)
+
+
+def test_fewer_parameters_than_members_go_to_the_full_rules(mesh: Any) -> None:
+    """A shorter list must not pass on its prefix: the full rules index every member."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    assert still_valid(buffers, ps[:2]) is None
+    with pytest.raises(IndexError):
+        is_valid(buffers, ps[:2])
