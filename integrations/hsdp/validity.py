@@ -103,7 +103,9 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
 
 def _members_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
     """The full rules: per member, storage key, element offset and shape of the data, the
-    local tensor and a wrapper with memory: six to nine C reads, no allocation."""
+    local tensor and a wrapper with memory: six to nine C reads, no allocation. A rule added
+    here must read only what :mod:`.quickcheck` remembers, or be added to it: the fast path
+    answers without running these while those reads are unchanged."""
     kinds = buffers.wrapper_kinds
     addr, off, size, ptr = tc.storage_address, tc.impl_storage_offset, tc.impl_size, tc.impl_data_ptr
     tensor = torch.Tensor
