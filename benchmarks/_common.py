@@ -54,6 +54,8 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
 RATIO_KINDS = {
     "per-round": "median over the rounds of figure / baseline, each round's pair timed back to "
                  "back (so not the quotient of the two medians beside it)",
+    "per-round, CPU": "as per-round, of CPU time (time.process_time: every thread of the "
+                      "process) instead of wall time",
     "of medians": "median figure / median baseline",
     "bytes": "figure bytes / baseline bytes (one measurement)",
 }

@@ -8,6 +8,11 @@ resets the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5), adopts, an
 (heap in use + mmapped chunks), which sees an allocation even before its pages are touched.
 Baseline: the RSS before adoption (originals alive). On a GPU the allocator's own counters
 (``max_memory_allocated``) would be used; this machine has none.
+
+The Python heap rows (issue 20's measure of per-tensor bookkeeping) run ``tracemalloc`` from
+just before the adoption (the originals and the empty pool object already exist): its peak
+during the adoption, and what stays traced once the report is dropped and ``gc`` ran, per
+tensor. ``tracemalloc`` sees Python's allocators only, not torch's C++ objects.
 """
 
 from __future__ import annotations
@@ -65,12 +70,24 @@ def child(kind: str, n: int, total: int) -> dict[str, int]:
     gc.collect()
     rss_pre, mal_pre = _status("VmRSS"), _malloc_bytes()
     numel = total // 4 // n
-    if kind == "adopt":
+    if kind in ("adopt", "heap"):
         ts = [torch.empty(numel).fill_(1.0) for _ in range(n)]
     else:
         ts = [torch.nn.Parameter(torch.empty(numel, device="meta")) for _ in range(n)]
     pool = FlatPool("cpu")
     gc.collect()
+    if kind == "heap":
+        import tracemalloc
+
+        tracemalloc.start()
+        report = pool.adopt(ts)
+        assert report.all_released
+        peak = tracemalloc.get_traced_memory()[1]
+        del report, ts
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        return {"heap_peak": peak, "heap_after": after, "pool": pool.capacity}
     rss0, mal0 = _status("VmRSS"), _malloc_bytes()
     _reset_peak()
     if kind == "adopt":
@@ -96,8 +113,17 @@ def _spawn(kind: str, n: int, total: int) -> dict[str, int]:
 
 def run(quick: bool) -> list[Result]:
     total = 16 * MiB if quick else 256 * MiB
-    counts = (16, 1000) if quick else (16, 1000, 10000)
+    counts = (16, 1000) if quick else (16, 1000, 10000, 100000)
     out: list[Result] = []
+    for n in (1000,) if quick else (10000, 100000):
+        r = _spawn("heap", n, total)
+        per = r["heap_peak"] / n
+        out.append(Result(
+            "memory", f"adopt {n}: peak Python heap (tracemalloc) per tensor", f"{per:.0f} B",
+            f"{PER_TENSOR} B", per / PER_TENSOR, f"<= {PER_TENSOR} B per tensor",
+            None if quick else per <= PER_TENSOR, ratio_kind="bytes",
+            note=f"{r['heap_after'] / n:.0f} B per tensor stay after gc (report dropped)",
+        ))
     for n in counts:
         r = _spawn("adopt", n, total)
         extra = r["peak"] - r["rss0"]
@@ -118,7 +144,7 @@ def run(quick: bool) -> list[Result]:
             f"pool {fmt_bytes(r['pool'])}, originals {fmt_bytes(r['originals'])}",
             held / r["pool"], "= pool +- 1 MiB", None if quick else after_ok, ratio_kind="bytes",
         ))
-    for n in counts[-1:]:
+    for n in (1000,) if quick else (10000,):
         r = _spawn("meta", n, total)
         extra = r["peak"] - r["rss0"]
         mal = r["mal1"] - r["mal0"]

@@ -19,7 +19,7 @@ import warnings
 
 from ._common import Result, render
 
-BENCHMARKS = ("adopt", "memory", "validity", "census", "step", "optim")
+BENCHMARKS = ("adopt", "memory", "validity", "fuse", "census", "step", "optim")
 
 
 def machine() -> str:

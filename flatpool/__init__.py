@@ -9,6 +9,8 @@ original storage is released with proof that it died.
 from __future__ import annotations
 
 import warnings
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
 from typing import Any
 
 # First: importing torch_compat refuses an unsupported torch with one clear error, before any
@@ -103,7 +105,11 @@ __all__ = [
     "storage_of",
 ]
 
-__version__ = "0.2.0.dev0"
+try:
+    __version__ = _dist_version("flatpool")
+    """The installed distribution's version (pyproject.toml's, the wheel's): one source."""
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _MOVED = {"FailAt": "flatpool.testing", "set_fault_hook": "flatpool.testing"}
 

@@ -30,14 +30,26 @@ def _inside(filename: str) -> bool:
     return path.startswith(_PACKAGE_DIRS)
 
 
+def _import_machinery(filename: str) -> bool:
+    # the test ``warnings`` itself uses to leave these frames out of its stacklevel count
+    return "importlib" in filename and "_bootstrap" in filename
+
+
 def caller_stacklevel() -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` made by the caller of this function) that
-    names the first frame outside flatpool."""
+    names the first frame outside flatpool.
+
+    A warning raised while flatpool imports goes to the user's ``import`` line: the walk passes
+    through importlib's frames too, without counting them, since ``warnings`` skips them."""
     level = 1
     frame = sys._getframe(1)  # the function that will call warnings.warn
-    while frame is not None and _inside(frame.f_code.co_filename):
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (_inside(name) or _import_machinery(name)):
+            break
         frame = frame.f_back  # type: ignore[assignment]
-        level += 1
+        if frame is not None and not _import_machinery(frame.f_code.co_filename):
+            level += 1
     return level
 
 

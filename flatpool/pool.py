@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from .ownership.adopt import adopt
 from .ownership.meta import MetaTargets, materialize_into
+from .ownership.quickcheck import remember, still_in_place
 from .ownership.readopt import moved, orphaned, readopt
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
@@ -79,8 +80,16 @@ class FlatPool(PoolState):
     def is_valid(self) -> bool:
         """True when every adopted tensor still aliases its slice, and no slice lost all the
         parameters adopted into it (a module that replaced them, ``load_state_dict(assign=True)``:
-        :meth:`readopt` then warns and says how to re-adopt)."""
-        return not moved(self) and not orphaned(self)
+        :meth:`readopt` then warns and says how to re-adopt). While nothing changed since the
+        last full check passed, a few C-level passes over what it read
+        (:mod:`flatpool.ownership.quickcheck`); otherwise the full check decides."""
+        if still_in_place(self):
+            return True
+        with self.lock:
+            if moved(self) or orphaned(self):
+                return False
+            remember(self)
+            return True
 
     def materialize_into(
         self, targets: MetaTargets, slices: Sequence[Slice] | None = None

@@ -148,6 +148,9 @@ class AdoptionRegistry:
 
     def __init__(self) -> None:
         self._records: dict[int, list[Record]] = {}
+        self.version = 0
+        """Bumped *before* every change (an interrupt in between costs a recheck, never a
+        stale answer): what the fast validity check (:mod:`.ownership.quickcheck`) keys on."""
 
     def holds(self, slice_id: int) -> bool:
         return any(current(r) is not None for r in self._records.get(slice_id, ()))
@@ -159,12 +162,15 @@ class AdoptionRegistry:
         return tuple(Binding(r) for r in self._records.get(slice_id, ()))
 
     def bind(self, slice_id: int, records: list[Record]) -> None:
+        self.version += 1
         self._records[slice_id] = records
 
     def bind_many(self, pairs: Iterable[tuple[int, list[Record]]]) -> None:
+        self.version += 1
         self._records.update(pairs)
 
     def unbind(self, slice_id: int) -> list[Record]:
+        self.version += 1
         return self._records.pop(slice_id, [])
 
     def items(self) -> Iterator[tuple[int, list[Record]]]:
@@ -177,6 +183,7 @@ class AdoptionRegistry:
         return dict(self._records)  # lists are replaced, never mutated in place
 
     def restore(self, snap: dict[int, list[Record]]) -> None:
+        self.version += 1
         self._records = dict(snap)
 
 

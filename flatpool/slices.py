@@ -9,7 +9,7 @@ import torch
 from attrs import define, field
 
 if TYPE_CHECKING:
-    from .state import PoolState
+    from .pool import FlatPool
 
 
 @define(frozen=True)
@@ -22,7 +22,7 @@ class Slice:
     per pool for the pool's lifetime, so a stale handle to a freed and reused range is caught.
     """
 
-    pool: PoolState = field(repr=lambda p: repr(p.name))
+    pool: FlatPool = field(repr=lambda p: repr(p.name))
     slice_id: int
     offset: int
     shape: tuple[int, ...]

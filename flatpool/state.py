@@ -16,10 +16,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,6 +42,9 @@ from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
 
+if TYPE_CHECKING:
+    from .pool import FlatPool
+
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
 kernels want for their buffers, and a multiple of every dtype's element size."""
@@ -54,12 +58,12 @@ MAX_BYTES = 1 << 62
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _pool_ids = itertools.count()
-_all_pools: weakref.WeakSet[PoolState] = weakref.WeakSet()
+_all_pools: weakref.WeakSet[FlatPool] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
 _registry_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
 
 
-def live_pools() -> list[Any]:
+def live_pools() -> list[FlatPool]:
     """Every pool object still alive in this process."""
     with _registry_lock:
         return list(_all_pools)
@@ -202,7 +206,7 @@ class PoolState:
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
         with _registry_lock:
-            _all_pools.add(self)
+            _all_pools.add(self._public)
 
     # -- copying: a pool owns device memory that live tensors point into -----------------------
     def __reduce__(self) -> Any:
@@ -264,6 +268,12 @@ class PoolState:
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             return self._live.get(slice_id)
+
+    def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
+        """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
+        pass under one lock (per-step validity checks ask this of thousands of slices)."""
+        with self._lock:
+            return all(map(operator.is_, map(self._live.get, slice_ids), slices))
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -339,7 +349,7 @@ class PoolState:
             starts = self._alloc.append_many(sizes)
             if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
                 ids = self._slice_ids
-                out = [Slice(self, next(ids), start, dims, dt)
+                out = [Slice(self._public, next(ids), start, dims, dt)
                        for (dims, dt), start in zip(requests, starts)]
                 self._live.update((s.slice_id, s) for s in out)
                 self._at_offset.update(zip(starts, out))
@@ -373,7 +383,7 @@ class PoolState:
                     f"usable gap is {largest} bytes. Free slices, compact() or grow() the pool.",
                     requested=nbytes, free=free, largest_free=largest,
                 )
-            slc = Slice(self, next(self._slice_ids), start, dims, dt)
+            slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
             with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
                 try:
                     self._alloc.take(start, nbytes)
@@ -430,9 +440,15 @@ class PoolState:
                 f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
             )
 
+    @property
+    def _public(self) -> FlatPool:
+        """This pool as its public class, for the handles it gives out (``Slice.pool``): every
+        pool is a :class:`~flatpool.FlatPool`, the one subclass; this class is its layer."""
+        return cast("FlatPool", self)
+
     def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
         """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
-        return Slice(self, next(self._slice_ids), offset, shape, dtype)
+        return Slice(self._public, next(self._slice_ids), offset, shape, dtype)
 
     def _insert(self, slc: Slice) -> None:
         self._live[slc.slice_id] = slc

@@ -14,7 +14,10 @@ readers are ``torch._C.TensorBase``'s own unbound methods, which skip Python ove
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import operator
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -24,38 +27,97 @@ from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, cast
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_traceable
+from torch.torch_version import TorchVersion
 
-from .errors import FlatPoolError
+from ._warn import warn
+from .errors import FlatPoolError, UntestedTorchWarning
 
 SUPPORTED_TORCH = (2, 7)
-"""Oldest torch release the whole test suite passes on (see docs/compatibility.md)."""
-SUPPORTED_BELOW = (2, 14)
-"""First torch release not yet verified."""
+"""Oldest torch release the whole test suite passes on (see docs/compatibility.md): older ones
+are refused at import."""
+NEWEST_TESTED = (2, 15)
+"""Newest torch release the whole test suite passed on. A newer one imports with one
+:class:`~flatpool.errors.UntestedTorchWarning`, if every private API flatpool needs is there."""
+SILENCE_ENV = "FLATPOOL_IGNORE_UNTESTED_TORCH"
+"""Set to ``1`` to silence the warning about a torch newer than :data:`NEWEST_TESTED`."""
+
+# Every private torch API flatpool reads, probed by name before any module reads one: a release
+# that dropped one fails with an error naming it, not with an AttributeError deep inside adopt.
+_NEEDED_APIS = (
+    "torch._C.TensorBase._base", "torch._C.TensorBase._version",
+    "torch._C._DisableTorchDispatch", "torch._C.DisableTorchFunctionSubclass",
+    "torch._C._storage_address", "torch._C._storage_Use_Count",
+    "torch._C._current_graph_task_id", "torch._C._autograd._unsafe_set_version_counter",
+    "torch._C._get_tensor_metadata", "torch._C._set_tensor_metadata",
+    "torch._C._swap_tensor_impl", "torch.Tensor._use_count", "torch.Tensor._make_subclass",
+    "torch.UntypedStorage._weak_ref", "torch.UntypedStorage._expired",
+    "torch.UntypedStorage._new_with_weak_ptr", "torch.UntypedStorage._free_weak_ref",
+    "torch._is_functional_tensor", "torch._foreach_copy_",
+    "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
+)
 
 
 class UnsupportedTorchError(FlatPoolError, ImportError):
-    """The installed torch is outside the range flatpool was verified on."""
+    """The installed torch is older than flatpool supports, or lacks a private API it needs."""
 
 
-def torch_version() -> tuple[int, int]:
-    parts = torch.__version__.split("+", 1)[0].split(".")
-    return int(parts[0]), int(parts[1])
+def _dotted(name: str) -> object:
+    """The object ``name`` denotes (``a.b.c``), importing modules on the way; AttributeError or
+    ImportError when it is not there."""
+    parts = name.split(".")
+    obj: object = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        if not hasattr(obj, part) and inspect.ismodule(obj):
+            importlib.import_module(".".join(parts[: i + 1]))  # a submodule not yet imported
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_apis(names: Sequence[str] = _NEEDED_APIS) -> list[str]:
+    """The names in ``names`` this torch does not have."""
+    missing = []
+    for name in names:
+        try:
+            _dotted(name)
+        except (AttributeError, ImportError):
+            missing.append(name)
+    return missing
 
 
 def check_supported() -> None:
-    """Refuse an unverified torch with one clear error at import, not deep inside adopt."""
-    have = torch_version()
-    if not SUPPORTED_TORCH <= have < SUPPORTED_BELOW:
-        lo = ".".join(map(str, SUPPORTED_TORCH))
-        hi = ".".join(map(str, SUPPORTED_BELOW))
+    """At import: refuse a torch below the floor or one that lacks a private API flatpool needs
+    (one clear error each), and warn once for a torch newer than the newest tested release."""
+    version = TorchVersion(torch.__version__)
+    lo = ".".join(map(str, SUPPORTED_TORCH))
+    tested = ".".join(map(str, NEWEST_TESTED))
+    if version < lo:  # TorchVersion compares as versions: '2.10' > '2.7', '2.7.0rc1' < '2.7'
         raise UnsupportedTorchError(
-            f"flatpool supports torch >= {lo}, < {hi}; this is torch {torch.__version__}. "
-            f"Install a supported release (pip install 'torch>={lo},<{hi}')."
+            f"flatpool supports torch >= {lo}; this is torch {torch.__version__}. "
+            f"Install a supported release (pip install 'torch>={lo}')."
+        )
+    missing = missing_apis()
+    if missing:
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__} lacks {', '.join(missing)}, which flatpool needs (tested "
+            f"on torch {lo} to {tested}). Install a tested release (pip install "
+            f"'torch>={lo},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}') or a newer flatpool."
+        )
+    # X.Y.dev0 sorts before every X.Y release and pre-release: a 2.16 nightly is untested too
+    first_untested = f"{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}.dev0"
+    if version >= first_untested and os.environ.get(SILENCE_ENV) != "1":
+        warn(
+            f"flatpool was tested on torch {lo} to {tested}; this is torch {torch.__version__}. "
+            f"Every private API it needs is present, so it goes ahead; please report a failure. "
+            f"Set {SILENCE_ENV}=1 to silence this warning.",
+            UntestedTorchWarning,
         )
 
 
 check_supported()  # before the probes below: an old torch lacks some of what they read
+
+from torch.utils._python_dispatch import (  # noqa: E402
+    is_traceable_wrapper_subclass as _is_traceable,
+)
 
 
 # -- reading a tensor's TensorImpl ----------------------------------------------------------
@@ -93,6 +155,10 @@ impl_is_contiguous = cast(Callable[[torch.Tensor], bool], _Base.is_contiguous)
 impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Base.untyped_storage)
 impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
 impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
+impl_key = cast(Callable[[torch.Tensor], int], operator.attrgetter("_cdata"))
+impl_dtype_of = cast(Callable[[torch.Tensor], torch.dtype], _Base.__dict__["dtype"].__get__)
+""":func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
+""":func:`impl_address` as a C callable, for ``map`` over many tensors (no bytecode per tensor)."""
 
 _getters: dict[str, Any] = {
     name: _Base.__dict__[name].__get__
@@ -391,7 +457,8 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = [
-    "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SUPPORTED_BELOW", "SUPPORTED_TORCH", "UnsupportedTorchError", "check_supported",
+    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
+    "UnsupportedTorchError", "check_supported", "missing_apis",
     "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
     "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
     "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
@@ -399,10 +466,11 @@ __all__ = [
     "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
     "outside_inference",
     "is_functional", "new_storage", "no_torch_dispatch", "no_torch_function", "python_refs",
-    "set_versions", "storage_address", "storage_has_data", "storage_key",
+    "impl_dtype_of", "impl_key", "set_versions", "storage_address", "storage_has_data",
+    "storage_key",
     "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
     "tensor_impl_users",
-    "torch_version", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
+    "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
 ]
 
 
@@ -566,6 +634,8 @@ def torch_allocated(storage: torch.UntypedStorage) -> bool | None:
         return None
     index, value = _ALLOCATOR_WORD
     return _impl_words(storage, index + 1)[index] == value
+
+
 # -- FSDP2's private state (every private FSDP2 name the integration reads) ------------------
 # ``FSDPModule`` and ``fully_shard`` are public (``torch.distributed.fsdp``); a module's
 # ``FSDPState``, its lazy init and its param groups are not. torch.distributed is imported only

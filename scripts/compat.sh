@@ -22,8 +22,8 @@
 # failure). Exit status: 0 suite passed, 1 tests failed, 2 setup failed (bad version, no disk,
 # install error).
 #
-# Test tools are pinned as in scripts/bootstrap.sh; mypy is left out, so test_static_typing is
-# skipped. hypothesis >= 6.169, numpy >= 2.3 and matplotlib >= 3.11 need Python >= 3.11: on
+# Test tools are pinned as in scripts/bootstrap.sh; mypy and pyright are left out, so
+# test_static_typing is skipped. hypothesis >= 6.169, numpy >= 2.3 and matplotlib >= 3.11 need Python >= 3.11: on
 # 3.10 the newest releases that support it are used (hypothesis 6.168.5, numpy 2.2.6,
 # matplotlib 3.10.9).
 set -uo pipefail
@@ -142,7 +142,7 @@ times="install $((t1 - t0))s$reused, tests $((t2 - t1))s"
 # a property-test cell that does not apply) may hide a torch incompatibility: count them in
 # the verdict and list them.
 odd_skips=$(grep -E '^SKIPPED ' "$LOG" | grep -v -e 'slow test: run with --slow' \
-  -e "could not import 'mypy'" -e 'needs an accelerator' -e 'no CUDA or NPU device' \
+  -e "could not import 'mypy'" -e "could not import 'pyright'" -e 'needs an accelerator' -e 'no CUDA or NPU device' \
   -e 'does not apply to plain parameter')
 n_odd=$(printf '%s' "$odd_skips" | grep -c . || true)
 note=""

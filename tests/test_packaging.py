@@ -115,6 +115,95 @@ def test_installed_wheel_imports_as_one_namespace(installed: Path, tmp_path: Pat
     assert module == "flatpool.integrations.hsdp.fsdp2"
 
 
+def wheel_metadata(dists: tuple[Path, Path]) -> str:
+    with zipfile.ZipFile(dists[0]) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        return zf.read(meta).decode()
+
+
+def test_one_version_pyproject_wheel_and_dunder_version(dists: tuple[Path, Path],
+                                                         installed: Path, tmp_path: Path) -> None:
+    declared = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert declared
+    (meta_version,) = re.findall(r"^Version: (.+)$", wheel_metadata(dists), re.M)
+    assert meta_version == declared[1]
+    assert dists[0].name.startswith(f"{NAME}-{meta_version}-")
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    proc = subprocess.run([sys.executable, "-c", "import flatpool; print(flatpool.__version__)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == meta_version
+
+
+def test_metadata_classifiers_urls_and_requirements(dists: tuple[Path, Path]) -> None:
+    meta = wheel_metadata(dists)
+    classifiers = set(re.findall(r"^Classifier: (.+)$", meta, re.M))
+    assert "Typing :: Typed" in classifiers
+    pythons = sorted(c.rsplit(" ", 1)[1] for c in classifiers
+                     if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert pythons == ["3.10", "3.11", "3.12", "3.13"], pythons
+    assert re.search(r"^Requires-Python: >=3\.10$", meta, re.M)
+    urls = dict(ln.split(", ", 1) for ln in re.findall(r"^Project-URL: (.+)$", meta, re.M))
+    assert {"Homepage", "Documentation", "Changelog", "Issues"} <= set(urls), urls
+    assert all(u.startswith("https://") for u in urls.values()), urls
+    requires = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
+    plain = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
+    assert plain == {"torch", "attrs", "numpy"}, requires
+
+
+def _declared_closure(requirements: list[str]) -> set[str]:
+    """The installed distributions ``requirements`` need, transitively (markers evaluated for
+    this interpreter, extras left out)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(requirements)
+    while todo:
+        req = Requirement(todo.pop())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = metadata.distribution(req.name).metadata["Name"]
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        todo.extend(metadata.distribution(name).requires or [])
+    return seen
+
+
+def test_a_clean_environment_with_the_wheel_imports_without_any_warning(
+        dists: tuple[Path, Path], installed: Path, tmp_path: Path) -> None:
+    """A fresh venv holding the wheel and only what its metadata declares (linked from this
+    environment, so no network): ``import flatpool`` prints nothing. Without numpy declared,
+    torch printed "Failed to initialize NumPy" here."""
+    from importlib import metadata
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    (site,) = venv.glob("lib/python*/site-packages")
+    for entry in installed.iterdir():  # the wheel itself
+        (site / entry.name).symlink_to(entry)
+    requires = re.findall(r"^Requires-Dist: (.+)$", wheel_metadata(dists), re.M)
+    for name in sorted(_declared_closure(requires)):
+        dist = metadata.distribution(name)
+        root = Path(str(dist.locate_file("")))
+        tops = {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}
+        for top in tops:
+            if not (site / top).exists() and (root / top).exists():
+                (site / top).symlink_to(root / top)
+    probe = ("import flatpool, flatpool.integrations.hsdp, torch\n"
+             "flatpool.FlatPool().adopt([torch.nn.Linear(4, 4).weight])\n"
+             "print(flatpool.__file__)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    proc = subprocess.run([str(venv / "bin" / "python"), "-W", "default", "-c", probe],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).is_relative_to(site), proc.stdout
+    assert proc.stderr == "", proc.stderr
+
+
 CONSUMER = textwrap.dedent('''
     """A project that depends on flatpool, checked against the installed wheel."""
     import torch

@@ -3,11 +3,14 @@
 The checked modules live in ``tests/typing_usage`` (never imported by pytest). Each
 ``bad_usage_*.py`` marks its one deliberate misuse with ``# expect: [code]``; the test asserts
 mypy reports exactly those codes on exactly those lines. All files go through one mypy run
-(cold cache about 20 s) with a cache of its own under ``.mypy_cache/``.
+(cold cache about 20 s) with a cache of its own under ``.mypy_cache/``. Where pyright is
+installed (``pip install pyright``; its first run fetches node from npm), the same files also go
+through ``pyright`` in strict mode: the good file clean, each bad file flagged on its marked line.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -22,12 +25,12 @@ BAD = sorted(USAGE.glob("bad_usage_*.py"))
 ERROR_LINE = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
 EXPECT = re.compile(r"#\s*expect:\s*\[(?P<code>[a-z-]+)\]")
 
-pytest.importorskip("mypy")
 
 
 @pytest.fixture(scope="module")
 def mypy_errors() -> dict[str, set[tuple[int, str]]]:
     """Run mypy once over every usage file; map each file name to its (line, code) errors."""
+    pytest.importorskip("mypy")
     files = [GOOD, *BAD]
     proc = subprocess.run(
         [
@@ -81,3 +84,43 @@ def test_good_usage_passes(mypy_errors: dict[str, set[tuple[int, str]]]) -> None
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
 def test_bad_usage_fails(path: Path, mypy_errors: dict[str, set[tuple[int, str]]]) -> None:
     assert mypy_errors[path.name] == expected_errors(path)
+
+
+@pytest.fixture(scope="module")
+def pyright_error_lines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[int]]:
+    """Run pyright (strict) once over every usage file; map each file name to its error lines."""
+    pytest.importorskip("pyright")
+    try:
+        probe = subprocess.run([sys.executable, "-m", "pyright", "--version"],
+                               capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.skip("pyright did not start within 120 s (it fetches node on first use)")
+    if probe.returncode != 0:
+        pytest.skip(f"pyright does not run here: {probe.stderr.strip()[-200:]}")
+    config = tmp_path_factory.mktemp("pyright") / "pyrightconfig.json"
+    # extraPaths: the checkout itself (an editable install's import hook is opaque to pyright)
+    config.write_text(json.dumps({"typeCheckingMode": "strict", "extraPaths": [str(REPO)]}))
+    files = [GOOD, *BAD]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyright", "-p", str(config), "--pythonpath", sys.executable,
+         "--outputjson", *map(str, files)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode in (0, 1), f"pyright crashed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout)
+    assert report["summary"]["filesAnalyzed"] == len(files), report["summary"]
+    errors: dict[str, set[int]] = {f.name: set() for f in files}
+    for diag in report["generalDiagnostics"]:
+        if diag["severity"] == "error":
+            errors[Path(diag["file"]).name].add(diag["range"]["start"]["line"] + 1)
+    return errors
+
+
+def test_good_usage_passes_pyright_strict(pyright_error_lines: dict[str, set[int]]) -> None:
+    assert pyright_error_lines[GOOD.name] == set()
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_bad_usage_fails_pyright_strict(path: Path,
+                                        pyright_error_lines: dict[str, set[int]]) -> None:
+    assert pyright_error_lines[path.name] == {line for line, _ in expected_errors(path)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 from attrs import define, field
@@ -24,7 +24,7 @@ is kept alive by the pool until that holder lets go.
 """
 
 
-def _sequence(value: Any, what: str) -> tuple[Any, ...]:
+def _sequence(value: object, what: str) -> tuple[object, ...]:
     if isinstance(value, torch.Tensor):  # a tensor iterates over rows; a 0-d one raises
         fix = "views=[t]" if what == "views" else "holders=[Holder(owner, key)] for its places"
         raise InvalidTypeError(
@@ -38,22 +38,24 @@ def _sequence(value: Any, what: str) -> tuple[Any, ...]:
     return tuple(value)
 
 
-def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
+# The converters' parameter types are what type checkers take for AdoptSpec's own: precise, so
+# ``views=t`` (one tensor) and ``holders=[(m, "w")]`` fail type-checking, not only at run time.
+def _tensors(value: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     out = _sequence(value, "views")
     for v in out:
         if not isinstance(v, torch.Tensor):
             raise InvalidTypeError(f"AdoptSpec.views must hold tensors, got {type(v).__name__}")
-    return out
+    return cast("tuple[torch.Tensor, ...]", out)
 
 
-def _holders(value: Any) -> tuple[Holder, ...]:
+def _holders(value: Sequence[Holder]) -> tuple[Holder, ...]:
     out = _sequence(value, "holders")
     for h in out:
         if not isinstance(h, Holder):
             raise InvalidTypeError(
                 f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}"
             )
-    return out
+    return cast("tuple[Holder, ...]", out)
 
 
 @define(frozen=True)

@@ -32,6 +32,7 @@ from .layout import MemberLayout
 from .members import PLAIN, data_of, has_memory, impl_device, impl_dtype, impl_size, is_meta
 from .members import local_of, member_name
 from .protocol import ShardedParam
+from .quickcheck import remember, still_valid
 
 
 def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...]) -> str | None:
@@ -86,11 +87,25 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
 def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
     """True when the group was adopted and *every* member is in place (see the module).
 
-    Runs before each all-gather: per member, storage key, element offset and shape of the
-    data, the local tensor and a wrapper with memory: six to nine C reads, no allocation.
+    Runs before each all-gather. When nothing changed since the rules last passed, it is a few
+    C-level passes over the members (:mod:`.quickcheck`: data pointers and shapes, no Python
+    bytecode per member); otherwise the full rules below decide, member by member.
     """
     if not buffers.adopted:
         return False
+    if still_valid(buffers, params):
+        return True
+    if not _members_valid(buffers, params):
+        return False
+    remember(buffers, params)
+    return True
+
+
+def _members_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
+    """The full rules: per member, storage key, element offset and shape of the data, the
+    local tensor and a wrapper with memory: six to nine C reads, no allocation. A rule added
+    here must read only what :mod:`.quickcheck` remembers, or be added to it: the fast path
+    answers without running these while those reads are unchanged."""
     kinds = buffers.wrapper_kinds
     addr, off, size, ptr = tc.storage_address, tc.impl_storage_offset, tc.impl_size, tc.impl_data_ptr
     tensor = torch.Tensor

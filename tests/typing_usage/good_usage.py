@@ -7,12 +7,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from flatpool import (
+    AdoptSpec,
     AliasingError,
     FlatPool,
+    Holder,
     PoolExhaustedError,
     Slice,
     byte_range,
     check_no_aliasing,
+    live_pools,
     overlaps,
     same_storage,
 )
@@ -79,3 +82,16 @@ def offenders(tensors: dict[str, torch.Tensor]) -> tuple[tuple[str, str], ...]:
 
 def shapes_of(pool: FlatPool) -> list[tuple[int, ...]]:
     return [s.shape for s in pool.slices() if s.dtype.is_floating_point]
+
+
+def grow_the_pool_of(slc: Slice, spec_views: list[torch.Tensor], lin: torch.nn.Linear) -> int:
+    """A slice's pool is the public FlatPool: its whole API is there."""
+    slc.pool.grow(slc.pool.capacity * 2)
+    report = slc.pool.adopt([AdoptSpec(lin.weight, views=spec_views,
+                                       holders=[Holder(lin, "weight")])])
+    assert report.all_released
+    return len(slc.pool.slices())
+
+
+def pool_names() -> list[str]:
+    return [pool.name for pool in live_pools()]

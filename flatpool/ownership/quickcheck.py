@@ -1,0 +1,151 @@
+"""``FlatPool.is_valid()`` at pointer speed: C-level passes over what the full check last read.
+
+The full check (:func:`.readopt.moved`) resolves every binding through its record (a weak
+reference, or the holder's owner and key) and compares storage key, offset, shape, stride and
+dtype, in Python bytecode per binding. When it finds nothing moved, :func:`remember` keeps, as
+flat lists, how to find each bound object again and what it read of it: data pointer, shape,
+stride and dtype (an empty tensor, whose pointer is 0 anywhere, is judged by storage key and
+offset). :func:`still_in_place` repeats those reads as ``map`` passes compared with
+``all(map(eq, ...))``: no bytecode per binding, no list of results (which would cost
+garbage-collector passes). A non-empty tensor is judged by its data pointer: inside the pool's
+live storage no other allocation owns an address, and a tensor there aliases its slice.
+
+The lists are trusted only for the registry version (bumped before every change), the storage
+and the live slices they were made for; any difference, a binding gone or no longer readable
+answers ``None``, and the full check decides (and remembers again). Bindings whose object is
+gone for good (a dead weak reference) are left out; a holder that may hold a tensor again later
+(its owner alive, the place empty) keeps every check on the full path.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from attrs import define
+
+from .. import torch_compat as tc
+from ..registry import ParamRef, Ref, current
+from ..slices import Slice
+from ..state import PoolState
+
+_eq, _is = operator.eq, operator.is_
+_call: Callable[[Ref], Any] = getattr(operator, "call", None) or (lambda f: f())
+_UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
+
+
+@define(frozen=True, eq=False)
+class PoolReads:
+    """What the full check read of every binding of one pool, as lists in one order: the
+    unheld bindings (``refs``), then those found through an attribute, then through an item."""
+
+    version: int
+    key: int
+    base: int
+    slice_ids: list[int]
+    slices: list[Slice]
+    refs: list[Ref]
+    attr_owners: list[Ref]
+    attr_keys: list[Any]
+    item_owners: list[Ref]
+    item_keys: list[Any]
+    ptrs: list[int]
+    sizes: list[torch.Size]
+    strides: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    empty: list[tuple[int, int]]
+    """``(position, byte offset in the storage)`` of the empty tensors."""
+
+
+_kept: weakref.WeakKeyDictionary[PoolState, PoolReads] = weakref.WeakKeyDictionary()
+
+
+def _gone_for_good(ref: Ref) -> bool:
+    return isinstance(ref, (weakref.ref, ParamRef)) and ref() is None
+
+
+def remember(pool: PoolState) -> None:
+    """Keep what the full check read; call under ``pool.lock`` right after it found nothing
+    moved."""
+    key, base = pool.storage_key, pool.base_address
+    _kept.pop(pool, None)
+    if key is None or base is None:
+        return
+    ids: list[int] = []
+    slices: list[Slice] = []
+    refs: list[Ref] = []
+    attrs: tuple[list[Ref], list[Any]] = ([], [])
+    items: tuple[list[Ref], list[Any]] = ([], [])
+    objs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    at: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for slice_id, records in pool.registry.items():
+        slc = pool.live_slice(slice_id)
+        if slc is None:
+            continue
+        ids.append(slice_id)
+        slices.append(slc)
+        for rec in records:
+            ref = rec[0] if rec[5] is None else rec[5]
+            obj = current(rec)
+            if obj is None:
+                if _gone_for_good(ref):
+                    continue
+                return  # a place that is empty now may hold a tensor again: full checks only
+            kind = 0 if rec[5] is None else (2 if rec[7] else 1)
+            if kind == 0:
+                refs.append(ref)
+            else:
+                (items if kind == 2 else attrs)[0].append(ref)
+                (items if kind == 2 else attrs)[1].append(rec[6])
+            objs[kind].append(obj)
+            at[kind].append(slc.offset + rec[1])
+    every = objs[0] + objs[1] + objs[2]
+    where = at[0] + at[1] + at[2]
+    with tc.no_torch_function():
+        ptrs = list(map(tc.impl_data_ptr, every))
+        _kept[pool] = PoolReads(
+            version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
+            refs=refs, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
+            item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
+            strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
+            empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0])
+
+
+def _objects(r: PoolReads) -> list[torch.Tensor]:
+    return (list(map(_call, r.refs))
+            + list(map(getattr, map(_call, r.attr_owners), r.attr_keys))
+            + list(map(operator.getitem, map(_call, r.item_owners), r.item_keys)))
+
+
+def still_in_place(pool: PoolState) -> bool | None:
+    """``True`` when every binding reads as when the full check last passed; ``None`` when
+    something differs or changed (the full check then decides)."""
+    r = _kept.get(pool)
+    if r is None:
+        return None
+    with pool.lock:
+        if (pool.registry.version != r.version or pool.storage_key != r.key
+                or pool.base_address != r.base or not pool.all_live(r.slice_ids, r.slices)):
+            return None
+        with tc.no_torch_function():
+            try:
+                objs = _objects(r)
+                if not (all(map(_eq, map(tc.impl_data_ptr, objs), r.ptrs))
+                        and all(map(_eq, map(tc.impl_size, objs), r.sizes))
+                        and all(map(_eq, map(tc.impl_stride, objs), r.strides))
+                        and all(map(_is, map(tc.impl_dtype_of, objs), r.dtypes))):
+                    return None
+                for i, byte in r.empty:
+                    t = objs[i]
+                    if (tc.storage_address(t) != r.key
+                            or tc.impl_storage_offset(t) * r.dtypes[i].itemsize != byte):
+                        return None
+            except _UNREADABLE:
+                return None
+    return True
+
+
+__all__ = ["PoolReads", "remember", "still_in_place"]

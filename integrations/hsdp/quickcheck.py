@@ -1,0 +1,204 @@
+"""The per-step validity check at pointer speed: C-level passes over arrays of what was read.
+
+The full rules (:func:`.validity.is_valid`'s member loop) run a few microseconds of Python
+bytecode per member. Once they pass, :func:`remember` keeps per bucket, as flat lists, what
+they read: each member's slice, the data pointer and shape of its padded data and of its local
+tensor, its wrapper's type, and for a wrapper with memory of its own its storage key, element
+offset and shape; for a storage-less wrapper (torch's DTensor) its identity, impl and
+placeholder storage key (the verdict :class:`.wrappers.WrapperKinds` remembers).
+:func:`still_valid` reads the same things again, each read one ``map`` over the members checked
+with ``all(map(eq, ...))``: the loop runs in C and builds no list of results (10,000
+``torch.Size`` objects alive at once would cost a garbage-collector pass every 700).
+
+Equal reads are the full rules' verdict again, the empty-shard and wrapper rules included: a
+non-empty tensor is judged by its data pointer (inside the live pool's storage no other
+allocation owns the address), an empty one (pointer 0) by storage key and element offset.
+Anything different, or a member that can no longer be read so, answers ``None``: the caller
+runs the full rules, which decide (and remember again when they pass).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from attrs import define
+
+from flatpool import Slice
+from flatpool import torch_compat as tc
+
+from .group import GroupBuffers
+from .layout import Bucket
+from .members import PLAIN
+from .protocol import ShardedParam
+
+_eq, _is = operator.eq, operator.is_
+_data = operator.attrgetter("_sharded_param_data")
+_wrapper = operator.attrgetter("sharded_param")
+_local = operator.attrgetter("_local_tensor")
+_UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
+"""What reading a changed member may raise (a non-tensor where a tensor was): not valid here."""
+
+
+@define(frozen=True, eq=False)
+class Reads:
+    """What the full rules read of one tensor per member when they last passed."""
+
+    ptrs: list[int]
+    sizes: list[torch.Size]
+    empty: list[tuple[int, int]]
+    """``(position, element offset)`` of the empty tensors: judged by storage key and offset."""
+
+
+@define(frozen=True, eq=False)
+class BucketReads:
+    """One bucket's members as arrays, in the bucket's order."""
+
+    bucket: Bucket
+    key: int
+    base: int
+    indices: list[int]
+    span: tuple[int, int] | None
+    """``params[a:b]`` are the members, when they are consecutive."""
+    slice_ids: list[int]
+    slices: list[Slice]
+    data: Reads
+    types: list[type]
+    own_local: bool
+    """The local tensor is ``wrapper._local_tensor`` (else the wrapper itself)."""
+    local: Reads
+    wrapper_keys: list[int]
+    with_memory: list[int]
+    """Positions whose wrapper sits on the pool (memory of its own): offset and shape checked."""
+    at: list[int]
+    shapes: list[torch.Size]
+    storage_less: list[int]
+    """Positions whose wrapper has no memory: identity and impl checked."""
+    objects: list[torch.Tensor]
+    impls: list[int]
+
+
+def _reads(ts: list[torch.Tensor], offsets: list[int]) -> Reads:
+    ptrs = list(map(tc.impl_data_ptr, ts))
+    return Reads(ptrs, list(map(tc.impl_size, ts)),
+                 [(i, at) for i, (p, at) in enumerate(zip(ptrs, offsets)) if p == 0])
+
+
+def _members(params: Sequence[ShardedParam], r: BucketReads) -> list[Any]:
+    if r.span is not None and isinstance(params, (list, tuple)):
+        return list(params[r.span[0]:r.span[1]])
+    return list(map(params.__getitem__, r.indices))
+
+
+def _bucket(b: Bucket, params: Sequence[ShardedParam]) -> BucketReads | None:
+    """What the full rules read of bucket ``b`` (which they just passed), or ``None`` when its
+    members are of mixed kinds (plain and wrapped: the full rules serve those)."""
+    key, base = b.pool.storage_key, b.pool.base_address
+    members = [m for m in b.members if m.slice is not None]
+    if key is None or base is None or not members:
+        return None
+    indices = [m.index for m in members]
+    span = (indices[0], indices[-1] + 1) if indices == list(
+        range(indices[0], indices[-1] + 1)) else None
+    ps = [params[i] for i in indices]
+    at = [m.offset for m in members]
+    wrappers = list(map(_wrapper, ps))
+    types = list(map(type, wrappers))
+    plain = {t in PLAIN for t in types}
+    if len(plain) != 1:
+        return None
+    own_local = not plain.pop()
+    locals_: list[torch.Tensor] = wrappers
+    if own_local:
+        found = [getattr(w, "_local_tensor", None) for w in wrappers]
+        locals_ = [t for t, w in zip(found, wrappers) if isinstance(t, torch.Tensor) and t is not w]
+        if len(locals_) != len(wrappers):
+            return None
+    keys = list(map(tc.storage_address, wrappers)) if own_local else []
+    with_memory = [i for i, k in enumerate(keys) if k == key]
+    less = [i for i, k in enumerate(keys) if k != key]
+    return BucketReads(
+        bucket=b, key=key, base=base, indices=indices, span=span,
+        slice_ids=[m.slice.slice_id for m in members if m.slice is not None],
+        slices=[m.slice for m in members if m.slice is not None],
+        data=_reads(list(map(_data, ps)), at), types=types, own_local=own_local,
+        local=_reads(locals_, at), wrapper_keys=keys, with_memory=with_memory,
+        at=[at[i] for i in with_memory],
+        shapes=[tc.impl_size(wrappers[i]) for i in with_memory],
+        storage_less=less, objects=[wrappers[i] for i in less],
+        impls=[tc.impl_address(wrappers[i]) for i in less])
+
+
+def remember(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> None:
+    """Keep what the full rules read, right after they passed for ``buffers`` and ``params``."""
+    with tc.no_torch_function():
+        try:
+            reads = [_bucket(b, params) for b in buffers.buckets]
+        except _UNREADABLE:
+            reads = [None]
+    buffers.wrapper_kinds.fast = (
+        tuple(r for r in reads if r is not None) if all(r is not None for r in reads) else None)
+
+
+def _same(ts: list[torch.Tensor], r: Reads, key: int) -> bool:
+    if not (all(map(_eq, map(tc.impl_data_ptr, ts), r.ptrs))
+            and all(map(_eq, map(tc.impl_size, ts), r.sizes))):
+        return False
+    for i, at in r.empty:
+        t = ts[i]
+        if tc.storage_address(t) != key or tc.impl_storage_offset(t) != at:
+            return False
+    return True
+
+
+def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
+    pool = r.bucket.pool
+    if (pool.storage_key != r.key or pool.base_address != r.base
+            or not pool.all_live(r.slice_ids, r.slices)):
+        return False
+    ps = _members(params, r)
+    if len(ps) != len(r.indices):
+        return False  # fewer parameters than members (``map`` would stop at the shorter)
+    if not _same(list(map(_data, ps)), r.data, r.key):
+        return False
+    wrappers = list(map(_wrapper, ps))
+    if not all(map(_is, map(type, wrappers), r.types)):
+        return False
+    if not r.own_local:
+        return _same(wrappers, r.local, r.key)
+    if not (_same(list(map(_local, wrappers)), r.local, r.key)
+            and all(map(_eq, map(tc.storage_address, wrappers), r.wrapper_keys))):
+        return False
+    if r.with_memory:
+        mem = list(map(wrappers.__getitem__, r.with_memory))
+        if not (all(map(_eq, map(tc.impl_storage_offset, mem), r.at))
+                and all(map(_eq, map(tc.impl_size, mem), r.shapes))):
+            return False
+    if r.storage_less:
+        less = (wrappers if len(r.storage_less) == len(wrappers)
+                else list(map(wrappers.__getitem__, r.storage_less)))
+        if not (all(map(_is, less, r.objects))
+                and all(map(_eq, map(tc.impl_key, less), r.impls))):
+            return False
+    return True
+
+
+def still_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool | None:
+    """``True`` when every member reads as when the full rules last passed; ``None`` when
+    something differs (the full rules then decide)."""
+    reads = buffers.wrapper_kinds.fast
+    if reads is None or len(reads) != len(buffers.buckets):
+        return None
+    with tc.no_torch_function():
+        try:
+            for r, b in zip(reads, buffers.buckets):
+                if r.bucket is not b or not _bucket_same(r, params):
+                    return None
+        except _UNREADABLE:
+            return None
+    return True
+
+
+__all__ = ["BucketReads", "Reads", "remember", "still_valid"]

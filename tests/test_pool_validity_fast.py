@@ -1,0 +1,124 @@
+"""``FlatPool.is_valid()``'s fast path (``flatpool.ownership.quickcheck``): taken while nothing
+changed, never answering for a binding that moved, reshaped, changed dtype, died or was
+replaced in its holder, nor after the registry or the storage changed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flatpool import AdoptSpec, FlatPool, Holder
+from flatpool import torch_compat as tc
+from flatpool.ownership.quickcheck import still_in_place
+
+
+def _set(t: torch.Tensor, storage: torch.UntypedStorage, offset: int,
+         size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    with tc.no_torch_function(), torch.no_grad():
+        tc.impl_set_(t, storage, offset, size, stride)
+
+
+def _plain() -> tuple[FlatPool, list[torch.Tensor], Any]:
+    ts = [torch.randn(4, 3) for _ in range(4)]
+    pool = FlatPool("cpu")
+    pool.adopt(ts)
+    return pool, ts, None
+
+
+def _module() -> tuple[FlatPool, list[torch.Tensor], Any]:
+    """Parameters found through their module (attribute holders) and a dict (an item)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    box = {"k": torch.randn(4, 3)}
+    specs = [AdoptSpec(getattr(m, name), holders=[Holder(m, name)])
+             for m in model for name in ("weight", "bias")]
+    pool = FlatPool("cpu")
+    pool.adopt([*specs, AdoptSpec(box["k"], holders=[Holder(box, "k", item=True)])])
+    return pool, [*model.parameters(), box["k"]], model
+
+
+SETUPS: dict[str, Callable[[], tuple[FlatPool, list[torch.Tensor], Any]]] = {
+    "plain tensors": _plain, "module parameters": _module}
+
+
+def _moved_elsewhere(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[1]
+    _set(t, t.detach().clone().untyped_storage(), 0, tuple(t.shape), tuple(t.stride()))
+
+
+def _shifted(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[1]
+    _set(t, t.untyped_storage(), t.storage_offset() + 1, (t.numel() - 1,), (1,))
+
+
+def _reshaped(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[0]
+    n = t.numel()
+    _set(t, t.untyped_storage(), t.storage_offset(), (n,), (1,))  # same pointer
+
+
+def _transposed(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[0]
+    _set(t, t.untyped_storage(), t.storage_offset(), tuple(t.shape), (1, t.shape[0]))
+
+
+def _other_dtype(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[-1]  # (a parameter's data must stay floating point)
+    with torch.no_grad():
+        t.data = t.data.view(torch.int32)  # same bytes, pointer, shape and stride
+
+
+def _replaced_in_holder(ts: list[torch.Tensor], model: Any) -> None:
+    if model is None:
+        pytest.skip("plain tensors have no holder")
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+
+
+CHANGES = {"moved elsewhere": _moved_elsewhere, "shifted in the pool": _shifted,
+           "reshaped in place": _reshaped, "restrided in place": _transposed,
+           "other dtype, same bytes": _other_dtype, "replaced in its holder": _replaced_in_holder}
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_healthy_pool_is_answered_from_the_arrays(setup: str) -> None:
+    pool, ts, _ = SETUPS[setup]()
+    assert still_in_place(pool) is None  # nothing remembered before a full check
+    assert pool.is_valid()
+    assert still_in_place(pool) is True
+    with torch.no_grad():
+        for t in ts:
+            t.add_(1)  # values change in place: still valid, still fast
+    assert still_in_place(pool) is True and pool.is_valid()
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_no_change_passes_the_fast_path(setup: str, change: str) -> None:
+    pool, ts, model = SETUPS[setup]()
+    assert pool.is_valid() and still_in_place(pool)
+    CHANGES[change](ts, model)
+    assert still_in_place(pool) is None
+    assert not pool.is_valid() and pool.moved()
+
+
+def test_a_dead_tensor_keeps_the_fast_path_after_one_full_check() -> None:
+    pool, ts, _ = _plain()
+    assert pool.is_valid()
+    del ts[2]
+    assert still_in_place(pool) is None  # its reference died: the lists are stale
+    assert pool.is_valid() and still_in_place(pool) is True
+
+
+def test_registry_and_storage_changes_are_rechecked() -> None:
+    pool, ts, _ = _plain()
+    assert pool.is_valid()
+    pool.grow(pool.capacity + 1024)  # a new storage: every pointer changed
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool)
+    extra = torch.randn(5)
+    pool.adopt([extra])  # a registry change
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool)
+    _set(extra, torch.zeros(5).untyped_storage(), 0, (5,), (1,))
+    assert still_in_place(pool) is None and not pool.is_valid()
