@@ -8,7 +8,6 @@ original storage is released with proof that it died.
 
 from __future__ import annotations
 
-import warnings
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
@@ -28,6 +27,7 @@ from .aliasing import (  # noqa: E402
     storage_of,
 )
 from . import checkpoint  # noqa: E402
+from ._warn import warn  # noqa: E402
 from .checkpoint import compact_copy  # noqa: E402
 from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
 from .errors import (  # noqa: E402
@@ -35,6 +35,7 @@ from .errors import (  # noqa: E402
     AliasingError,
     DeviceError,
     ExternalMemoryWarning,
+    FlatPoolDeprecationWarning,
     FlatPoolError,
     FlatPoolWarning,
     ForeignSliceError,
@@ -73,6 +74,7 @@ __all__ = [
     "ByteRange",
     "DeviceError",
     "ExternalMemoryWarning",
+    "FlatPoolDeprecationWarning",
     "FlatPoolWarning",
     "OriginalKeptAliveWarning",
     "UntestedTorchWarning",
@@ -116,9 +118,9 @@ _MOVED = {"FailAt": "flatpool.testing", "set_fault_hook": "flatpool.testing"}
 def __getattr__(name: str) -> Any:
     """Names that moved, kept for one release with a DeprecationWarning."""
     if name in _MOVED:
-        warnings.warn(
+        warn(
             f"flatpool.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
-            "release", DeprecationWarning, stacklevel=2,
+            "release", FlatPoolDeprecationWarning,
         )
         from . import testing
 

@@ -57,8 +57,9 @@ class AliasingError(FlatPoolError, ValueError):
         self.offenders = tuple(offenders)
 
 
-class AdoptionError(FlatPoolError):
-    """An adoption could not be carried out; everything was rolled back."""
+class AdoptionError(FlatPoolError, RuntimeError):
+    """An adoption could not be carried out; everything was rolled back. (A ``RuntimeError``
+    too: what torch raises for an operation its inputs' state forbids.)"""
 
 
 class PinnedStorageError(AdoptionError):
@@ -94,3 +95,8 @@ class ExternalMemoryWarning(FlatPoolWarning):
 
 class UntestedTorchWarning(FlatPoolWarning):
     """The installed torch is newer than the newest release flatpool was tested on."""
+
+
+class FlatPoolDeprecationWarning(FlatPoolWarning, DeprecationWarning):
+    """A flatpool name or argument that goes in a later release; hidden by default, like every
+    ``DeprecationWarning``, except where the caller's own script (``__main__``) uses it."""

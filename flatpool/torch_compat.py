@@ -23,13 +23,16 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 from torch.torch_version import TorchVersion
 
 from ._warn import warn
 from .errors import FlatPoolError, UntestedTorchWarning
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, ReduceOp, Work
 
 SUPPORTED_TORCH = (2, 7)
 """Oldest torch release the whole test suite passes on (see docs/compatibility.md): older ones
@@ -117,6 +120,32 @@ check_supported()  # before the probes below: an old torch lacks some of what th
 from torch.utils._python_dispatch import (  # noqa: E402
     is_traceable_wrapper_subclass as _is_traceable,
 )
+
+
+# -- collectives ---------------------------------------------------------------------------
+# torch 2.13 renamed the single-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``) and made the old
+# names aliases that print a FutureWarning on every call; older releases have only the old names.
+def _collective(new: str, old: str) -> Callable[..., Work | None]:
+    import torch.distributed as dist
+
+    return cast(Callable[..., "Work | None"], getattr(dist, new, None) or getattr(dist, old))
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, *,
+                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``input`` concatenated into ``output`` (torch's recommended call on each
+    release: no FutureWarning)."""
+    return _collective("all_gather_single", "all_gather_into_tensor")(
+        output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp.RedOpType,
+                          group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """``input`` reduced with ``op`` over the ranks, this rank's part into ``output``."""
+    return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        output, input, op=op, group=group, async_op=async_op)
 
 
 # -- reading a tensor's TensorImpl ----------------------------------------------------------
@@ -452,7 +481,7 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = [
-    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
+    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "all_gather_single", "reduce_scatter_single", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
     "UnsupportedTorchError", "check_supported", "missing_apis",
     "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
     "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",

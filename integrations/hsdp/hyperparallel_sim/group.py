@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
+from flatpool import torch_compat as tc
+
 from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
 
 
@@ -219,7 +221,7 @@ class HSDPParamGroupV1:
             inp = all_gather_copy_in(inputs, self.ag_output, md.inp_split_sizes,
                                      md.total_input_numel, rank)
         self.last_all_gather_input = inp
-        handle = dist.all_gather_into_tensor(self.ag_output, inp, group=self.shard_group)
+        handle = tc.all_gather_single(self.ag_output, inp, group=self.shard_group)
         self._result = (self.ag_output, md, handle)
 
     def wait_for_unshard(self) -> None:
@@ -367,7 +369,7 @@ class HSDPParamGroupBucketed:
                 inputs = [t for p in b.hsdp_params for t in p.all_gather_inputs]
                 inp = all_gather_copy_in(inputs, out, md.inp_split_sizes, md.total_input_numel,
                                          b.shard_rank)
-            handle = dist.all_gather_into_tensor(out, inp, group=b.shard_group)
+            handle = tc.all_gather_single(out, inp, group=b.shard_group)
             b.all_gather_result = (inp, out, handle)
 
     def wait_for_unshard(self) -> None:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from attrs import define
 from torch import nn
 
+from flatpool import torch_compat as tc
+
 from .dtensor import HPDTensorBase, ShardLayout
 
 Flavor = Literal["even", "padded"]
@@ -244,7 +246,7 @@ class HSDPParam:
         """Per-parameter all-gather (comm_fusion off): the reference path."""
         inp = self.all_gather_inputs[0]
         out = torch.empty(inp.numel() * self.shard_world_size, dtype=inp.dtype, device=inp.device)
-        dist.all_gather_into_tensor(out, inp, group=self.mesh_info.shard_process_group)
+        tc.all_gather_single(out, inp, group=self.mesh_info.shard_process_group)
         self.all_gather_outputs = [out]
 
     def init_unsharded_param(self) -> None:
@@ -277,7 +279,7 @@ class HSDPParam:
             padded.narrow(0, 0, grad.size(0)).copy_(grad)
             grad = padded
         out = grad.new_empty(grad.numel() // world)
-        dist.reduce_scatter_tensor(out, grad.contiguous().view(-1), op=dist.ReduceOp.AVG,
+        tc.reduce_scatter_single(out, grad.contiguous().view(-1), op=dist.ReduceOp.AVG,
                                    group=self.mesh_info.shard_process_group)
         shard = out.narrow(0, 0, math.prod(self.sharded_size)).view(self.sharded_size)
         if shard.dtype != self.orig_dtype:
