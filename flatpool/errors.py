@@ -54,7 +54,7 @@ class AliasingError(FlatPoolError, ValueError):
 
     def __init__(self, message: str, offenders: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
-        self.offenders = tuple(offenders)
+        self.offenders: tuple[tuple[str, str], ...] = tuple(offenders)
 
 
 class AdoptionError(FlatPoolError, RuntimeError):

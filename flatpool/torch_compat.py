@@ -173,16 +173,17 @@ def no_torch_function() -> AbstractContextManager[Any]:
     return cast(AbstractContextManager[Any], torch._C.DisableTorchFunctionSubclass())
 
 
-impl_size = cast(Callable[[torch.Tensor], torch.Size], _Base.size)
-impl_stride = cast(Callable[[torch.Tensor], tuple[int, ...]], _Base.stride)
-impl_storage_offset = cast(Callable[[torch.Tensor], int], _Base.storage_offset)
-impl_data_ptr = cast(Callable[[torch.Tensor], int], _Base.data_ptr)
-impl_numel = cast(Callable[[torch.Tensor], int], _Base.numel)
-impl_element_size = cast(Callable[[torch.Tensor], int], _Base.element_size)
-impl_is_contiguous = cast(Callable[[torch.Tensor], bool], _Base.is_contiguous)
-impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Base.untyped_storage)
-impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
-impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
+impl_size: Callable[[torch.Tensor], torch.Size] = _Base.size
+impl_stride: Callable[[torch.Tensor], tuple[int, ...]] = _Base.stride
+impl_storage_offset: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
+                                                      _Base.storage_offset)
+impl_data_ptr: Callable[[torch.Tensor], int] = _Base.data_ptr
+impl_numel: Callable[[torch.Tensor], int] = _Base.numel
+impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
+impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
+impl_untyped_storage: Callable[[torch.Tensor], torch.UntypedStorage] = _Base.untyped_storage
+impl_is_inference: Callable[[torch.Tensor], bool] = _Base.is_inference
+impl_set_: Callable[..., torch.Tensor] = _Base.set_
 
 _getters: dict[str, Any] = {
     name: _Base.__dict__[name].__get__
@@ -197,16 +198,16 @@ def _getter(name: str) -> Callable[[torch.Tensor], Any]:
     return lambda t: get(t, type(t))
 
 
-impl_dtype = cast(Callable[[torch.Tensor], torch.dtype], _getter("dtype"))
-impl_device = cast(Callable[[torch.Tensor], torch.device], _getter("device"))
-impl_is_meta = cast(Callable[[torch.Tensor], bool], _getter("is_meta"))
-impl_layout = cast(Callable[[torch.Tensor], torch.layout], _getter("layout"))
-impl_is_quantized = cast(Callable[[torch.Tensor], bool], _getter("is_quantized"))
-impl_requires_grad = cast(Callable[[torch.Tensor], bool], _getter("requires_grad"))
-impl_is_leaf = cast(Callable[[torch.Tensor], bool], _getter("is_leaf"))
-impl_base = cast(Callable[[torch.Tensor], "torch.Tensor | None"], _getter("_base"))
-impl_version = cast(Callable[[torch.Tensor], int], _getter("_version"))
-impl_is_nested = cast(Callable[[torch.Tensor], bool], _getter("is_nested"))
+impl_dtype: Callable[[torch.Tensor], torch.dtype] = _getter("dtype")
+impl_device: Callable[[torch.Tensor], torch.device] = _getter("device")
+impl_is_meta: Callable[[torch.Tensor], bool] = _getter("is_meta")
+impl_layout: Callable[[torch.Tensor], torch.layout] = _getter("layout")
+impl_is_quantized: Callable[[torch.Tensor], bool] = _getter("is_quantized")
+impl_requires_grad: Callable[[torch.Tensor], bool] = _getter("requires_grad")
+impl_is_leaf: Callable[[torch.Tensor], bool] = _getter("is_leaf")
+impl_base: Callable[[torch.Tensor], torch.Tensor | None] = _getter("_base")
+impl_version: Callable[[torch.Tensor], int] = _getter("_version")
+impl_is_nested: Callable[[torch.Tensor], bool] = _getter("is_nested")
 
 
 def is_wrapper_subclass(t: torch.Tensor) -> bool:
@@ -231,7 +232,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
-storage_address = cast(Callable[[torch.Tensor], int], getattr(torch._C, "_storage_address"))
+storage_address: Callable[[torch.Tensor], int] = getattr(torch._C, "_storage_address")
 """The key of ``t``'s storage without making a Python storage object (cheap, no gc): bound
 once, since per-step validity checks call it several times a member (0.2 us, not 0.8)."""
 

@@ -39,10 +39,11 @@ class Trace:
     def __init__(
         self, info: UnreleasedOriginal, storage: torch.UntypedStorage, tensor: torch.Tensor | None
     ) -> None:
-        self.info = info
-        self.weak = tc.weak_storage(storage)
+        self.info: UnreleasedOriginal = info
+        self.weak: int = tc.weak_storage(storage)
         self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
-        self.tensor_ref = weakref.ref(tensor) if tensor is not None else None
+        self.tensor_ref: weakref.ref[torch.Tensor] | None = (
+            weakref.ref(tensor) if tensor is not None else None)
 
     def alive(self) -> bool:
         return not tc.weak_expired(self.weak)

@@ -77,7 +77,7 @@ class FusedModule:
         self.buffers: list[GroupBuffers] = [GroupBuffers(skipped="not adopted yet")] * len(
             self.groups
         )
-        self.readoptions = 0
+        self.readoptions: int = 0
         """How many times a moved member was brought back (for tests and logs)."""
         self._handles: list[RemovableHandle] = []
         self.deferred = 0
