@@ -123,10 +123,10 @@ from torch.utils._python_dispatch import (  # noqa: E402
 
 
 # -- collectives ---------------------------------------------------------------------------
-# Recent torch (2.13, 2.14, 2.15 here) renamed the single-tensor collectives
-# (``all_gather_into_tensor`` -> ``all_gather_single``, ``reduce_scatter_tensor`` ->
-# ``reduce_scatter_single``) and made the old names aliases that print a FutureWarning on every
-# call. Feature-detected: a release without the new names gets the old ones.
+# Recent torch renamed the single-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``); in 2.13 and 2.14
+# the old names print a FutureWarning on every call (2.15 keeps them as quiet aliases).
+# Feature-detected: a release without the new names gets the old ones.
 def _collective(new: str, old: str) -> Callable[..., Work | None]:
     import torch.distributed as dist
 

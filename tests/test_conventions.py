@@ -1,7 +1,7 @@
 """The conventions a PyTorch user expects of a library: every error flatpool raises on purpose
 is a ``FlatPoolError``; every warning is one of flatpool's own categories, attributed to the
 user's line (not to a line inside flatpool); no deprecated torch collective runs on the supported
-range (torch 2.13 made ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` print
+range (torch 2.13 and 2.14 made ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` print
 FutureWarnings)."""
 
 from __future__ import annotations
