@@ -1,4 +1,4 @@
-"""Shared helpers: interleaved medians, results, the table.
+"""Shared helpers: interleaved medians, results, the report's table.
 
 Timings on a shared machine are noisy, so a figure is never compared with a baseline measured
 at another time: every benchmark runs its cases round-robin (figure, baseline, figure,
@@ -12,6 +12,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from flatpool._table import table
 
 Case = Callable[[], float]
 """One repetition of a case: does its own (untimed) setup and returns the timed seconds."""
@@ -49,9 +51,24 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+RATIO_KINDS = {
+    "per-round": "median over the rounds of figure / baseline, each round's pair timed back to "
+                 "back (so not the quotient of the two medians beside it)",
+    "of medians": "median figure / median baseline",
+    "bytes": "figure bytes / baseline bytes (one measurement)",
+}
+"""What a ratio is; the report prints the meaning of every kind it used under its table."""
+
+
 @dataclass
 class Result:
-    """One line of the report."""
+    """One line of the report.
+
+    ``figure`` and ``baseline`` are what was measured, as text: a time is the median over
+    ``rounds`` rounds (interleaved), bytes one measurement. ``ratio_kind`` (a
+    :data:`RATIO_KINDS` key) says what ``ratio`` is. ``ok`` is ``None`` when nothing was judged:
+    no target, or a quick run (``target`` still says what a full run is held to).
+    """
 
     bench: str
     name: str
@@ -59,13 +76,23 @@ class Result:
     baseline: str
     ratio: float | None
     target: str
-    ok: bool | None  # None: reported only, no target
+    ok: bool | None  # None: reported only (no target, or not judged in a quick run)
     note: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    ratio_kind: str = "per-round"
+    rounds: int | None = None
+    """How many timed rounds the figure and baseline are medians of (``None``: not times)."""
 
     @property
     def verdict(self) -> str:
-        return "-" if self.ok is None else ("PASS" if self.ok else "MISS")
+        if self.ok is None:
+            return "-" if self.target in ("", "-") else "not judged"
+        return "PASS" if self.ok else "MISS"
+
+    @property
+    def measured(self) -> str:
+        """What the figure and baseline are: ``median of 9 rounds`` or ``one measurement``."""
+        return f"median of {self.rounds} rounds" if self.rounds else "one measurement"
 
 
 def fmt_s(seconds: float) -> str:
@@ -87,17 +114,17 @@ def fmt_bytes(n: float) -> str:
 
 
 def render(results: Sequence[Result], markdown: bool = False) -> str:
-    head = ("benchmark", "case", "figure", "baseline", "ratio", "target", "verdict")
-    rows = [head] + [
-        (r.bench, r.name, r.figure, r.baseline,
-         "-" if r.ratio is None else f"{r.ratio:.3f}", r.target, r.verdict)
-        for r in results
-    ]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-        return "\n".join(lines)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    """The report's table, then what its figures and each kind of ratio in it are."""
+    head = ("benchmark", "case", "figure", "baseline", "measured as", "ratio", "ratio is",
+            "target", "verdict")
+    rows = [(r.bench, r.name, r.figure, r.baseline, r.measured,
+             "-" if r.ratio is None else f"{r.ratio:.3f}",
+             "-" if r.ratio is None else r.ratio_kind, r.target, r.verdict)
+            for r in results]
+    lines = table(rows, head=head, rule=True, markdown=markdown)
+    kinds = sorted({r.ratio_kind for r in results if r.ratio is not None})
+    lines.append("")
+    lines.append("figure: flatpool's measurement; baseline: the comparison measured in the same "
+                 "process, interleaved with it.")
+    lines += [f"ratio '{k}': {RATIO_KINDS.get(k, k)}." for k in kinds]
     return "\n".join(lines)

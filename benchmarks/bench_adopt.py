@@ -110,7 +110,7 @@ def run(quick: bool) -> list[Result]:
             judged = target is not None and not quick
             out.append(Result(
                 "adopt", f"{size} vs {base}", fmt_s(median(f)), fmt_s(median(times[base])),
-                ratio, f"<= {target:.2f}" if judged else "-",
-                (ratio <= target) if judged and target is not None else None,
+                ratio, "-" if target is None else f"<= {target:.2f}",
+                (ratio <= target) if judged and target is not None else None, rounds=reps,
             ))
     return out

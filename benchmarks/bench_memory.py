@@ -107,7 +107,7 @@ def run(quick: bool) -> list[Result]:
             "memory", f"adopt {n} x {fmt_bytes(total // n)}: peak above originals",
             fmt_bytes(extra), f"pool {fmt_bytes(r['pool'])}", extra / r["pool"],
             f"<= pool + {fmt_bytes(allowed)}", None if quick else ok,
-            note=f"{(extra - r['pool']) / n:.0f} B per tensor above the pool",
+            note=f"{(extra - r['pool']) / n:.0f} B per tensor above the pool", ratio_kind="bytes",
         ))
         held = r["mal1"] - r["mal_pre"]  # malloc'd bytes after, over the start (no originals)
         rss_held = r["rss1"] - r["rss_pre"]
@@ -116,7 +116,7 @@ def run(quick: bool) -> list[Result]:
             "memory", f"adopt {n}: held after (malloc / RSS)",
             f"{fmt_bytes(held)} / {fmt_bytes(rss_held)}",
             f"pool {fmt_bytes(r['pool'])}, originals {fmt_bytes(r['originals'])}",
-            held / r["pool"], "= pool +- 1 MiB", None if quick else after_ok,
+            held / r["pool"], "= pool +- 1 MiB", None if quick else after_ok, ratio_kind="bytes",
         ))
     for n in counts[-1:]:
         r = _spawn("meta", n, total)
@@ -128,6 +128,7 @@ def run(quick: bool) -> list[Result]:
             f"{fmt_bytes(extra)} / {fmt_bytes(mal)}", f"pool {fmt_bytes(r['pool'])}",
             mal / r["pool"], "<= pool + 1 MiB", None if quick else ok,
             note="RSS stays flat: no byte of the pool is written (nothing copied)",
+            ratio_kind="bytes",
         ))
     return out
 

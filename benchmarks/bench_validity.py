@@ -54,12 +54,12 @@ def run(quick: bool) -> list[Result]:
         for p in params:
             p._sharded_param_data.data_ptr()
 
-    inner = 2 if quick else 5
+    inner, reps = (2, 3) if quick else (5, 7)
     times = interleaved({
         "is_valid": _loop(lambda: is_valid(buffers, params), inner),  # type: ignore[arg-type]
         "pool.is_valid": _loop(pool.is_valid, inner),
         "data_ptr loop": _loop(pointer_loop, inner),
-    }, reps=3 if quick else 7)
+    }, reps=reps)
     out = []
     base = times["data_ptr loop"]
     for name in ("is_valid", "pool.is_valid"):
@@ -68,6 +68,6 @@ def run(quick: bool) -> list[Result]:
             "validity", f"{name} per member, {n} members", f"{per * 1e6:.2f} us",
             f"{median(base) / n * 1e6:.2f} us (data_ptr)", median_ratio(times[name], base),
             "<= 1 us/member" if name == "is_valid" else "-",
-            (per <= 1e-6) if name == "is_valid" and not quick else None,
+            (per <= 1e-6) if name == "is_valid" and not quick else None, rounds=reps,
         ))
     return out

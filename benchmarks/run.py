@@ -39,6 +39,18 @@ def machine() -> str:
             f"{torch.get_num_threads()} intra-op threads")
 
 
+def summary(results: list[Result], quick: bool) -> str:
+    """The last line: the verdicts of a full run; a quick run says that it judged nothing."""
+    targets = [r for r in results if r.target not in ("", "-")]
+    if quick:
+        return (f"quick run: targets not judged ({len(targets)} of {len(results)} results have "
+                "one; run without --quick, at full sizes, to judge them)")
+    judged = [r for r in results if r.ok is not None]
+    return (f"{sum(1 for r in judged if r.ok)} PASS, {sum(1 for r in judged if not r.ok)} MISS "
+            f"of {len(judged)} judged targets; {len(results) - len(judged)} result(s) reported "
+            "only")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes; targets not judged")
@@ -62,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         results.extend(got)
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
         for r in got:
-            print(f"  {r.verdict:4}  {r.name}: {r.figure} vs {r.baseline}"
-                  + ("" if r.ratio is None else f" (ratio {r.ratio:.3f})")
+            print(f"  {r.verdict:10}  {r.name}: {r.figure} vs {r.baseline} ({r.measured})"
+                  + ("" if r.ratio is None else f", ratio {r.ratio:.3f} ({r.ratio_kind})")
                   + f", target {r.target}" + (f"  [{r.note}]" if r.note else ""), flush=True)
     print()
     print(render(results, markdown=a.markdown))
-    judged = [r for r in results if r.ok is not None]
-    print(f"\n{sum(r.ok for r in judged)} PASS, {sum(not r.ok for r in judged)} MISS"
-          + (f", CRASHED: {', '.join(crashed)}" if crashed else ""))
+    print()
+    print(summary(results, a.quick) + (f"; CRASHED: {', '.join(crashed)}" if crashed else ""))
     return 1 if crashed else 0
 
 

@@ -27,6 +27,7 @@ from .aliasing import (  # noqa: E402
     storage_of,
 )
 from . import checkpoint  # noqa: E402
+from . import _fork  # noqa: E402,F401  (os.register_at_fork: locks, gc pause, signals)
 from ._warn import warn  # noqa: E402
 from .checkpoint import compact_copy  # noqa: E402
 from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402

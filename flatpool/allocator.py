@@ -3,11 +3,34 @@
 Pure Python and device-free, so a layout can be planned before any storage exists. While the
 allocator is *growable* (a pool not yet materialized, without a fixed capacity) a request that
 fits no gap extends the extent; once fixed, it must fit a gap or the caller gets ``None``.
+
+Every change can be made all-or-nothing under an interrupt landing at any bytecode: inside
+:meth:`RangeAllocator.journaled` each primitive logs its inverse *before* it acts, and undoing
+is absolute (remove a range if present, put one back if absent), so it is right whether the
+interrupted step happened, half happened or not at all. O(log n) per step, nothing copied.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Union
+
+Undo = Union[tuple[str, int, int], tuple[str, bool, int]]
+"""``("add", start, end)``, ``("del", start, end)`` or ``("extent", growable, extent)``."""
+
+
+def _drop_sorted(values: list[Any], value: Any) -> None:
+    i = bisect.bisect_left(values, value)
+    if i < len(values) and values[i] == value:
+        del values[i]
+
+
+def _put_sorted(values: list[Any], value: Any) -> None:
+    i = bisect.bisect_left(values, value)
+    if i == len(values) or values[i] != value:
+        values.insert(i, value)
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -29,14 +52,55 @@ class RangeAllocator:
         # alignment (the common case). Padding gaps (a slice's end up to the next aligned start)
         # have usable size 0 there, so they never cost a request a scan.
         self._by_usable: list[tuple[int, int]] = []
+        self._undo: list[Undo] | None = None  # the journal of the change in progress
         if capacity:
             self._add(0, 0, capacity)
 
     def _usable(self, start: int, end: int) -> int:
         return max(0, end - align_up(start, self.alignment))
 
+    # -- all-or-nothing changes --------------------------------------------------------
+    @contextmanager
+    def journaled(self) -> Iterator[list[Undo]]:
+        """Make the changes inside the block all-or-nothing: an exception (an interrupt at any
+        bytecode included) undoes every step already taken, then propagates. The journal is
+        yielded so a caller can undo later (:meth:`undo`) when its own later step fails."""
+        if self._undo is not None:  # nested: the outer block undoes everything
+            yield self._undo
+            return
+        journal: list[Undo] = []
+        self._undo = journal
+        try:
+            yield journal
+        except BaseException:
+            self.undo(journal)
+            raise
+        finally:
+            self._undo = None
+
+    def undo(self, journal: list[Undo]) -> None:
+        """Undo ``journal``'s steps, newest first; absolute, so running it twice is harmless."""
+        starts, ends = self._starts, self._ends
+        for step in reversed(journal):
+            kind, a, b = step
+            if kind == "extent":
+                self.growable, self.extent = bool(a), b
+                continue
+            rows: list[tuple[list[Any], Any]] = [
+                (starts, a), (ends, b), (self._by_size, (b - a, a)),
+                (self._by_usable, (self._usable(a, b), a)),
+            ]
+            for values, value in rows:
+                (_drop_sorted if kind == "add" else _put_sorted)(values, value)
+        journal.clear()
+
+    def _log(self, step: Undo) -> None:
+        if self._undo is not None:
+            self._undo.append(step)
+
     # -- free-list primitives (keep the three lists in step) ---------------------------
     def _add(self, i: int, start: int, end: int) -> None:
+        self._log(("add", start, end))
         self._starts.insert(i, start)
         self._ends.insert(i, end)
         bisect.insort(self._by_size, (end - start, start))
@@ -44,6 +108,7 @@ class RangeAllocator:
 
     def _delete(self, i: int) -> None:
         start, end = self._starts[i], self._ends[i]
+        self._log(("del", start, end))
         del self._starts[i], self._ends[i]
         j = bisect.bisect_left(self._by_size, (end - start, start))
         del self._by_size[j]
@@ -106,6 +171,7 @@ class RangeAllocator:
             return None  # a coarser alignment leaves gaps a later, finer request would fill
         starts: list[int] = []
         gaps: list[tuple[int, int]] = []
+        self._log(("extent", self.growable, self.extent))
         pos = self.extent
         a = self.alignment
         for nbytes, _ in requests:
@@ -114,6 +180,8 @@ class RangeAllocator:
                 gaps.append((pos, start))
             starts.append(start)
             pos = start + nbytes
+        for s, e in gaps:  # logged first: an interrupt below leaves nothing an undo misses
+            self._log(("add", s, e))
         self.extent = pos
         self._starts = [g[0] for g in gaps]
         self._ends = [g[1] for g in gaps]
@@ -129,6 +197,7 @@ class RangeAllocator:
         if end > self.extent:
             if not self.growable:
                 raise AssertionError("take() past a fixed extent")
+            self._log(("extent", self.growable, self.extent))
             old_extent, self.extent = self.extent, end
             self.release(old_extent, end)
         i = bisect.bisect_right(self._starts, start) - 1
@@ -161,6 +230,7 @@ class RangeAllocator:
         """Stop growing at ``capacity`` (>= extent); the tail becomes free space."""
         if capacity < self.extent:
             raise AssertionError("capacity below the planned extent")
+        self._log(("extent", self.growable, self.extent))
         if capacity > self.extent:
             self.release(self.extent, capacity)
         self.extent = capacity

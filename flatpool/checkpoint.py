@@ -49,7 +49,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from . import torch_compat as tc
 from .pool import FlatPool
-from .state import pool_of_storage
+from .state import pool_of_storage, was_pool_storage
 
 Reducer = Callable[[torch.Tensor], Any]
 DeepCopy = Callable[[torch.Tensor, Optional[dict[Any, Any]]], torch.Tensor]
@@ -79,12 +79,12 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
-def pool_of(t: torch.Tensor) -> FlatPool | None:
-    """The live, materialized pool whose storage ``t`` (a plain tensor) views, else ``None``.
+def _viewed_storage_key(t: torch.Tensor) -> int | None:
+    """The key of ``t``'s storage if ``t`` is a plain strided tensor viewing only part of it.
 
     Cheap for ordinary tensors: a tensor that reaches its whole storage is never looked up
-    (saving or copying its storage costs nothing extra), so the pool scan runs only for views
-    into larger storages.
+    (saving or copying its storage costs nothing extra), so the storage lookup runs only for
+    views into larger storages.
     """
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return None
@@ -100,8 +100,23 @@ def pool_of(t: torch.Tensor) -> FlatPool | None:
             return None
         if _extent(t) * item >= nbytes:
             return None
-    pool = pool_of_storage(tc.storage_key(storage))
+    return tc.storage_key(storage)
+
+
+def pool_of(t: torch.Tensor) -> FlatPool | None:
+    """The live, materialized pool whose storage ``t`` (a plain tensor) views part of, else
+    ``None``."""
+    key = _viewed_storage_key(t)
+    pool = None if key is None else pool_of_storage(key)
     return pool if isinstance(pool, FlatPool) else None
+
+
+def pooled(t: torch.Tensor) -> bool:
+    """``t`` (a plain tensor) views part of a pool's storage, whether or not the pool object
+    still lives: after ``del pool`` the storage lives on in the tensors that view it, and is
+    still the pool's whole buffer (16 MiB behind an 80-byte bias, or several dtypes)."""
+    key = _viewed_storage_key(t)
+    return key is not None and was_pool_storage(key)
 
 
 def _span(t: torch.Tensor) -> torch.Tensor:
@@ -174,7 +189,7 @@ def _finish(t: torch.Tensor, out: torch.Tensor, memo: dict[Any, Any] | None) -> 
 
 def _reduce(t: torch.Tensor) -> Any:
     """copyreg reducer for ``torch.Tensor``: compact pooled tensors, delegate the rest."""
-    if pool_of(t) is not None:
+    if pooled(t):
         from torch.utils.hooks import warn_if_has_hooks
 
         warn_if_has_hooks(t)  # as torch does: hooks are never saved
@@ -192,7 +207,7 @@ def _deepcopy(self: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Tensor:
     assert prior is not None, "flatpool.checkpoint: __deepcopy__ wrapper without an original"
     if memo is None:
         memo = {}
-    if type(self) is torch.Tensor and self.is_leaf and pool_of(self) is not None:
+    if type(self) is torch.Tensor and self.is_leaf and pooled(self):
         if id(self) in memo:
             return memo[id(self)]  # type: ignore[no-any-return]
         with torch.no_grad():
@@ -246,4 +261,4 @@ def uninstall() -> None:
             torch.Tensor.__deepcopy__ = _prior_deepcopy  # type: ignore[method-assign]
 
 
-__all__ = ["compact_copy", "install", "is_installed", "pool_of", "uninstall"]
+__all__ = ["compact_copy", "install", "is_installed", "pool_of", "pooled", "uninstall"]

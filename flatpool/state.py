@@ -25,6 +25,7 @@ import torch
 
 from . import torch_compat as tc
 from .aliasing import check_strided, extent_of, local_tensor
+from ._table import table
 from .allocator import RangeAllocator, align_up
 from .devices import DeviceLike, resolve_device
 from .errors import (
@@ -79,12 +80,41 @@ def pool_of_storage(key: int) -> PoolState | None:
     return pool if pool is not None and pool._buffer_key == key else None
 
 
+_pool_storages: dict[int, int] = {}
+"""The current storage of every pool that has one, and the last storage of every pool object
+that died: key -> raw weak reference. A storage outlives its pool object while tensors still
+view it (``del pool``), and the checkpoint rule must still know it. The weak reference keeps
+the StorageImpl's address (the key) from being reused while the entry exists, so a live
+storage whose key is here is that storage."""
+_pruned_at = [64]  # entries after which the next lookup drops the dead ones
+
+
+def was_pool_storage(key: int) -> bool:
+    """The live storage with key ``key`` is (or was) a pool's storage."""
+    with _registry_lock:
+        if len(_pool_storages) > _pruned_at[0]:  # dead pools' dead storages: amortized O(1)
+            for dead in [k for k, r in _pool_storages.items() if tc.weak_expired(r)]:
+                tc.weak_free(_pool_storages.pop(dead))
+            _pruned_at[0] = max(64, 2 * len(_pool_storages))
+        ref = _pool_storages.get(key)
+        return ref is not None and not tc.weak_expired(ref)
+
+
+def _remember_storage(pool: PoolState, old: int | None, new: int | None) -> None:
+    """O(1) and the same lines every time: it runs inside operations (and their rollback)."""
+    if old is not None and (ref := _pool_storages.pop(old, None)) is not None:
+        tc.weak_free(ref)
+    if new is not None and new not in _pool_storages and pool._buffer is not None:
+        _pool_storages[new] = tc.weak_storage(pool._buffer.untyped_storage())
+
+
 def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
     with _registry_lock:
         if old is not None and (r := _by_storage.get(old)) is not None and r() is pool:
             del _by_storage[old]
         if new is not None:
             _by_storage[new] = weakref.ref(pool)
+        _remember_storage(pool, old, new)
 
 
 def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
@@ -107,7 +137,7 @@ class PoolSnapshot:
     """Everything :meth:`PoolState.restore` needs to put a pool back (O(slices) to take)."""
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
-                 "traces")
+                 "traces", "freed", "__weakref__")
     alloc: tuple[bool, int, list[int], list[int]]
     live: dict[int, Slice]
     offsets: list[int]
@@ -125,6 +155,9 @@ class PoolSnapshot:
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
         self.traces = list(pool._traces)
+        self.freed: list[Slice] = []
+        """Slices of this snapshot freed by others since (a finalizer run by a gc pass inside
+        the operation): :meth:`PoolState.restore` keeps them freed."""
 
 
 class PoolState:
@@ -176,6 +209,8 @@ class PoolState:
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
+        # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
+        self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
         with _registry_lock:
             _all_pools.add(self._public)
@@ -350,8 +385,13 @@ class PoolState:
                     requested=nbytes, free=free, largest_free=largest,
                 )
             slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
-            self._alloc.take(start, nbytes)
-            self._insert(slc)
+            with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
+                try:
+                    self._alloc.take(start, nbytes)
+                    self._insert(slc)
+                except BaseException:
+                    self._unindex(slc)
+                    raise
             return slc
 
     def free(self, slc: Slice) -> None:
@@ -364,11 +404,23 @@ class PoolState:
                     "call pool.disown(slice) (or release them) before freeing it"
                 )
             self._drop(slc)
+            for snap in list(self._watching):  # an operation's rollback must not bring it back
+                if snap.live.get(slc.slice_id) == slc:
+                    snap.freed.append(slc)
 
     def _drop(self, slc: Slice) -> None:
-        self._remove(slc)
-        self._alloc.release(slc.offset, slc.end)
-        self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+        """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
+        records = self._registry.records(slc.slice_id)
+        with self._alloc.journaled():
+            try:
+                self._remove(slc)
+                self._alloc.release(slc.offset, slc.end)
+                self._registry.unbind(slc.slice_id)  # bindings whose tensors died
+            except BaseException:
+                self._reindex(slc)
+                if records and not self._registry.records(slc.slice_id):
+                    self._registry.bind(slc.slice_id, list(records))
+                raise
 
     def disown(self, slc: Slice) -> None:
         """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
@@ -409,6 +461,25 @@ class PoolState:
         i = bisect.bisect_left(self._offsets, slc.offset)
         del self._offsets[i]
         del self._at_offset[slc.offset]
+
+    def _unindex(self, slc: Slice) -> None:
+        """Undo :meth:`_insert` however far it got (absolute: each entry removed if there)."""
+        if self._live.get(slc.slice_id) is slc:
+            del self._live[slc.slice_id]
+        if self._at_offset.get(slc.offset) is slc:
+            del self._at_offset[slc.offset]
+        if slc.offset not in self._at_offset:
+            i = bisect.bisect_left(self._offsets, slc.offset)
+            if i < len(self._offsets) and self._offsets[i] == slc.offset:
+                del self._offsets[i]
+
+    def _reindex(self, slc: Slice) -> None:
+        """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
+        self._live[slc.slice_id] = slc
+        self._at_offset[slc.offset] = slc
+        i = bisect.bisect_left(self._offsets, slc.offset)
+        if i == len(self._offsets) or self._offsets[i] != slc.offset:
+            self._offsets.insert(i, slc.offset)
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:
@@ -531,9 +602,17 @@ class PoolState:
 
     # -- all-or-nothing support ----------------------------------------------------------
     def capture(self) -> PoolSnapshot:
-        """Remember layout, storage, registry and traces, for :meth:`restore`."""
+        """Remember layout, storage, registry and traces, for :meth:`restore`; until
+        :meth:`forget`, slices :meth:`free` frees meanwhile are remembered as freed."""
         with self._lock:
-            return PoolSnapshot(self)
+            snap = PoolSnapshot(self)
+            self._watching.add(snap)
+            return snap
+
+    def forget(self, snap: PoolSnapshot) -> None:
+        """``snap`` is done with (its operation finished)."""
+        with self._lock:
+            self._watching.discard(snap)
 
     def restore(self, snap: PoolSnapshot) -> None:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
@@ -547,6 +626,9 @@ class PoolState:
             _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
             self._traces = list(snap.traces)
+            for slc in snap.freed:  # freed by others meanwhile (absolute: skip if gone)
+                if self._live.get(slc.slice_id) == slc:
+                    self._drop(slc)
 
     def install(
         self, buffer: torch.Tensor | None, allocator: RangeAllocator, slices: Sequence[Slice]
@@ -622,13 +704,12 @@ class PoolState:
                 pos = slc.end
             if self.capacity > pos:
                 rows.append((str(pos), str(self.capacity), str(self.capacity - pos), "gap", "", "", ""))
-            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
             lines = [
                 f"FlatPool {self.name!r} on {self.device} "
                 f"({'materialized' if self.is_materialized else 'planned'}, "
                 f"alignment {self.alignment})"
             ]
-            lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+            lines += table(rows, right=range(len(rows[0])))
             lines.append(
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"

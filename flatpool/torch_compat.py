@@ -509,8 +509,12 @@ def subclass_alias(cls: type[torch.Tensor], t: torch.Tensor, requires_grad: bool
 
 
 def impl_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s TensorImpl: tells whether an impl swap happened."""
-    return int(t._cdata)
+    """The address of ``t``'s TensorImpl: tells whether an impl swap happened. (``_cdata`` is
+    a property a subclass's ``__torch_function__`` sees, and may refuse, unless disabled.)"""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return int(t._cdata)
+    with torch._C.DisableTorchFunctionSubclass():
+        return int(t._cdata)
 
 
 def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -522,3 +526,136 @@ def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
     storage-less meta tensor onto real storage, where ``set_`` refuses.
     """
     torch._C._swap_tensor_impl(a, b)
+
+
+# -- hostile inputs round 3 (adoption engine): view links, math bits ---------------------
+def _links_of(make: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> int:
+    base = torch.zeros(2, dtype=dtype)
+    before = tensor_impl_users(base)
+    view = make(base)
+    links = tensor_impl_users(base) - before
+    del view
+    return links
+
+
+_MATH_VIEW_LINKS = _links_of(lambda b: b.conj(), torch.complex64)
+"""Owners of its base's TensorImpl one conj view adds (measured: 2 on torch 2.13, its
+backward and forward-mode view records each keep the base; a narrow view keeps 1)."""
+_NEG_VIEW_LINKS = _links_of(lambda b: b._neg_view(), torch.float32)
+_REAL_VIEW_LINKS = _links_of(lambda b: b.real, torch.complex64)
+
+
+_is_conj = cast(Callable[[torch.Tensor], bool], _Base.is_conj)
+_is_neg = cast(Callable[[torch.Tensor], bool], _Base.is_neg)
+
+
+def view_links(view: torch.Tensor, base: torch.Tensor) -> int:
+    """How many owners of ``base``'s TensorImpl the autograd view ``view`` accounts for."""
+    if _is_conj(view) != _is_conj(base):
+        return _MATH_VIEW_LINKS
+    if _is_neg(view) != _is_neg(base):
+        return _NEG_VIEW_LINKS
+    if impl_dtype(base).is_complex and not impl_dtype(view).is_complex:
+        return _REAL_VIEW_LINKS
+    return 1
+
+
+def has_math_bits(t: torch.Tensor) -> bool:
+    """``t`` reads its bytes through a lazy conj or neg bit."""
+    return _is_conj(t) or _is_neg(t)
+
+
+_grad_slot = _Base.__dict__["grad"]
+_hook_slots = tuple(_Base.__dict__[n] for n in ("_backward_hooks", "_post_accumulate_grad_hooks")
+                    if n in _Base.__dict__)
+
+
+def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
+    """After :func:`swap_impl`: give ``obj``'s new TensorImpl the ``.grad`` and the hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``) its old one, now ``old``'s,
+    had. Both live on the impl's autograd meta; the hook dicts stay on the Python object, and
+    assigning them again registers them on the impl it has now."""
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass may route these properties
+        if not (impl_is_leaf(old) and impl_requires_grad(old) and impl_requires_grad(obj)):
+            return
+        grad = _grad_slot.__get__(old, type(old))
+        if grad is not None:
+            _grad_slot.__set__(obj, grad)
+        for slot in _hook_slots:
+            hooks = slot.__get__(obj, type(obj))
+            if hooks is not None:
+                slot.__set__(obj, hooks)
+
+
+_detach = cast(Callable[[torch.Tensor], torch.Tensor], _Base.detach)
+
+
+def counter_alias(t: torch.Tensor) -> torch.Tensor:
+    """A new plain tensor (no autograd link) sharing ``t``'s storage *and version counter*
+    (``detach()`` shares the counter); ``set_`` it elsewhere and the counter stays shared."""
+    return _detach(t)
+
+
+
+_UNREAL_MODES = frozenset({"FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode"})
+"""Dispatch modes under which tensors made are not real ones (fake, functional, traced). A
+mode that passes ops through (one counting allocations, say) is no obstacle."""
+
+
+def unreal_dispatch_mode() -> object | None:
+    """An active dispatch mode whose tensors have no real storage (``FakeTensorMode``,
+    ``FunctionalTensorMode``, ``make_fx``'s proxy mode), or ``None``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if any(k.__name__ in _UNREAL_MODES for k in type(mode).__mro__):
+            found: object = mode
+            return found
+    return None
+
+
+def in_functorch_transform() -> bool:
+    """True inside ``torch.func.grad``/``vmap``/``jacrev``...: tensors made there are wrapped
+    at the transform's level (``TensorWrapper``, which has no storage)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# Which allocator a CPU storage's memory came from. ``t.numpy()`` marks a storage
+# non-resizable for good, as torch.from_numpy / frombuffer storages are; only the latter's
+# memory belongs to another owner. torch exposes neither the allocator nor the deleter, so the
+# StorageImpl's ``allocator_`` word is located at import by probes (two storages of torch's
+# CPU allocator agree on it, a frombuffer storage has none there), and read only where found.
+def _impl_words(storage: torch.UntypedStorage, n: int) -> list[int]:
+    import ctypes
+
+    return list((ctypes.c_uint64 * n).from_address(int(storage._cdata)))
+
+
+_WORDS = 12
+
+
+def _probe_allocator_word() -> tuple[int, int] | None:
+    try:
+        a = torch.empty(64, dtype=torch.uint8).untyped_storage()
+        b = torch.empty(1 << 16, dtype=torch.uint8).untyped_storage()
+        buf = bytearray(64)
+        c = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+        wa, wb, wc = (_impl_words(s, _WORDS) for s in (a, b, c))
+        data = {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+    except Exception:  # noqa: BLE001 - an unknown build: the word is simply not used
+        return None
+    found = [i for i in range(3, _WORDS)
+             if wa[i] == wb[i] and wa[i] > 4096 and wc[i] == 0 and wa[i] not in data]
+    return (found[0], wa[found[0]]) if len(found) == 1 else None
+
+
+_ALLOCATOR_WORD = _probe_allocator_word()
+
+
+def torch_allocated(storage: torch.UntypedStorage) -> bool | None:
+    """The CPU ``storage``'s memory came from torch's own CPU allocator (so freeing the
+    storage frees it, whatever its resizable flag says); ``None`` when unknown."""
+    if _ALLOCATOR_WORD is None or storage.device.type != "cpu":
+        return None
+    index, value = _ALLOCATOR_WORD
+    return _impl_words(storage, index + 1)[index] == value

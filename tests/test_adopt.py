@@ -702,3 +702,120 @@ def test_fail_at_raises_once_at_its_checkpoint() -> None:
         hook("rebind")
     hook("release")  # only the k-th checkpoint fails
     assert hook.steps == ["allocate", "copy", "rebind", "release"]
+
+
+# -- autograd state a move must keep (hostile inputs, round 3) ---------------------------------
+
+
+def _leaf_view() -> torch.Tensor:
+    """A leaf that is an autograd view of a dropped base (``b[2:6].requires_grad_()``)."""
+    b = torch.arange(8.0)
+    v = b[2:6]
+    v.requires_grad_(True)
+    assert v.is_leaf and v._base is b
+    return v
+
+
+def test_leaf_view_moved_off_its_base_keeps_grad_and_hooks() -> None:
+    """Moving an autograd view off its base gives it a new TensorImpl; its ``.grad`` and its
+    hooks lived on the old one and were silently lost (accumulation restarted, hooks stopped)."""
+    v = _leaf_view()
+    calls: list[str] = []
+    v.register_hook(lambda g: calls.append("hook"))
+    v.register_post_accumulate_grad_hook(lambda t: calls.append("post"))
+    (v * 2).sum().backward()
+    assert calls == ["hook", "post"]
+    pool = FlatPool()
+    report = pool.adopt(v)
+    assert report.all_released and pool.owns(v) and v._base is None and v.is_leaf
+    assert v.grad is not None and torch.equal(v.grad, torch.full((4,), 2.0))
+    calls.clear()
+    (v * 3).sum().backward()
+    assert calls == ["hook", "post"]
+    assert torch.equal(v.grad, torch.full((4,), 5.0))  # accumulated into the kept .grad
+    assert torch.equal(v.detach(), torch.arange(2.0, 6.0))
+
+
+def _padded_shard(adopt: bool) -> tuple[str, torch.Tensor | None]:
+    """FSDP2's padded shard: data and local tensor, two views of one base that was dropped.
+    An in-place write through ``data`` after ``local`` was saved for backward."""
+    base = torch.arange(12.0)
+    data, local = base.narrow(0, 0, 12), base.narrow(0, 0, 10)
+    del base
+    if adopt:
+        assert FlatPool().adopt(AdoptSpec(data, views=(local,))).all_released
+    w = torch.ones(10, requires_grad=True)
+    out = (w * local).sum()
+    data.add_(1)
+    try:
+        out.backward()
+    except RuntimeError as exc:
+        assert "modified by an inplace operation" in str(exc)
+        return "raised", None
+    return "ran", w.grad
+
+
+def test_aliases_keep_sharing_a_version_counter() -> None:
+    """Two views of one base share its version counter; after adoption each had its own, so an
+    in-place write through one went unseen by autograd for the other (backward ran on the new
+    values). torch raises; so must it after adoption."""
+    assert _padded_shard(adopt=False) == ("raised", None)
+    assert _padded_shard(adopt=True) == ("raised", None)
+
+
+def test_storage_once_viewed_by_numpy_is_reported_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``t.numpy()`` marks the storage non-resizable for good; adopt then called the memory
+    another owner's (a warning, ``external=True``, ``freed_bytes`` 0) and left the lean path,
+    though the array was gone and the original was freed. It is torch's own memory: freed."""
+    import warnings
+
+    import flatpool.ownership.adopt as adopt_mod
+
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    array = t.numpy()
+    del array
+    assert not t.untyped_storage().resizable()
+    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: pytest.fail("left the lean path"))
+    pool = FlatPool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ExternalMemoryWarning
+        report = pool.adopt(t)
+    item = report.items[0]
+    assert item.released and not item.external and report.freed_bytes == 4 << 20
+    assert pool.owns(t) and torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_from_numpy_memory_is_still_external() -> None:
+    """The rule above does not touch memory numpy owns: still external, nothing freed."""
+    import numpy
+
+    array = numpy.arange(16, dtype=numpy.float32)
+    t = torch.from_numpy(array)
+    with pytest.warns(flatpool.ExternalMemoryWarning):
+        report = FlatPool().adopt(t)
+    assert report.items[0].external and report.freed_bytes == 0
+
+
+def test_aliases_keep_sharing_a_version_counter_through_readopt() -> None:
+    """The same when re-adoption finds new objects in the holders' places (a framework that
+    rebuilt its shard: a new base and a narrow view of it): the view is moved off the new base
+    and still shares the base's counter."""
+    from flatpool import Holder
+
+    class Shard:
+        pass
+
+    shard = Shard()
+    shard.data = torch.arange(12.0)  # type: ignore[attr-defined]
+    shard.local = shard.data.narrow(0, 0, 10)  # type: ignore[attr-defined]
+    pool = FlatPool()
+    holders = (Holder(shard, "data"), Holder(shard, "local"))
+    pool.adopt(AdoptSpec(shard.data, holders=holders))  # type: ignore[attr-defined]
+    shard.data = torch.arange(12.0) + 1  # type: ignore[attr-defined]
+    shard.local = shard.data.narrow(0, 0, 10)  # type: ignore[attr-defined]
+    assert pool.readopt().all_released
+    data, local = shard.data, shard.local  # type: ignore[attr-defined]
+    assert pool.owns(data) and pool.owns(local) and local._base is None
+    v = data._version
+    local.add_(0)
+    assert data._version == v + 1

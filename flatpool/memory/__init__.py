@@ -16,7 +16,7 @@ from .live import capture
 from .collect import Watches, build_manifest
 from .cpu import cpu_snapshot
 from .device import device_snapshot
-from .errors import ManifestError, MissingExtraError, SnapshotError
+from .errors import ManifestError, MissingExtraError, PictureError, SnapshotError
 from .mpl import load as load_matplotlib
 from .manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from .result import (
@@ -48,6 +48,7 @@ __all__ = [
     "ManifestError",
     "MemoryAttribution",
     "MissingExtraError",
+    "PictureError",
     "OriginalEntry",
     "Piece",
     "PoolEntry",

@@ -3,13 +3,15 @@
 Attributes a pickled allocator snapshot (``torch.cuda.memory._dump_snapshot()``) on any
 machine, with the manifest the training process wrote (``Manifest.write`` or
 ``capture(manifest_out=...)``). Without a manifest every active block is unattributed, which
-still gives the totals. Prints the table to stdout; progress for large snapshots to stderr.
-Exit status: 0, or 2 for a bad input (the message names the field).
+still gives the totals (a note on stderr says so). Prints the table to stdout; progress for
+large snapshots, notes and errors to stderr. Exit status: 0, or 2 for a bad input (the message
+names the field) or a picture that cannot be written (checked before any work).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,13 +19,33 @@ from typing import TextIO
 
 from ..errors import FlatPoolError
 from .attribution import attribute_manifest
+from .errors import PictureError
 from .manifest import Manifest
 from .mpl import load
-from .snapshot import load_snapshot
+from .snapshot import MAX_BLOCKS, load_snapshot
 from .viz import draw
 
 LARGE = 10_000
 """Snapshots with at least this many blocks report progress on stderr."""
+
+NO_MANIFEST = (
+    "note: no --manifest given, so every active block is unattributed (the totals still hold). "
+    "Pass the manifest the training process wrote (flatpool.memory.Manifest.write() or "
+    "capture(manifest_out=...)) to name pools, slices, tensors and stale originals."
+)
+
+
+def _check_picture_path(path: str) -> None:
+    """Fail before any work if ``path``'s folder does not exist (the picture is written
+    atomically through a temporary file beside it, whose name would otherwise be the error's)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PictureError(f"--png {path!r} is a folder; give a file name, e.g. "
+                           f"{os.path.join(path, 'memory.png')!r}")
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise PictureError(f"--png {path!r}: the folder {folder!r} {what}; create it first "
+                           "(nothing was read or drawn)")
 
 
 def _progress(stream: TextIO, every_s: float = 0.5) -> Callable[[int, int], None]:
@@ -54,19 +76,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pool", help="pool to lay out in the picture (default: the largest)")
     ap.add_argument("--title", default=None, help="picture title")
     ap.add_argument("--top", type=int, default=15, help="largest items listed (default 15)")
+    ap.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
+                    help=f"refuse snapshots listing more blocks (default {MAX_BLOCKS:,})")
     ap.add_argument("--progress", action="store_true",
                     help=f"report progress even below {LARGE} blocks")
     args = ap.parse_args(argv)
     try:
         if args.png:
             load()  # fail before the work when the viz extra is missing
+            _check_picture_path(args.png)  # ... or when the picture could not be written
         t0 = time.perf_counter()
-        snap = load_snapshot(args.snapshot)
+        snap = load_snapshot(args.snapshot, max_blocks=args.max_blocks)
         manifest = Manifest.read(args.manifest) if args.manifest else Manifest()
         loud = args.progress or snap.block_count >= LARGE
         result = attribute_manifest(snap, manifest,
                                     progress=_progress(sys.stderr) if loud else None)
         print(result.render(top=args.top))
+        if not args.manifest:
+            print(NO_MANIFEST, file=sys.stderr)
         if args.png:
             draw(result, args.png, title=args.title or args.snapshot, pool=args.pool)
             print(f"picture: {args.png}")

@@ -6,7 +6,28 @@ catches flatpool errors catches these too; the bad-input ones are also ``ValueEr
 
 from __future__ import annotations
 
+import reprlib
+
 from ..errors import FlatPoolError, InvalidRequestError
+
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother = 2, 40, 40
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A short ``repr`` of a bad input for an error message, which never raises itself.
+
+    ``repr`` of what a hostile file holds can fail: nesting deeper than the recursion limit
+    (``RecursionError``) or an int of more than 4,300 digits (``ValueError``); both become a
+    description of the value instead.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an int of {value.bit_length()} bits>"
+    try:
+        text = _short.repr(value)
+    except (RecursionError, ValueError):
+        text = f"<a {type(value).__name__} too deep or too large to show>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SnapshotError(InvalidRequestError):
@@ -26,6 +47,11 @@ class ManifestError(InvalidRequestError):
         self.field = field
 
 
+class PictureError(FlatPoolError, OSError):
+    """A picture cannot be written where asked (its folder is missing, or the path is a
+    folder); raised before any work is done."""
+
+
 class MissingExtraError(FlatPoolError, ImportError):
     """An optional dependency is not installed; ``extra`` is the flatpool extra that brings it."""
 
@@ -34,4 +60,4 @@ class MissingExtraError(FlatPoolError, ImportError):
         self.extra = extra
 
 
-__all__ = ["ManifestError", "MissingExtraError", "SnapshotError"]
+__all__ = ["ManifestError", "MissingExtraError", "PictureError", "SnapshotError", "shown"]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from attrs import define
 
-from .errors import ManifestError
+from .errors import ManifestError, shown
 from .files import write_atomic
 
 FORMAT = "flatpool-memory-manifest"
@@ -194,8 +194,12 @@ class Manifest:
     def from_json(text: str) -> Manifest:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"not JSON: {exc}") from exc
+        except RecursionError as exc:  # json nests by recursion: a hostile file can outdo it
+            raise ManifestError(
+                "not a manifest: JSON nested deeper than Python's recursion limit (a manifest "
+                "nests 4 levels; write one with Manifest.write())") from exc
+        except ValueError as exc:  # JSONDecodeError, or an int over sys.get_int_max_str_digits
+            raise ManifestError(f"not JSON a manifest can hold: {exc}") from exc
         return _parse(data)
 
     @staticmethod
@@ -217,10 +221,10 @@ def _storage_dict(s: StorageEntry) -> dict[str, Any]:
 def _parse(data: object) -> Manifest:
     d = _obj(data, "")
     if d.get("format") != FORMAT:
-        raise ManifestError(f"expected {FORMAT!r}, got {d.get('format')!r}: not a flatpool "
+        raise ManifestError(f"expected {FORMAT!r}, got {shown(d.get('format'))}: not a flatpool "
                             "memory manifest (write one with Manifest.write())", "format")
     if d.get("version") != VERSION:
-        raise ManifestError(f"unsupported version {d.get('version')!r} (this flatpool reads "
+        raise ManifestError(f"unsupported version {shown(d.get('version'))} (this flatpool reads "
                             f"{VERSION})", "version")
     pools = tuple(_pool(p, f"pools[{i}]") for i, p in enumerate(_list(d, "pools", "")))
     flats = tuple(_storage(s, f"flats[{i}]") for i, s in enumerate(_list(d, "flats", "")))
@@ -252,7 +256,7 @@ def _int(d: Mapping[str, Any], key: str, field: str) -> int:
         raise ManifestError("missing", _path(field, key))
     value = d[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ManifestError(f"expected an int >= 0, got {value!r:.60}", _path(field, key))
+        raise ManifestError(f"expected an int >= 0, got {shown(value)}", _path(field, key))
     return value
 
 
@@ -283,7 +287,7 @@ def _pool(value: object, field: str) -> PoolEntry:
         s = _obj(raw, sf)
         shape = _list(s, "shape", sf)
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape):
-            raise ManifestError(f"expected a list of ints >= 0, got {shape!r:.60}", f"{sf}.shape")
+            raise ManifestError(f"expected a list of ints >= 0, got {shown(shape)}", f"{sf}.shape")
         slices.append(SliceEntry(
             _int(s, "id", sf), _int(s, "offset", sf), _int(s, "nbytes", sf), _str(s, "dtype", sf),
             tuple(shape), max(1, _int(s, "alignment", sf)), _strs(s, "tensors", sf),
@@ -311,7 +315,7 @@ def _original(value: object, field: str) -> OriginalEntry:
     d = _obj(value, field)
     source = d.get("source", "watch")
     if source not in ("watch", "pool"):
-        raise ManifestError(f"expected 'watch' or 'pool', got {source!r:.60}", f"{field}.source")
+        raise ManifestError(f"expected 'watch' or 'pool', got {shown(source)}", f"{field}.source")
     return OriginalEntry(
         _str(d, "label", field), _int(d, "address", field), _int(d, "nbytes", field),
         _str(d, "pool", field, optional=True), source,

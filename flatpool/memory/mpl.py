@@ -10,7 +10,8 @@ matplotlib (and its type information) is installed.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import IO, Any, Protocol
 
 from attrs import define
@@ -26,6 +27,8 @@ class Axes(Protocol):
                     yrange: tuple[float, float], **style: Any) -> object: ...
 
     def text(self, x: float, y: float, s: str, **style: Any) -> object: ...
+
+    def plot(self, xs: Sequence[float], ys: Sequence[float], **style: Any) -> object: ...
 
     def set_xlim(self, left: float, right: float) -> object: ...
 
@@ -90,4 +93,14 @@ def load() -> Matplotlib:
     return Matplotlib(figure.Figure, agg.FigureCanvasAgg, patches.Patch)
 
 
-__all__ = ["Axes", "Canvas", "Figure", "Matplotlib", "PIN", "load"]
+@contextmanager
+def plain_text() -> Iterator[None]:
+    """Text drawn in the block is shown as written: a pool or tensor named ``$x$`` or
+    ``a$b`` would otherwise be parsed as mathtext (garbled, or a parse error that aborts the
+    picture). Only matplotlib's settings for this block change (``rc_context``)."""
+    matplotlib = importlib.import_module("matplotlib")
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        yield
+
+
+__all__ = ["Axes", "Canvas", "Figure", "Matplotlib", "PIN", "load", "plain_text"]

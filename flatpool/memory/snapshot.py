@@ -24,12 +24,16 @@ from typing import Any, Union
 
 from attrs import define
 
-from .errors import SnapshotError
+from .errors import SnapshotError, shown
 
 ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 """States of a block that holds memory: in use, or freed but still used by a stream
 (``active_pending_free``; torch's docstring calls it ``active_awaiting_free``)."""
 STATES = ACTIVE_STATES + ("inactive",)
+
+MAX_BLOCKS = 2_000_000
+"""Blocks a snapshot may list (about 0.7 GB parsed; real snapshots list thousands to a few
+hundred thousand). ``parse_snapshot(..., max_blocks=)`` and the CLI's ``--max-blocks`` raise it."""
 
 
 @define(frozen=True)
@@ -121,22 +125,60 @@ def read_pickle(path: str | os.PathLike[str]) -> Any:
         ) from exc
 
 
-def load_snapshot(source: SnapshotSource) -> Snapshot:
+def load_snapshot(source: SnapshotSource, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
     """A checked :class:`Snapshot` from a snapshot dict, a segment list, a pickle path, or a
     :class:`Snapshot` (returned as is)."""
     if isinstance(source, Snapshot):
         return source
     if isinstance(source, (str, os.PathLike)):
-        return parse_snapshot(read_pickle(source))
-    return parse_snapshot(source)
+        return parse_snapshot(read_pickle(source), max_blocks=max_blocks)
+    return parse_snapshot(source, max_blocks=max_blocks)
 
 
-def parse_snapshot(data: object) -> Snapshot:
-    """Check ``data`` (a snapshot dict or a list of segments) and type it."""
+def _check_size(raw: Sequence[Any], max_blocks: int) -> None:
+    """Refuse, before anything is built, a snapshot that lists more than ``max_blocks`` blocks
+    or lists one segment or block entry more than once.
+
+    A pickle's memo lets a 2 MB file name one block dict a million times (a million blocks,
+    ~360 MB parsed); an allocator writes every segment and block as an entry of its own, so a
+    repeated *object* is never a real snapshot.
+    """
+    seen_segments: set[int] = set()
+    seen_blocks: set[int] = set()
+    total = 0
+    for i, seg in enumerate(raw):
+        if id(seg) in seen_segments:
+            raise SnapshotError("the same segment entry is listed more than once (a pickle "
+                                "that repeats one object through its memo is not an allocator "
+                                "snapshot)", f"segments[{i}]")
+        seen_segments.add(id(seg))
+        blocks = seg.get("blocks") if isinstance(seg, Mapping) else None
+        if not isinstance(blocks, Sequence) or isinstance(blocks, (str, bytes)):
+            continue  # reported with its path by _segment
+        total += len(blocks)
+        if total > max_blocks:
+            raise SnapshotError(
+                f"more than {max_blocks:,} blocks (the limit; real allocator snapshots list "
+                "far fewer): refusing to expand it. Raise it with max_blocks= (CLI: "
+                "--max-blocks) if this snapshot is genuine", "segments")
+        for j, b in enumerate(blocks):
+            if isinstance(b, Mapping):
+                if id(b) in seen_blocks:
+                    raise SnapshotError(
+                        "the same block entry is listed more than once (a pickle that repeats "
+                        "one object through its memo is not an allocator snapshot)",
+                        f"segments[{i}].blocks[{j}]")
+                seen_blocks.add(id(b))
+
+
+def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
+    """Check ``data`` (a snapshot dict or a list of segments) and type it; more than
+    ``max_blocks`` blocks, or one entry listed twice, is a :class:`SnapshotError`."""
     source = "allocator"
     if isinstance(data, Mapping):
         if "segments" not in data:
-            keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+            keys = ", ".join(sorted(k if isinstance(k, str) else shown(k, 30) for k in data)[:8])
+            keys = keys or "none"
             raise SnapshotError(
                 f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
             )
@@ -153,7 +195,9 @@ def parse_snapshot(data: object) -> Snapshot:
         )
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
-    segments = [_segment(seg, f"segments[{i}]") for i, seg in enumerate(raw)]
+    _check_size(raw, max_blocks)
+    named: dict[int, str | None] = {}  # frames list (by identity) -> its name, for this parse
+    segments = [_segment(seg, f"segments[{i}]", named) for i, seg in enumerate(raw)]
     segments.sort(key=lambda s: (s.device if s.device is not None else -1, s.address))
     for prev, nxt in zip(segments, segments[1:]):
         if prev.device == nxt.device and nxt.address < prev.end:
@@ -166,7 +210,7 @@ def parse_snapshot(data: object) -> Snapshot:
 
 def _int(value: object, field: str, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SnapshotError(f"expected an int, got {type(value).__name__}: {value!r:.60}", field)
+        raise SnapshotError(f"expected an int, got {type(value).__name__}: {shown(value)}", field)
     out = int(value)
     if out < minimum:
         raise SnapshotError(f"must be >= {minimum}, got {out}", field)
@@ -185,7 +229,7 @@ def _required(d: Mapping[str, Any], key: str, field: str) -> Any:
     return d[key]
 
 
-def _segment(value: object, field: str) -> Segment:
+def _segment(value: object, field: str, named: dict[int, str | None]) -> Segment:
     d = _dict(value, field)
     address = _int(_required(d, "address", field), f"{field}.address")
     total = _int(_required(d, "total_size", field), f"{field}.total_size")
@@ -198,7 +242,7 @@ def _segment(value: object, field: str) -> Segment:
     blocks: list[Block] = []
     cursor = address
     for j, raw in enumerate(raw_blocks):
-        b = _block(raw, f"{field}.blocks[{j}]", cursor)
+        b = _block(raw, f"{field}.blocks[{j}]", cursor, named)
         if b.address < address or b.end > address + total:
             raise SnapshotError(
                 f"block [{b.address:#x}, {b.end:#x}) lies outside its segment "
@@ -216,17 +260,39 @@ def _segment(value: object, field: str) -> Segment:
     return Segment(address, total, tuple(blocks), dev, kind if isinstance(kind, str) else None)
 
 
-def _block(value: object, field: str, cursor: int) -> Block:
+def _block(value: object, field: str, cursor: int, named: dict[int, str | None]) -> Block:
     d = _dict(value, field)
     size = _int(_required(d, "size", field), f"{field}.size")
     state = _required(d, "state", field)
     if not isinstance(state, str) or state not in STATES:
-        raise SnapshotError(f"expected one of {', '.join(STATES)}, got {state!r:.60}",
+        raise SnapshotError(f"expected one of {', '.join(STATES)}, got {shown(state)}",
                             f"{field}.state")
     address = _int(d["address"], f"{field}.address") if "address" in d else cursor
     requested = d.get("requested_size")
     req = size if requested is None else _int(requested, f"{field}.requested_size")
-    return Block(address, size, req, state, _where(d.get("frames"), f"{field}.frames"))
+    frames = d.get("frames")
+    if id(frames) not in named:  # one frames list shared by many blocks is read once
+        named[id(frames)] = _where(frames, f"{field}.frames")
+    return Block(address, size, req, state, named[id(frames)])
+
+
+MAX_FRAMES = 256
+"""Frames of one block looked at for its first frame outside torch (then the first frame is
+named): a frames list shared by every block of a pickle must not cost its length per block."""
+
+
+def _frame_field(frame: Mapping[str, Any], key: str, kind: type, field: str) -> str:
+    """``frame[key]`` as text; a value of another type (a hostile file's deep nesting or huge
+    int, which ``str()`` itself cannot show) is a :class:`SnapshotError`."""
+    value = frame.get(key)
+    if value is None:
+        return "?"
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise SnapshotError(f"expected {'a string' if kind is str else 'an int'}, got "
+                            f"{type(value).__name__}: {shown(value)}", f"{field}.{key}")
+    if isinstance(value, int) and abs(value) >= 1 << 63:
+        raise SnapshotError(f"expected a line number, got {shown(value)}", f"{field}.{key}")
+    return str(value)
 
 
 def _where(frames: object, field: str) -> str | None:
@@ -236,11 +302,13 @@ def _where(frames: object, field: str) -> str | None:
     if not isinstance(frames, Sequence) or isinstance(frames, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(frames).__name__}", field)
     fallback: str | None = None
-    for frame in frames:
+    for k, frame in enumerate(frames[:MAX_FRAMES]):
         if not isinstance(frame, Mapping):
             continue
-        filename = str(frame.get("filename", "?"))
-        text = f"{os.path.basename(filename)}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+        filename = _frame_field(frame, "filename", str, f"{field}[{k}]")
+        line = _frame_field(frame, "line", int, f"{field}[{k}]")
+        name = _frame_field(frame, "name", str, f"{field}[{k}]")
+        text = f"{os.path.basename(filename)}:{line} ({name})"
         fallback = fallback or text
         if "/torch/" not in filename and not filename.startswith("??"):
             return text
@@ -250,6 +318,7 @@ def _where(frames: object, field: str) -> str | None:
 __all__ = [
     "ACTIVE_STATES",
     "Block",
+    "MAX_BLOCKS",
     "STATES",
     "Segment",
     "Snapshot",

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .._table import table
 from .units import fmt_bytes
 
 if TYPE_CHECKING:
     from .result import MemoryAttribution
-
-
-def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
-                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
 def _bytes(n: int) -> str:
@@ -34,7 +28,7 @@ def render(a: MemoryAttribution, top: int = 10) -> str:
     total = sum(t.nbytes for t in a.totals)
     check = "= active bytes" if total == a.active_bytes else f"!= active {a.active_bytes} B"
     rows.append(("total", str(len(active)), f"{_bytes(total)} {check}"))
-    lines += _table(rows, right=(1,))
+    lines += table(rows, right=(1,))
 
     ranked = sorted(a.items, key=lambda i: (-i.attributed_bytes, i.address))
     shown = ranked[:top]
@@ -49,7 +43,7 @@ def render(a: MemoryAttribution, top: int = 10) -> str:
             rows.append((i.kind.upper() if i.kind == "stale" else i.kind,
                          fmt_bytes(i.attributed_bytes), str(i.blocks), f"{i.address:#x}",
                          i.label, why))
-        lines += _table(rows, right=(1, 2))
+        lines += table(rows, right=(1, 2))
 
     if a.manifest.pools:
         lines.append("")
@@ -63,7 +57,7 @@ def render(a: MemoryAttribution, top: int = 10) -> str:
                          fmt_bytes(p.used_bytes), fmt_bytes(p.adopted_bytes),
                          fmt_bytes(sum(g.nbytes for g in gaps if g.kind == "padding")),
                          f"{fmt_bytes(sum(g.nbytes for g in free))} ({len(free)})"))
-        lines += _table(rows)
+        lines += table(rows)
     for note in a.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -1,13 +1,18 @@
-"""Pictures of an attribution: device memory by class, and one pool's layout.
+"""Pictures of an attribution: device memory by class, and the layout of its pools.
 
-The top view draws each segment as a horizontal bar (full width = that segment's size, its
-size and address on the left) with its blocks coloured by class: pool, adopted (pool slices
-that named tensors live in), stale, tensor (outside the pools), unattributed, free (inactive).
-Pools and stale originals are labelled. With many segments, those holding pool or stale
-blocks are shown first, then the fullest, up to ``max_segments``.
+Bar lengths are bytes. Every column of one picture (e.g. the naive rebase beside flatpool's
+fusion) shares one linear byte scale, so twice the memory is twice the length: the top row of
+a column stacks its active bytes by class, each row below is one segment with its blocks
+coloured by class: pool, adopted (pool slices that named tensors live in), stale, tensor
+(outside the pools), unattributed, free (inactive). A bar too short to see is drawn
+:data:`MIN_FRACTION` of the axis long and its label gives its true size; every item is named,
+inside its bar when the name fits, else after the row. With many segments, those holding pool
+or stale blocks are shown first, then the fullest, up to ``max_segments``.
 
-The bottom view lays out one pool (the largest unless named): slices coloured by dtype and
-labelled with the tensor that lives there, alignment padding hatched, free ranges pale.
+Under them, one layout per column that has a pool (the largest unless named), spread over the
+picture's width: slices coloured by dtype (a palette no class uses), each labelled with the
+tensor that lives there and its size (small slices above the bar, on a leader line),
+alignment padding hatched, free ranges pale. A column without a pool gets no empty box.
 
 Needs the ``viz`` extra (matplotlib); without it :class:`MissingExtraError` says so. Files are
 written atomically.
@@ -19,10 +24,12 @@ import io
 import os
 from collections.abc import Sequence
 
+from attrs import define
+
 from .errors import ManifestError
 from .files import write_atomic
 from .manifest import PoolEntry
-from .mpl import Axes, Matplotlib, load
+from .mpl import Axes, Figure, Matplotlib, load, plain_text
 from .result import MemoryAttribution
 from .units import fmt_bytes
 
@@ -42,13 +49,19 @@ LEGEND = (
     ("unattributed", "unattributed"),
     ("free", "free (inactive)"),
 )
-DTYPE_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#8172B2", "#937860", "#DA8BC3", "#CCB974",
-                 "#64B5CD", "#C44E52")
+DTYPE_COLOURS = ("#DD8452", "#64B5CD", "#DA8BC3", "#CCB974", "#937860", "#2A9D8F", "#E9C46A",
+                 "#6D597A", "#B5838D")
+"""Slice colours by dtype: none of them is a class colour (:data:`COLOURS`)."""
 PADDING = "#BDBDBD"
+MIN_FRACTION = 0.005
+"""The shortest bar drawn, as a fraction of its axis (half a percent: a few pixels)."""
 ROW_INCHES = 0.34
-POOL_INCHES = 2.4
+POOL_INCHES = 2.5
 COLUMN_INCHES = 9.0
+LEFT_INCHES, RIGHT_INCHES = 1.8, 0.4
 DPI = 100
+_CHAR_INCHES = 0.55 / 72  # average DejaVu Sans advance per point of font size
+_SMALL_LABELS = 24  # small slices named above a pool's bar; the rest are counted
 
 
 def draw(
@@ -72,9 +85,7 @@ def draw_comparison(
     max_segments: int = 24,
 ) -> None:
     """Several attributions side by side (e.g. ``[("naive rebase", a), ("flatpool", b)]``),
-    one column each, in one PNG."""
-    if not panels:
-        raise ManifestError("nothing to draw: give at least one (title, attribution)", "panels")
+    one column each on one byte scale, in one PNG."""
     write_atomic(out, render_png(panels, pool=pool, max_segments=max_segments))
 
 
@@ -86,29 +97,94 @@ def render_png(
 ) -> bytes:
     """The PNG bytes :func:`draw_comparison` writes."""
     mpl = load()
+    with plain_text():  # names are shown as written, never parsed as mathtext
+        fig = figure(panels, pool=pool, max_segments=max_segments, mpl=mpl)
+        buf = io.BytesIO()
+        mpl.canvas(fig).print_png(buf)
+    return buf.getvalue()
+
+
+def figure(
+    panels: Sequence[tuple[str, MemoryAttribution]],
+    *,
+    pool: str | None = None,
+    max_segments: int = 24,
+    mpl: Matplotlib | None = None,
+) -> Figure:
+    """The matplotlib ``Figure`` :func:`render_png` prints (bars carry ``gid`` s naming what
+    they draw: ``total:<class>``, ``segment:<address>:<class>``, ``slice:<id>``)."""
+    if not panels:
+        raise ManifestError("nothing to draw: give at least one (title, attribution)", "panels")
+    mpl = mpl or load()
     if pool is not None:
         for _, a in panels:
             a.manifest.pool(pool)  # an unknown name fails before any drawing
     chosen = [_chosen(a, max_segments) for _, a in panels]
-    rows = max(3, max(len(c) for c in chosen))
+    layouts = [(title, p) for (title, a) in panels
+               if (p := _pick_pool(a, pool)) is not None and p.capacity > 0]
+    rows = 1 + max(2, max(len(c) for c in chosen))  # the total row, then the segments
+    span = max(max([a.active_bytes] + [a.segments[i].total_size for i in c])
+               for (_, a), c in zip(panels, chosen))
     # Fixed margins in inches (a layout engine costs a third of the drawing time): titles
     # above each view, tick labels and the legend below, segment labels on the left.
-    width, height = COLUMN_INCHES * len(panels), 1.55 + ROW_INCHES * rows + POOL_INCHES
+    pool_part = POOL_INCHES if layouts else 0.0
+    width = COLUMN_INCHES * len(panels)
+    height = 0.75 + ROW_INCHES * rows + 0.9 + pool_part
     fig = mpl.figure(figsize=(width, height), dpi=DPI)
 
-    def box(col: int, bottom: float, top: float) -> tuple[float, float, float, float]:
-        left = col * COLUMN_INCHES + 1.8
-        return (left / width, bottom / height, (COLUMN_INCHES - 2.2) / width,
-                (top - bottom) / height)
+    def box(left: float, w: float, bottom: float, top: float) -> tuple[float, float, float,
+                                                                        float]:
+        return (left / width, bottom / height, w / width, (top - bottom) / height)
 
-    top_bottom, top_top = POOL_INCHES + 0.85, height - 0.7
-    for col, ((title, a), segs) in enumerate(zip(panels, chosen)):
-        _segments_view(fig.add_axes(box(col, top_bottom, top_top)), a, title, segs, rows,
-                       top_top - top_bottom, mpl)
-        _pool_view(fig.add_axes(box(col, 0.65, POOL_INCHES - 0.6)), a, pool, mpl)
-    buf = io.BytesIO()
-    mpl.canvas(fig).print_png(buf)
-    return buf.getvalue()
+    top_top = height - 0.75
+    top_bottom = top_top - ROW_INCHES * rows
+    axis_inches = COLUMN_INCHES - LEFT_INCHES - RIGHT_INCHES
+    scale = _Scale(float(max(span, 1)), axis_inches)
+    for _ in range(2):  # widen the shared scale until the names after the rows fit
+        plans = [_plan(a, c, scale) for (_, a), c in zip(panels, chosen)]
+        reach = max(r.reach(scale) for p in plans for r in p)
+        scale = _Scale(min(max(scale.span, reach), 1.5 * max(span, 1)), axis_inches)
+    plans = [_plan(a, c, scale) for (_, a), c in zip(panels, chosen)]
+    for col, ((title, a), segs, plan) in enumerate(zip(panels, chosen, plans)):
+        ax = fig.add_axes(box(col * COLUMN_INCHES + LEFT_INCHES, axis_inches, top_bottom,
+                              top_top))
+        shown = f"{len(segs)} of {len(a.segments)} segment(s)" if len(segs) < len(a.segments) \
+            else f"{len(a.segments)} segment(s)"
+        _segments_view(ax, a, title, plan, shown, rows, scale, mpl, multi=len(panels) > 1)
+    for i, (title, p) in enumerate(layouts):
+        share = width / len(layouts)
+        ax = fig.add_axes(box(i * share + LEFT_INCHES, share - LEFT_INCHES - RIGHT_INCHES,
+                              0.7, pool_part - 0.75))
+        _pool_view(ax, p, title if len(panels) > 1 else None,
+                   _Scale(float(p.capacity), share - LEFT_INCHES - RIGHT_INCHES), mpl)
+    return fig
+
+
+@define(frozen=True)
+class _Scale:
+    """A linear byte axis ``[0, span]`` drawn ``inches`` long."""
+
+    span: float
+    inches: float
+
+    def shortest(self) -> float:
+        return self.span * MIN_FRACTION
+
+    def fits(self, text: str, nbytes: float, fontsize: float) -> bool:
+        return len(text) * fontsize * _CHAR_INCHES + 0.08 <= nbytes / self.span * self.inches
+
+    def text_bytes(self, text: str, fontsize: float) -> float:
+        return (len(text) * fontsize * _CHAR_INCHES + 0.1) / self.inches * self.span
+
+
+def _ticks(span: float) -> list[float]:
+    """0 and multiples of a power of two: 3 to 8 ticks up to ``span``."""
+    step = 1
+    while span / step > 8:
+        step *= 2
+    while span / step < 3 and step > 1:
+        step //= 2
+    return [float(step * k) for k in range(int(span // step) + 1)]
 
 
 def _chosen(a: MemoryAttribution, max_segments: int) -> list[int]:
@@ -142,70 +218,152 @@ def _adopted_ranges(p: PoolEntry) -> list[tuple[int, int]]:
     return sorted((p.address + s.offset, p.address + s.end) for s in p.slices if s.tensors)
 
 
-def _segments_view(ax: Axes, a: MemoryAttribution, title: str, chosen: Sequence[int],
-                   rows: int, inches: float, mpl: Matplotlib) -> None:
-    ticks: list[float] = []
-    labels: list[str] = []
-    for row, si in enumerate(chosen):
-        seg = a.segments[si]
-        y = rows - 1 - row
-        scale = 1.0 / max(seg.total_size, 1)
-        spans: dict[str, list[tuple[float, float]]] = {}
-        named: dict[int, tuple[int, int]] = {}
-        adopted_in: dict[int, list[tuple[int, int]]] = {}
-        for b in a.segment_blocks(si):
-            if not b.active:
-                spans.setdefault("free", []).append(((b.address - seg.address) * scale,
-                                                     b.size * scale))
-                continue
-            for p in b.pieces:
-                item = a.items[p.item]
-                if item.pool is not None:
-                    inside = adopted_in.setdefault(p.item, _adopted_ranges(item.pool))
-                    runs = _split(p.address, p.address + p.nbytes, inside)
-                else:
-                    runs = [(p.address, p.address + p.nbytes, False)]
-                for s, e, adopted in runs:
-                    colour: str = "adopted" if adopted else item.kind
-                    width = (e - s) * scale
-                    if item.kind == "stale":
-                        width = max(width, 0.004)  # a stale sliver must stay visible
-                    spans.setdefault(colour, []).append(((s - seg.address) * scale, width))
-                lo, hi = named.get(p.item, (p.address, p.address))
-                if p.nbytes > hi - lo:  # labels sit on an item's largest piece in the row
-                    named[p.item] = (p.address, p.address + p.nbytes)
-        for colour, xs in spans.items():
-            ax.broken_barh(xs, (y - 0.38, 0.76), facecolors=COLOURS[colour],
-                           edgecolor="white", linewidth=0.6)
-        for index, (lo, hi) in named.items():
-            item = a.items[index]
-            loud = item.kind in ("pool", "stale")
-            if not loud and (hi - lo) * scale < 0.15:
-                continue  # pools and stale originals are always named; the rest when roomy
-            text = {"stale": f"STALE {item.label}", "unattributed": item.reason}.get(
-                item.kind, item.label)
-            ax.text(((lo + hi) / 2 - seg.address) * scale, y, _short(text, 48), ha="center",
-                    va="center", fontsize=8 if loud else 7, color="white",
-                    fontweight="bold" if loud else "normal", clip_on=True)
-        ticks.append(float(y))
-        labels.append(f"{fmt_bytes(seg.total_size)} @ {seg.address:#x}")
-    ax.set_xlim(0.0, 1.0)
+def _bar(ax: Axes, spans: Sequence[tuple[float, float]], y: float, colour: str, gid: str,
+         scale: _Scale, height: float = 0.76) -> None:
+    """Bars of true length, or :data:`MIN_FRACTION` of the axis when shorter."""
+    shown = [(x, max(w, scale.shortest())) for x, w in spans]
+    ax.broken_barh(shown, (y - height / 2, height), facecolors=colour, edgecolor="white",
+                   linewidth=0.6, gid=gid)
+
+
+@define(frozen=True)
+class _Row:
+    """One row of bars, planned before drawing: its runs by colour, the names drawn inside
+    their bars, the names written after the row, and where the row ends (in bytes)."""
+
+    label: str
+    bars: tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...]  # colour, gid, runs
+    inside: tuple[tuple[float, str, bool], ...]  # centre, name, loud
+    after: tuple[str, ...]
+    end: float
+
+    def reach(self, scale: _Scale) -> float:
+        """The span the row needs so that its names after it fit (at most 1.8 x its end)."""
+        if not self.after:
+            return self.end
+        share = min(scale.text_bytes(", ".join(self.after), 7) / scale.span, 0.45)
+        return self.end / (1.0 - share)
+
+
+def _plan_total(a: MemoryAttribution, scale: _Scale) -> _Row:
+    """The column's active bytes stacked by class (adopted apart from the rest of the pools),
+    on the shared scale: every segment counts, shown in a row or not."""
+    by_colour: dict[str, int] = {}
+    for si in range(len(a.segments)):
+        for colour, xs in _segment_spans(a, si)[0].items():
+            if colour != "free":
+                by_colour[colour] = by_colour.get(colour, 0) + int(sum(w for _, w in xs))
+    x = 0.0
+    bars, inside, after = [], [], []
+    for colour, _ in LEGEND:
+        n = by_colour.get(colour, 0)
+        if n == 0:
+            continue
+        bars.append((colour, f"total:{colour}", ((x, float(n)),)))
+        text = f"{colour.upper() if colour == 'stale' else colour} {fmt_bytes(n)}"
+        if scale.fits(text, n, 7):
+            inside.append((x + n / 2, text, True))
+        else:
+            after.append(text)
+        x += max(float(n), scale.shortest())
+    return _Row(f"active {fmt_bytes(a.active_bytes)}", tuple(bars), tuple(inside), tuple(after),
+                x)
+
+
+def _plan_segment(a: MemoryAttribution, si: int, scale: _Scale) -> _Row:
+    seg = a.segments[si]
+    spans, named = _segment_spans(a, si)
+    bars = tuple((c, f"segment:{seg.address:#x}:{c}", tuple(xs)) for c, xs in spans.items())
+    inside, after = [], []
+    for index, (lo, hi) in named.items():
+        item = a.items[index]
+        loud = item.kind in ("pool", "stale")
+        text = {"stale": f"STALE {item.label}", "unattributed": item.reason}.get(
+            item.kind, item.label) or item.kind
+        if scale.fits(_short(text, 48), hi - lo, 7):
+            inside.append((lo - seg.address + (hi - lo) / 2, _short(text, 48), loud))
+        else:
+            after.append(f"{_short(text, 40)} ({fmt_bytes(item.attributed_bytes)})")
+    return _Row(f"{fmt_bytes(seg.total_size)} @ {seg.address:#x}", bars, tuple(inside),
+                tuple(after), max(float(seg.total_size), scale.shortest()))
+
+
+def _plan(a: MemoryAttribution, chosen: Sequence[int], scale: _Scale) -> list[_Row]:
+    return [_plan_total(a, scale), *(_plan_segment(a, si, scale) for si in chosen)]
+
+
+def _draw_row(ax: Axes, row: _Row, y: float, scale: _Scale) -> None:
+    for colour, gid, xs in row.bars:
+        _bar(ax, xs, y, COLOURS[colour], gid, scale)
+    for x, text, loud in row.inside:
+        ax.text(x, y, text, ha="center", va="center", fontsize=7, color="white",
+                fontweight="bold" if loud else "normal", gid="label")
+    if not row.after:
+        return
+    text = ", ".join(row.after)
+    room = scale.span - row.end
+    fits = scale.text_bytes(text, 7) <= room
+    if not fits:  # no room left on the scale: over the row's right end, on white
+        text = _short(text, int(0.45 * scale.inches / (7 * _CHAR_INCHES)))
+    ax.text(row.end + scale.span * 0.005 if fits else scale.span * 0.995, y, text,
+            ha="left" if fits else "right", va="center", fontsize=7, color="black", gid="label",
+            bbox=None if fits else {"facecolor": "white", "alpha": 0.85, "edgecolor": "none",
+                                    "pad": 1.0})
+
+
+Spans = dict[str, list[tuple[float, float]]]
+
+
+def _segment_spans(a: MemoryAttribution, si: int) -> tuple[Spans, dict[int, tuple[int, int]]]:
+    """Segment ``si``'s runs by colour (offsets and lengths in bytes) and, per item, the
+    address range of its largest piece there (where its name goes)."""
+    seg = a.segments[si]
+    spans: Spans = {}
+    named: dict[int, tuple[int, int]] = {}
+    adopted_in: dict[int, list[tuple[int, int]]] = {}
+    for b in a.segment_blocks(si):
+        if not b.active:
+            spans.setdefault("free", []).append((float(b.address - seg.address), float(b.size)))
+            continue
+        for p in b.pieces:
+            item = a.items[p.item]
+            if item.pool is not None:
+                inside = adopted_in.setdefault(p.item, _adopted_ranges(item.pool))
+                runs = _split(p.address, p.address + p.nbytes, inside)
+            else:
+                runs = [(p.address, p.address + p.nbytes, False)]
+            for s, e, adopted in runs:
+                colour: str = "adopted" if adopted else item.kind
+                spans.setdefault(colour, []).append((float(s - seg.address), float(e - s)))
+            lo, hi = named.get(p.item, (p.address, p.address))
+            if p.nbytes > hi - lo:
+                named[p.item] = (p.address, p.address + p.nbytes)
+    return spans, named
+
+
+def _segments_view(ax: Axes, a: MemoryAttribution, title: str, plan: Sequence[_Row],
+                   shown: str, rows: int, scale: _Scale, mpl: Matplotlib, *,
+                   multi: bool) -> None:
+    for i, row in enumerate(plan):
+        _draw_row(ax, row, float(rows - 1 - i), scale)
+    ax.set_xlim(0.0, scale.span)
     ax.set_ylim(-0.6, rows - 0.4)
-    ax.set_yticks(ticks, labels, fontsize=7)
-    ax.set_xticks([0.0, 0.25, 0.5, 0.75, 1.0], ["0", "1/4", "1/2", "3/4", "end"],
+    ax.set_yticks([float(rows - 1 - i) for i in range(len(plan))], [r.label for r in plan],
                   fontsize=7)
+    xt = _ticks(scale.span)
+    ax.set_xticks(xt, [fmt_bytes(int(t)) for t in xt], fontsize=7)
     totals = {t.kind: t for t in a.totals}
-    shown = f"{len(chosen)} of {len(a.segments)} segment(s)" if len(chosen) < len(a.segments) \
-        else f"{len(a.segments)} segment(s)"
+    same = ", the same scale in every column" if multi else ""
     ax.set_title(
         f"{title}\nactive {fmt_bytes(a.active_bytes)}: pool {fmt_bytes(totals['pool'].nbytes)}"
         f" | STALE {fmt_bytes(totals['stale'].nbytes)} in {len(a.stale)} | tensor "
         f"{fmt_bytes(totals['tensor'].nbytes)} | unattributed "
-        f"{fmt_bytes(totals['unattributed'].nbytes)}\n{shown} ({a.source}); one row per "
-        "segment, full width = its size", fontsize=9, loc="left")
+        f"{fmt_bytes(totals['unattributed'].nbytes)}\n{shown} ({a.source}), one row each; "
+        f"bar length = bytes{same}", fontsize=9, loc="left")
     handles = [mpl.patch(facecolor=COLOURS[k], label=text) for k, text in LEGEND]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 / inches),
-              ncol=3, fontsize=7, frameon=False)
+    ax.legend(handles=handles, loc="upper center",
+              bbox_to_anchor=(0.5, -0.3 / (ROW_INCHES * rows)), ncol=3, fontsize=7,
+              frameon=False)
 
 
 def _pick_pool(a: MemoryAttribution, name: str | None) -> PoolEntry | None:
@@ -215,54 +373,84 @@ def _pick_pool(a: MemoryAttribution, name: str | None) -> PoolEntry | None:
     return pools[0] if pools else None
 
 
-def _pool_view(ax: Axes, a: MemoryAttribution, name: str | None, mpl: Matplotlib) -> None:
+def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
+               mpl: Matplotlib) -> None:
     ax.set_yticks([], [])
-    p = _pick_pool(a, name)
-    if p is None or p.capacity == 0:
-        ax.set_xticks([], [])
-        ax.text(0.5, 0.5, "no flatpool pool in this process's manifest", ha="center",
-                va="center", fontsize=9)
-        return
     dtypes = sorted({s.dtype for s in p.slices})
     colour = {d: DTYPE_COLOURS[i % len(DTYPE_COLOURS)] for i, d in enumerate(dtypes)}
-    sliver = p.capacity * 0.002  # a tiny slice (a bias) must stay visible
-    for s in p.slices:
-        ax.broken_barh([(s.offset, max(s.nbytes, sliver))], (0.1, 0.8),
-                       facecolors=colour[s.dtype], edgecolor="white", linewidth=0.4)
-        if s.nbytes / p.capacity > 0.06:
-            label = s.tensors[0] if s.tensors else f"slice {s.slice_id}"
-            ax.text(s.offset + s.nbytes / 2, 0.5, f"{_short(label, 28)}\n{fmt_bytes(s.nbytes)}",
-                    ha="center", va="center", fontsize=7, color="white", clip_on=True)
     gaps = p.gaps()
     for g in gaps:
         if g.kind == "padding":
             ax.broken_barh([(g.offset, g.nbytes)], (0.1, 0.8), facecolors=PADDING,
-                           edgecolor="#7F7F7F", hatch="////", linewidth=0.3)
+                           edgecolor="#7F7F7F", hatch="////", linewidth=0.3, gid="padding")
         else:
             ax.broken_barh([(g.offset, g.nbytes)], (0.1, 0.8), facecolors=COLOURS["free"],
-                           edgecolor="white", linewidth=0.6)
+                           edgecolor="white", linewidth=0.6, gid="free")
+    above: list[tuple[float, str]] = []
+    for s in p.slices:
+        _bar(ax, [(float(s.offset), float(s.nbytes))], 0.5, colour[s.dtype],
+             f"slice:{s.slice_id}", scale, height=0.8)
+        label = s.tensors[0] if s.tensors else f"slice {s.slice_id}"
+        text = f"{_short(label, 28)}\n{fmt_bytes(s.nbytes)}"
+        size = next((f for f in (7, 6) if scale.fits(_short(label, 28), s.nbytes, f)), None)
+        if size is not None:
+            ax.text(s.offset + s.nbytes / 2, 0.5, text, ha="center", va="center",
+                    fontsize=size, color="black", gid="label")
+        else:
+            shown = max(float(s.nbytes), scale.shortest())
+            above.append((s.offset + shown / 2, f"{_short(label, 24)} {fmt_bytes(s.nbytes)}"))
+    unlabelled = _label_above(ax, above, scale)
     ax.set_xlim(0.0, float(p.capacity))
-    ax.set_ylim(0.0, 1.0)
-    ticks = [p.capacity * f for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    ax.set_xticks(ticks, [fmt_bytes(int(t)) for t in ticks], fontsize=7)
+    ax.set_ylim(0.0, 1.75)
+    xt = _ticks(float(p.capacity))
+    ax.set_xticks(xt, [fmt_bytes(int(t)) for t in xt], fontsize=7)
     padding = sum(g.nbytes for g in gaps if g.kind == "padding")
     free = [g for g in gaps if g.kind == "free"]
+    where = f"{column}: " if column else ""
+    more = f" ({unlabelled} small slice(s) not named)" if unlabelled else ""
     ax.set_title(
-        f"layout of pool {p.name!r} on {p.device}: capacity {fmt_bytes(p.capacity)}, "
+        f"{where}layout of pool {p.name!r} on {p.device}: capacity {fmt_bytes(p.capacity)}, "
         f"alignment {p.alignment} B\n{len(p.slices)} slice(s) holding "
         f"{fmt_bytes(p.used_bytes)} ({fmt_bytes(p.adopted_bytes)} adopted), padding "
         f"{fmt_bytes(padding)}, free {fmt_bytes(sum(g.nbytes for g in free))} in "
-        f"{len(free)} range(s)", fontsize=9, loc="left")
+        f"{len(free)} range(s)\nbar length = bytes{more}", fontsize=9, loc="left")
     handles = [mpl.patch(facecolor=colour[d], label=d) for d in dtypes]
     handles.append(mpl.patch(facecolor=PADDING, edgecolor="#7F7F7F", hatch="////",
                              label="alignment padding"))
     handles.append(mpl.patch(facecolor=COLOURS["free"], label="free range"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
               ncol=len(handles), fontsize=7, frameon=False)
+
+
+def _label_above(ax: Axes, labels: Sequence[tuple[float, str]], scale: _Scale) -> int:
+    """Name small slices above the bar on two staggered levels, each on a leader line to its
+    slice, moved right (or, at the end, left) until it clears its neighbours; how many found
+    no room."""
+    level_end = [0.0, 0.0]
+    levels = (1.1, 1.4)
+    placed = 0
+    for x, text in sorted(labels)[:_SMALL_LABELS]:
+        w = scale.text_bytes(text, 6)
+        spots = []
+        for i in range(2):
+            left = min(max(x - w / 2, level_end[i], 0.0), scale.span - w)
+            if left >= level_end[i]:
+                spots.append((abs(left + w / 2 - x), i, left))
+        if not spots:
+            continue
+        _, best, left = min(spots)
+        level_end[best] = left + w
+        y = levels[best]
+        ax.plot([x, left + w / 2], [0.9, y - 0.06], color="#555555", linewidth=0.5)
+        ax.text(left + w / 2, y, text, ha="center", va="bottom", fontsize=6, color="black",
+                gid="label")
+        placed += 1
+    return len(labels) - placed
 
 
 def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else "..." + text[-(limit - 3):]
 
 
-__all__ = ["COLOURS", "draw", "draw_comparison", "render_png"]
+__all__ = ["COLOURS", "DTYPE_COLOURS", "MIN_FRACTION", "draw", "draw_comparison", "figure",
+           "render_png"]

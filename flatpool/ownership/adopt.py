@@ -22,7 +22,7 @@ from ..state import PoolState
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .fastpath import adopt_plain, plain_targets
-from .moves import ImplSwap, Place, SetMove, fresh_on, place_many, swap_many
+from .moves import ImplSwap, Place, SetMove, counter_group, fresh_like, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
 from .settle import (
@@ -185,6 +185,13 @@ def _move(pool: PoolState, plans: list[Plan], txn: Transaction, members: list[Me
     with tc.no_torch_function():
         # Every counter before any move: a view shares its base's counter.
         before = {id(m.obj): tc.impl_version(m.obj) for m in members if not tc.impl_is_meta(m.obj)}
+        # Tensors that share a version counter (views of one base, and the base) must still
+        # share one after the move: a set_ keeps an impl's counter; a swapped view's new impl
+        # takes the counter of the first member of its group.
+        counters: dict[int, torch.Tensor] = {}
+        for m in members:
+            if m.kind == SET:
+                counters.setdefault(counter_group(m.obj), m.obj)
         for p in plans:
             assert p.slice is not None
             lo, hi = p.slice.offset, p.slice.end
@@ -202,16 +209,21 @@ def _move(pool: PoolState, plans: list[Plan], txn: Transaction, members: list[Me
                 if m.kind == SWAP or m.kind == WRAP:
                     grad = tc.impl_requires_grad(m.obj) and tc.impl_is_leaf(m.obj)
                     if m.kind == WRAP:  # keep the wrapper class's dispatch keys on its new impl
-                        fresh = tc.subclass_alias(type(m.obj), fresh_on(
-                            target, offset, m.size, m.stride, tc.impl_dtype(m.obj)), grad)
+                        fresh = tc.subclass_alias(type(m.obj), fresh_like(
+                            m.obj, target, offset, m.size, m.stride, tc.impl_dtype(m.obj)), grad)
+                        tc.copy_tensor_flags(m.obj, fresh)
                     else:
-                        fresh = fresh_on(target, offset, m.size, m.stride, tc.impl_dtype(m.obj),
-                                         grad)
+                        group = counter_group(m.obj)
+                        fresh = fresh_like(m.obj, target, offset, m.size, m.stride,
+                                           tc.impl_dtype(m.obj), grad, counters.get(group))
+                        counters.setdefault(group, fresh)
                     key = None if m.kind == WRAP else p.key
                     records.append(ImplSwap(
                         m.obj, fresh, key, before.get(id(m.obj), -1),
                         (m.byte_offset // item, m.size, m.stride), tc.impl_dtype(m.obj)))
                     swaps.append((m.obj, fresh))
+                    if m.kind == SWAP and id(m.obj) in before:  # its counter reads as before
+                        versions.append((m.obj, before[id(m.obj)]))
                 else:
                     records.append(SetMove(m.obj, p.key, m.byte_offset // item, m.size, m.stride,
                                            before[id(m.obj)]))

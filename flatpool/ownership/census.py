@@ -21,6 +21,7 @@ from attrs import define
 from .. import torch_compat as tc
 from ..aliasing import extent_of, local_tensor, own_storage
 from ..devices import allocator_counters
+from .._table import table
 from ..errors import InvalidTypeError
 from ..slices import Slice
 from ..state import PoolState, live_pools
@@ -73,8 +74,7 @@ class Census:
                 "pool" if r.pool else ", ".join(sorted(set(r.roles))) or "other")
             refs = ", ".join(r.referrers[:3]) + (f" (+{len(r.referrers) - 3})" if len(r.referrers) > 3 else "")
             rows.append((r.device, str(r.nbytes), where, status, refs))
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines = table(rows)
         lines.append(
             f"{len(self.records)} storage(s), {self.total_bytes} bytes; in pools "
             f"{self.pool_bytes} bytes; stale {sum(r.nbytes for r in self.stale)} bytes "

@@ -90,6 +90,8 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
             return None  # (a meta tensor is on neither)
         if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
             return None
+        if tc.has_math_bits(t):
+            return None  # lazy conj/neg bits: the copy into itself would see them
         size, stride = tuple(t.size()), t.stride()
         if 0 in size:
             return None
@@ -97,8 +99,8 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | Non
         if not pointer_valid(storage):
             return None  # a C++ functional tensor's placeholder: validate() names it
         key = storage_key(storage)
-        if (key in seen or not storage.resizable() or (cpu and storage.is_shared())
-                or pool_of_storage(key) is not None):
+        if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
+                or (cpu and storage.is_shared()) or pool_of_storage(key) is not None):
             return None  # shared or external memory: the general path reports it external
         seen.add(key)
         dtype = t.dtype

@@ -10,7 +10,10 @@ itself) the signal is recorded, and it is delivered to the original handler once
 has finished. Outside unwinding the original handler runs at once, as if nothing was installed.
 
 Only the main thread can install handlers, and only it receives them; in other threads this is
-a no-op. Nested operations share the outermost guard.
+a no-op. Nested operations share the outermost guard. A process forked by another thread while
+the main thread is inside a guard gets the user's handlers back (:func:`after_fork_in_child`):
+the guard's thread does not exist in the child, and its dispatcher would defer signals there
+forever.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class _Depth(threading.local):
 
 _depth = _Depth()
 
+_installed: list[tuple[int, dict[int, Any], list[bool]]] = []
+"""The guard whose dispatcher is installed (at most one, the main thread's): its thread, the
+user's handlers it replaced and its "ended" flag."""
+
 Handler = Callable[[int, "FrameType | None"], Any]
 
 
@@ -62,9 +69,7 @@ class Guard:
 
     def open(self) -> None:
         self.deferring = False
-        while self.pending:
-            signum, frame = self.pending.pop(0)
-            self.deliver(signum, frame)
+        deliver_all(self.pending, self.deliver)
 
     def finishing(self) -> None:
         self.deferring = True
@@ -94,8 +99,10 @@ def signals_guarded() -> Iterator[Guard]:
 
     guard.deliver = lambda signum, frame: originals[signum](signum, frame)
 
+    installed = (threading.get_ident(), originals, done)
     try:
         _depth.active = True
+        _installed.append(installed)
         for sig in _ASYNC_SIGNALS:
             handler = signal.getsignal(sig)
             if callable(handler):
@@ -105,11 +112,51 @@ def signals_guarded() -> Iterator[Guard]:
     finally:
         done.append(True)
         _depth.active = False
+        if installed in _installed:
+            _installed.remove(installed)
         for sig, handler in originals.items():
             signal.signal(sig, handler)
-        while pending:  # delivered now, after the rollback finished
-            signum, frame = pending.pop(0)
-            originals[signum](signum, frame)
+        # delivered now, after the rollback finished
+        deliver_all(pending, lambda signum, frame: originals[signum](signum, frame))
+
+
+def deliver_all(pending: list[tuple[int, FrameType | None]],
+                deliver: Callable[[int, FrameType | None], None]) -> None:
+    """Deliver every deferred signal in arrival order, emptying ``pending``.
+
+    A handler that raises (a second Ctrl-C's ``KeyboardInterrupt``) does not cost the signals
+    after it their handlers: the first exception is raised once all have run; how many more
+    raised is added to it as a note (Python 3.11+).
+    """
+    first: BaseException | None = None
+    later = 0
+    while pending:
+        signum, frame = pending.pop(0)
+        try:
+            deliver(signum, frame)
+        except BaseException as exc:  # noqa: B902 - raised after the others are delivered
+            if first is None:
+                first = exc
+            else:
+                later += 1
+    if first is not None:
+        if later and hasattr(first, "add_note"):
+            first.add_note(f"flatpool: {later} more deferred signal handler(s) raised after this "
+                           "one; all deferred signals were delivered")
+        raise first
+
+
+def after_fork_in_child() -> None:
+    """In a child forked by another thread than the guard's: put the user's handlers back (the
+    guard that would have done it does not exist here). What it deferred belongs to the
+    parent, which delivers it."""
+    me = threading.get_ident()
+    for thread, originals, done in _installed:
+        if thread != me:
+            done.append(True)
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+    _installed[:] = [entry for entry in _installed if entry[0] == me]
 
 
 def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
@@ -130,4 +177,4 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["Guard", "RollbackError", "run_undo", "signals_guarded"]
+__all__ = ["Guard", "RollbackError", "after_fork_in_child", "run_undo", "signals_guarded"]

@@ -121,9 +121,11 @@ def place_many(moves: Iterable[Place]) -> None:
 
 
 def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the TensorImpls of each pair (see :func:`flatpool.torch_compat.swap_impl`)."""
+    """Exchange the TensorImpls of each pair (see :func:`flatpool.torch_compat.swap_impl`);
+    a leaf's ``.grad`` and hooks go with the object (they lived on its old impl)."""
     for a, b in pairs:
         tc.swap_impl(a, b)
+        tc.carry_leaf_state(a, b)
 
 
 def fresh_on(
@@ -138,6 +140,37 @@ def fresh_on(
         if requires_grad:
             out.requires_grad_(True)
     return out
+
+
+def fresh_like(
+    obj: torch.Tensor, storage: torch.UntypedStorage, offset: int, size: Sequence[int],
+    stride: Sequence[int], dtype: torch.dtype, requires_grad: bool = False,
+    counter_of: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fresh_on`, carrying ``obj``'s lazy conj/neg bits: a new impl that is to read as
+    ``obj`` reads over the same bytes (a conj view's storage holds the unconjugated values).
+
+    ``counter_of``: a tensor whose version counter the new impl shares (an alias of ``obj``
+    before the move), so that autograd still sees an in-place write through either one."""
+    if counter_of is None or tc.impl_dtype(counter_of) != dtype:
+        out = fresh_on(storage, offset, size, stride, dtype, requires_grad)
+    else:
+        with tc.outside_inference():
+            out = tc.counter_alias(counter_of)
+            with torch.no_grad():
+                tc.impl_set_(out, storage, offset, tuple(size), tuple(stride))
+            if requires_grad:
+                out.requires_grad_(True)
+    tc.copy_tensor_flags(obj, out)
+    return out
+
+
+def counter_group(t: torch.Tensor) -> int:
+    """Which version counter ``t`` uses, as far as autograd links tell: an autograd view shares
+    its base's (the impl address of the base names the group), anything else has its own.
+    Call under ``no_torch_function()``."""
+    base = tc.impl_base(t)
+    return tc.impl_address(t if base is None else base)
 
 
 def geometry_of(t: torch.Tensor) -> Geometry:
@@ -181,6 +214,6 @@ def undo(
 
 
 __all__ = [
-    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SlotSet", "fresh_on",
+    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SlotSet", "counter_group", "fresh_like", "fresh_on",
     "geometry_of", "place_many", "swap_many", "undo",
 ]

@@ -115,7 +115,7 @@ def expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:
 
 
 def _check_holder(h: Holder, p: Plan) -> torch.Tensor:
-    """A holder's tensor, after checking that it can be read *and* written back."""
+    """A holder's tensor, after checking that it can be read *and* assigned (without writing)."""
     try:
         value = h.get()
     except (AttributeError, KeyError, IndexError, TypeError) as exc:
@@ -124,14 +124,13 @@ def _check_holder(h: Holder, p: Plan) -> torch.Tensor:
         raise InvalidRequestError(
             f"holder {h.describe()} of {p.label} holds a {type(value).__name__}, not a tensor"
         )
-    try:
-        h.set(value)  # writing back what is there: proves the place is assignable
-    except (AttributeError, TypeError, KeyError, IndexError) as exc:
+    why = h.unassignable()  # from the owner's type: writing would run the place's setter
+    if why is not None:
         raise InvalidTypeError(
-            f"holder {h.describe()} of {p.label} cannot be assigned ({exc}): name a place "
+            f"holder {h.describe()} of {p.label} cannot be assigned ({why}): name a place "
             "flatpool can write (an attribute, a list or dict item), not a read-only property "
             "or a tuple slot"
-        ) from exc
+        )
     return value
 
 

@@ -110,7 +110,7 @@ def held_outside_python(
             base = tc.impl_base(v)
             if base is not None:
                 a = tc.impl_address(base)
-                children[a] = children.get(a, 0) + 1
+                children[a] = children.get(a, 0) + tc.view_links(v, base)
             del base
     out = _held(candidates, children)
     for delay in _SETTLE_DELAYS_S:

@@ -22,7 +22,9 @@ from ..state import PoolState
 from .adopt import adopt, check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, SetMove, fresh_on, geometry_of, place_many, swap_many
+from .moves import (
+    ImplSwap, SetMove, counter_group, fresh_like, fresh_on, geometry_of, place_many, swap_many,
+)
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
@@ -168,6 +170,12 @@ def _readopt(
     swaps = []
     placed = []
     with tc.no_torch_function():
+        # Aliases keep sharing a version counter (see adopt's _move): a swapped view's new impl
+        # takes the counter of the first member of its group.
+        counters: dict[int, torch.Tensor] = {}
+        for (_, _, obj), swap in zip(todo, kinds):
+            if not swap:
+                counters.setdefault(counter_group(obj), obj)
         for (slc, rec, obj), swap in zip(todo, kinds):
             key = tc.storage_address(obj)
             item = rec[4].itemsize
@@ -176,7 +184,10 @@ def _readopt(
             old = (tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
             if swap:
                 grad = tc.impl_requires_grad(obj) and tc.impl_is_leaf(obj)
-                fresh = fresh_on(target, offset, rec[2], rec[3], rec[4], grad)
+                group = counter_group(obj)
+                fresh = fresh_like(obj, target, offset, rec[2], rec[3], rec[4], grad,
+                                   counters.get(group))
+                counters.setdefault(group, fresh)
                 records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
                 swaps.append((obj, fresh))
                 del fresh  # after the swap it carries the old impl: only the journal may hold it
@@ -184,12 +195,12 @@ def _readopt(
                 records.append(SetMove(obj, key, *old, version))
                 places.append((obj, target, offset, rec[2], rec[3]))
             placed.append((obj, slc.offset, slc.end))
+        del counters  # it holds swapped-in impls, which carry the old ones after the swap
     checkpoint("rebind")
     txn.journal.extend(records)
     place_many(places)
     swap_many(swaps)
-    tc.set_versions([r.obj for r in records if isinstance(r, SetMove)],
-                    [r.version for r in records if isinstance(r, SetMove)])
+    tc.set_versions([r.obj for r in records], [r.version for r in records])
     check_placed(pool, placed)
     new_records = {id(rec): make_record(obj, rec[1], rec[2], rec[3], rec[4], record_holder(rec),
                                         rec[8]) for _, rec, obj in todo}

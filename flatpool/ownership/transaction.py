@@ -19,10 +19,11 @@ from typing import TypeVar
 import torch
 
 from .. import torch_compat as tc
+from ..errors import InvalidRequestError
 from ..state import PoolSnapshot, PoolState
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, Record, SetMove, fresh_on, undo
+from .moves import ImplSwap, Record, SetMove, fresh_like, undo
 
 T = TypeVar("T")
 
@@ -38,6 +39,7 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
     gc pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
     after the operation, as their original handlers would have run.
     """
+    check_plain_torch()
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
         with gc_paused(), pool.lock:
             pool.release_kept()
@@ -53,6 +55,24 @@ def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
             guard.finishing()
             txn.close()
     return result
+
+
+def check_plain_torch() -> None:
+    """Refuse to run under a fake/functional/tracing dispatch mode or a functorch transform:
+    flatpool moves real storages, and there every tensor it makes would be fake or wrapped."""
+    mode = tc.unreal_dispatch_mode()
+    if mode is not None:
+        raise InvalidRequestError(
+            f"flatpool cannot move storages while a {type(mode).__name__} is active (its tensors "
+            "have no real storage, and the mode intercepts the copies); call it outside the "
+            "`with` block of the mode"
+        )
+    if tc.in_functorch_transform():
+        raise InvalidRequestError(
+            "flatpool cannot move storages inside a torch.func transform (grad, vmap, jacrev, "
+            "...): tensors made there are wrapped at the transform's level; adopt before "
+            "entering the transform"
+        )
 
 
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
@@ -120,6 +140,8 @@ class Transaction:
         self.originals.clear()
         self.journal = []
         self.saved = []
+        if self.snapshot is not None:
+            self.pool.forget(self.snapshot)
         self.snapshot = None
         weak, self.weak = self.weak, {}
         for ref in weak.values():
@@ -165,7 +187,7 @@ class Transaction:
         for rec in self.journal:
             if isinstance(rec, ImplSwap) and rec.old_impl_holder() is None and rec.key is not None:
                 assert rec.geometry is not None and rec.dtype is not None
-                rec.other = fresh_on(self.originals[rec.key], *rec.geometry, rec.dtype)
+                rec.other = fresh_like(rec.obj, self.originals[rec.key], *rec.geometry, rec.dtype)
 
     def _refill(self, key: int, fresh: torch.UntypedStorage) -> None:
         """Copy an original's bytes back from where its tensors sit in the pool now."""

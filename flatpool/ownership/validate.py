@@ -7,6 +7,8 @@ what to pass instead. Messages are built only when raised: this runs once per te
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import Union
 
@@ -64,15 +66,38 @@ def label(t: torch.Tensor, i: int) -> str:
         return f"#{i} {type(t).__name__}"
 
 
-def self_overlapping(t: torch.Tensor) -> bool:
-    """Two index tuples reach the same element (an expanded view). Call under no_torch_function."""
+EXACT_OVERLAP_ELEMENTS = 1 << 22
+"""Up to this many elements, strides that interleave (sizes (2, 3), strides (3, 2)) are checked
+element by element; beyond it such a tensor is refused as unproven."""
+
+
+def overlap(t: torch.Tensor) -> str | None:
+    """Why two index tuples of ``t`` may reach the same element: ``"expanded"`` (a stride 0 over
+    a size above 1), ``"shared"`` (interleaved strides, and elements found shared),
+    ``"unproven"`` (interleaved strides over too many elements to check), else ``None``.
+    Call under no_torch_function."""
     dims = sorted((st, sz) for sz, st in zip(tc.impl_size(t), tc.impl_stride(t)) if sz > 1)
+    if any(st == 0 for st, _ in dims):
+        return "expanded"
     span = 1
     for st, sz in dims:
         if st < span:
-            return True
+            break  # interleaved strides: nested spans no longer decide it
         span = st * sz
-    return False
+    else:
+        return None
+    n = math.prod(sz for _, sz in dims)
+    if n > EXACT_OVERLAP_ELEMENTS:
+        return "unproven"
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, sz in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64) * st).flatten()
+    return "shared" if int(torch.unique(offsets).numel()) < n else None
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """:func:`overlap` says anything. Call under no_torch_function."""
+    return overlap(t) is not None
 
 
 class Primary:
@@ -169,10 +194,23 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
             )
         p.dtype = check_dtype(tc.impl_dtype(inner), p.label)
         p.contiguous = tc.impl_is_contiguous(inner)
-        if not p.contiguous and self_overlapping(inner):
+        why = None if p.contiguous else overlap(inner)
+        if why == "expanded":
             raise InvalidRequestError(
                 f"{p.label} overlaps itself (an expanded/broadcast view, strides "
                 f"{tuple(tc.impl_stride(inner))}); adopt the tensor it was expanded from"
+            )
+        if why == "shared":
+            raise InvalidRequestError(
+                f"{p.label} overlaps itself (strides {tuple(tc.impl_stride(inner))} over sizes "
+                f"{tuple(tc.impl_size(inner))} reach some elements twice: an as_strided view); "
+                "adopt the tensor it views, or a contiguous() copy"
+            )
+        if why == "unproven":
+            raise InvalidRequestError(
+                f"{p.label} has interleaved strides {tuple(tc.impl_stride(inner))} over sizes "
+                f"{tuple(tc.impl_size(inner))}: more than {EXACT_OVERLAP_ELEMENTS} elements to "
+                "check that no two share memory; adopt a contiguous() copy"
             )
         p.extent = extent_of(inner)
         p.shape = (tuple(tc.impl_size(inner)) if p.contiguous
@@ -195,7 +233,9 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         )
     # Memory another owner keeps: numpy's (from_numpy), a buffer's (frombuffer), or shared
     # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
-    p.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
+    # A storage t.numpy() once marked non-resizable still holds torch's own memory: freed.
+    p.external = (not storage.resizable() and tc.torch_allocated(storage) is not True) or (
+        device.type == "cpu" and storage.is_shared())
     p.storage = storage
     return p
 

@@ -13,24 +13,25 @@ report. Four modes are compared:
   storages proven dead, training bit-identical.
 * ``meta init``: built on meta and materialized straight into the pool, then loaded.
 
-Each rank's table is printed; the process exits non-zero if a flatpool row fails its checks.
-Under ``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that
-sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints
-the same tables, and every rank exits with the same code.
+Each rank's table is printed on stdout; the process exits non-zero if a flatpool row fails its
+checks. Rank 0 writes a ``progress:`` line per mode and training step to stderr. ``--png DIR``
+draws each rank's memory, buggy mode beside flatpool, in ``DIR/rank<r>.png``. Under
+``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that sets
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints the
+same tables, and every rank exits with the same code. ``--client hyperparallel``
+(:mod:`.demo_hyperparallel`) does all of this in the HyperParallel simulation.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from typing import Any
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from attrs import define, evolve
+from attrs import define
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -40,28 +41,12 @@ from flatpool import local_tensor
 
 from .census import OriginalStorages, live_storages
 from .fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
-from .launch import launch, set_local_device
+from .demo_run import Config, draw_panels, progress, run_client
 from .naive import naive_rebase
 from .table import mib
 from .table import render as table_render
 
 MODES = ("no fusion", "naive rebase", "flatpool adopt", "meta init")
-
-
-@define(frozen=True)
-class Config:
-    device: str = "cpu"
-    backend: str = "gloo"
-    world_size: int = 2
-    hidden: int = 1024
-    ffn: int = 2048
-    batch: int = 8
-    steps: int = 3
-    lr: float = 1e-2
-    client: str = "fsdp2"
-    png: str | None = None
-    """A folder: each rank writes rank<r>.png there, its memory after the naive rebase beside
-    its memory after flatpool's fusion (flatpool.memory; needs the viz extra)."""
 
 
 class ZeroThreeCase(nn.Module):
@@ -123,7 +108,7 @@ def build(mode: str, cfg: Config, mesh: DeviceMesh, init: dict[str, torch.Tensor
     return model, params, [f for b in fused.buffers for f in b.flats()], originals, fused
 
 
-def train(model: nn.Module, cfg: Config) -> tuple[list[float], list[torch.Tensor]]:
+def train(model: nn.Module, cfg: Config, mode: str = "") -> tuple[list[float], list[torch.Tensor]]:
     """``cfg.steps`` Adam steps on per-rank data; the losses and the final full parameters."""
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     losses = []
@@ -137,20 +122,12 @@ def train(model: nn.Module, cfg: Config) -> tuple[list[float], list[torch.Tensor
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        progress(f"{mode}: step {step + 1}/{cfg.steps}, loss {losses[-1]:.6f}")
     full = [p.full_tensor().cpu() if isinstance(p, DTensor) else p.cpu() for p in model.parameters()]
     return losses, full
 
 
 PICTURED = ("naive rebase", "flatpool adopt")
-
-
-def picture(cfg: Config, panels: list[tuple[str, Any]]) -> None:
-    """This rank's before/after memory picture (the seed case), in ``cfg.png``."""
-    from flatpool.memory import draw_comparison
-
-    assert cfg.png is not None
-    os.makedirs(cfg.png, exist_ok=True)
-    draw_comparison(os.path.join(cfg.png, f"rank{dist.get_rank()}.png"), panels)
 
 
 def rank_main(cfg: Config) -> list[Row]:
@@ -160,6 +137,7 @@ def rank_main(cfg: Config) -> list[Row]:
     panels: list[tuple[str, Any]] = []
     ref: tuple[list[float], list[torch.Tensor]] | None = None
     for mode in MODES:
+        progress(f"{mode}: building")
         model, params, flats, originals, fused = build(mode, cfg, mesh, init)
         if cfg.png is not None and mode in PICTURED:
             from flatpool.memory import capture
@@ -177,7 +155,7 @@ def rank_main(cfg: Config) -> list[Row]:
             for name, prm in model.named_parameters():
                 if not any(pl.owns(local_tensor(prm)) for pl in pools):
                     checks.append(f"module parameter {name} is not in the pool")
-        result = train(model, cfg)
+        result = train(model, cfg, mode)
         if ref is None:
             ref = result
         losses_match = result[0] == ref[0]
@@ -206,7 +184,8 @@ def rank_main(cfg: Config) -> list[Row]:
         )
         del model, params, flats, originals, fused
     if panels:
-        picture(cfg, panels)
+        draw_panels(cfg, panels)
+    progress("every mode done; the ranks send their tables and exit")
     return rows
 
 
@@ -242,8 +221,8 @@ def parse(argv: Sequence[str] | None) -> Config:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--png", default=None, metavar="DIR",
-                    help="write each rank's memory picture (naive rebase vs flatpool) to "
-                         "DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
+                    help="write each rank's memory picture (the buggy mode beside flatpool's) "
+                         "to DIR/rank<r>.png (needs matplotlib: pip install 'flatpool[viz]')")
     ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
                     help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
     a = ap.parse_args(argv)
@@ -277,33 +256,6 @@ def report(results: Sequence[Sequence[Row]], seconds: float) -> int:
     return 0
 
 
-def launched_by_torchrun() -> bool:
-    """True in a process started by torchrun (or another launcher setting the env protocol)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def main_torchrun(cfg: Config) -> int:
-    """One rank of a torchrun job: env:// rendezvous, rank 0 gathers and prints the tables."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = evolve(cfg, world_size=world_size)  # the launcher decides the world size
-    set_local_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(cfg.backend)  # MASTER_ADDR / MASTER_PORT from the launcher
-    try:
-        if rank == 0:
-            print(header(cfg), flush=True)
-        t0 = time.perf_counter()
-        rows = rank_main(cfg)
-        gathered: list[list[Row] | None] = [None] * world_size
-        dist.gather_object(rows, gathered if rank == 0 else None, dst=0)
-        code = [0]
-        if rank == 0:
-            code[0] = report([g or [] for g in gathered], time.perf_counter() - t0)
-        dist.broadcast_object_list(code, src=0)
-        return int(code[0])
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse(argv)
     if cfg.png is not None:
@@ -318,17 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import demo_hyperparallel
 
         return demo_hyperparallel.main(cfg)
-    if launched_by_torchrun():
-        return main_torchrun(cfg)
-    print(header(cfg), flush=True)
-    t0 = time.perf_counter()
-    results = launch(
-        rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend, device=cfg.device
-    )
-    code = report(results, time.perf_counter() - t0)
-    if cfg.png is not None:
-        print(f"memory pictures: {', '.join(os.path.join(cfg.png, f'rank{r}.png') for r in range(cfg.world_size))}")
-    return code
+    return run_client(cfg, header, rank_main, report)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,19 @@ training differs from no fusion.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from attrs import define, evolve
 
+from flatpool import own_storage
 from flatpool import torch_compat as tc
 
 from .hyperparallel import BucketLines, V1Lines
-from .hyperparallel_sim import Config, FullyShardUnit, Originals, digest, live_storages
+from .demo_run import Config, draw_panels, progress, run_client
+from .hyperparallel_sim import Config as UnitConfig
+from .hyperparallel_sim import FullyShardUnit, Originals, digest, live_storages, member_holders
 from .hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key
-from .launch import launch
 from .table import mib
 from .table import render as table_render
 
@@ -43,21 +44,34 @@ BUCKET_HOOKS: dict[str, Callable[..., Any]] = {
     "init_flat": BucketLines.init_flat_param_buffer, "is_valid": BucketLines.is_flat_buffer_valid}
 
 
-class DemoConfig(Protocol):
-    """The demo's options this client reads."""
+DemoConfig = Config
+"""The demo's options (:class:`.demo_run.Config`); this client reads device, backend,
+world_size, hidden, ffn, steps and png."""
 
-    @property
-    def device(self) -> str: ...
-    @property
-    def backend(self) -> str: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def ffn(self) -> int: ...
-    @property
-    def steps(self) -> int: ...
+PICTURED = ("HyperParallel as shipped", "flatpool, V1 lines")
+"""The modes drawn side by side with ``--png``: the reported bug, then the same V1 group
+with flatpool's drop-in lines."""
+
+
+class _AliveOriginals:
+    """The unit's surviving originals as a :class:`flatpool.memory.StorageWatch`.
+
+    :class:`~.hyperparallel_sim.Originals` keys storages by identity; the memory picture wants
+    their addresses, read from the member tensors that still reach them.
+    """
+
+    def __init__(self, unit: FullyShardUnit, originals: Originals) -> None:
+        self._unit, self._originals = unit, originals
+
+    def alive_storages(self) -> list[tuple[str, int, int]]:
+        alive = {k: name for name, _, k, ref in self._originals.refs if not ref.expired()}
+        out: dict[int, tuple[str, int, int]] = {}
+        for p in self._unit.hsdp_params:
+            for role, t in member_holders(p):
+                s = own_storage(t)
+                if s is not None and tc.storage_key(s) in alive:
+                    out.setdefault(tc.storage_key(s), (role, s.data_ptr(), s.nbytes()))
+        return list(out.values())
 
 
 @define(frozen=True)
@@ -73,8 +87,8 @@ class Row:
     """Failed checks of a flatpool row (empty when it passed); unused for the other rows."""
 
 
-def modes(rows: int, cols: int, device: str) -> list[tuple[str, Config, dict[str, Any]]]:
-    shipped = Config(rows=rows, cols=cols, device=device)  # V1, routed setter, even members
+def modes(rows: int, cols: int, device: str) -> list[tuple[str, UnitConfig, dict[str, Any]]]:
+    shipped = UnitConfig(rows=rows, cols=cols, device=device)  # V1, routed setter, even members
     newest = evolve(shipped, group="bucketed", setter="rebind", flavor="padded")
     return [
         ("no fusion", evolve(shipped, group="none"), {}),
@@ -115,19 +129,32 @@ def _checks(unit: FullyShardUnit, valid_each_step: list[bool]) -> list[str]:
     return out
 
 
-def run_mode(cfg: Config, hooks: dict[str, Any], steps: int) -> tuple[Row, list[float], list[str]]:
-    """One mode on this rank: the row (without the training comparison), losses, digests."""
+def run_mode(cfg: UnitConfig, hooks: dict[str, Any], steps: int, mode: str = "",
+             picture: list[tuple[str, Any]] | None = None) -> tuple[Row, list[float], list[str]]:
+    """One mode on this rank: the row (without the training comparison), losses, digests.
+
+    With ``picture`` (a list), the rank's memory after fusion, before training, is appended
+    to it as ``(mode, MemoryAttribution)``.
+    """
+    progress(f"{mode}: building")
     unit = FullyShardUnit(cfg, **hooks)
     originals = unit.originals
     if cfg.materialize != "eager":
         unit.materialize()
         unit.lazy_init()
         originals = Originals.of(unit)  # the materialized storages are the originals now
+    if picture is not None:
+        from flatpool.memory import capture
+
+        picture.append((mode, capture(roots={"module": unit.module}, pools=pools_of(unit),
+                                      flats=unit.flat_buffers(),
+                                      watch=_AliveOriginals(unit, originals), scan=False)))
     opt = unit.make_optimizer()
     losses, valid = [], []
     for s in range(steps):
         losses.append(unit.train_step(s, opt))
         valid.append(bool(unit.is_valid()) if unit.group is not None else True)
+        progress(f"{mode}: step {s + 1}/{steps}, loss {losses[-1]:.6f}")
     live = live_storages(unit)
     flat_keys = {tc.storage_address(f) for f in unit.flat_buffers()}
     stale = originals.alive()
@@ -138,12 +165,17 @@ def run_mode(cfg: Config, hooks: dict[str, Any], steps: int) -> tuple[Row, list[
     return row, losses, [digest(t) for t in unit.local_values()]
 
 
-def rank_rows(rows: int, cols: int, steps: int, device: str = "cpu") -> list[Row]:
-    """Every mode on this rank, compared with the first (no fusion)."""
+def rank_rows(rows: int, cols: int, steps: int, device: str = "cpu",
+              panels: list[tuple[str, Any]] | None = None) -> list[Row]:
+    """Every mode on this rank, compared with the first (no fusion).
+
+    With ``panels`` (a list), the :data:`PICTURED` modes' memory is appended to it.
+    """
     out: list[Row] = []
     ref: tuple[list[float], list[str]] | None = None
     for mode, cfg, hooks in modes(rows, cols, device):
-        row, losses, digests = run_mode(cfg, hooks, steps)
+        pictured = panels if mode in PICTURED else None
+        row, losses, digests = run_mode(cfg, hooks, steps, mode, pictured)
         if ref is None:
             ref = (losses, digests)
         same = (losses, digests) == ref
@@ -159,8 +191,13 @@ def rank_rows(rows: int, cols: int, steps: int, device: str = "cpu") -> list[Row
     return out
 
 
-def rank_main(cfg: DemoConfig) -> list[Row]:
-    return rank_rows(cfg.ffn, cfg.hidden, cfg.steps, cfg.device)
+def rank_main(cfg: Config) -> list[Row]:
+    panels: list[tuple[str, Any]] | None = [] if cfg.png is not None else None
+    rows = rank_rows(cfg.ffn, cfg.hidden, cfg.steps, cfg.device, panels)
+    if panels:
+        draw_panels(cfg, panels)
+    progress("every mode done; the ranks send their tables and exit")
+    return rows
 
 
 def render(rank: int, rows: Sequence[Row]) -> str:
@@ -180,24 +217,24 @@ def render(rank: int, rows: Sequence[Row]) -> str:
     return table_render(rank, table)
 
 
-def main(cfg: DemoConfig) -> int:
-    """Run every rank, print the tables; non-zero when a flatpool row failed its checks."""
+def header(cfg: Config) -> str:
     per_weight = cfg.hidden * cfg.ffn * 4
-    print(
+    return (
         f"flatpool demo, HyperParallel simulation: {cfg.world_size} ranks on {cfg.device} "
         f"({cfg.backend}); two weights of {cfg.ffn}x{cfg.hidden} fp32 ({mib(per_weight)} each, "
         f"about {mib(per_weight // cfg.world_size)} per rank); {cfg.steps} Adam steps per mode.\n"
         "Live shard storages are the distinct storages reachable from the members (padded data,\n"
         "local tensors, their bases, the Parameter wrappers' own memory) and the flat buffer;\n"
-        "stale originals are the member storages from before fusion that are still alive.\n",
-        flush=True,
+        "stale originals are the member storages from before fusion that are still alive.\n"
     )
-    t0 = time.perf_counter()
-    results = launch(rank_main, cfg, world_size=cfg.world_size, backend=cfg.backend)
+
+
+def report(results: Sequence[Sequence[Row]], seconds: float) -> int:
+    """Print every rank's table and the verdict; the exit code (1 if a flatpool row failed)."""
     for rank, rows in enumerate(results):
         print(render(rank, rows) + "\n")
     failed = [(rank, r) for rank, rows in enumerate(results) for r in rows if r.checks]
-    print(f"done in {time.perf_counter() - t0:.1f} s")
+    print(f"done in {seconds:.1f} s")
     if failed:
         print(f"FAILED: {len(failed)} flatpool row(s) did not pass their checks", file=sys.stderr)
         return 1
@@ -206,5 +243,11 @@ def main(cfg: DemoConfig) -> int:
     return 0
 
 
-__all__ = ["BUCKET_HOOKS", "DemoConfig", "Row", "V1_HOOKS", "main", "modes", "rank_main",
-           "rank_rows", "render", "run_mode"]
+def main(cfg: Config) -> int:
+    """Run every rank (or this torchrun rank), print the tables; non-zero when a flatpool row
+    failed its checks."""
+    return run_client(cfg, header, rank_main, report)
+
+
+__all__ = ["BUCKET_HOOKS", "DemoConfig", "PICTURED", "Row", "V1_HOOKS", "header", "main",
+           "modes", "rank_main", "rank_rows", "render", "report", "run_mode"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flatpool._table import table
+
 MiB = 1 << 20
 HEAD = ("mode", "live shard storages", "live bytes", "of which flat", "stale originals",
         "training vs no fusion", "verdict")
@@ -15,14 +17,7 @@ def mib(n: int) -> str:
 
 def render(rank: int, rows: Sequence[Sequence[str]], head: Sequence[str] = HEAD) -> str:
     """``rank``'s table: the header, a rule, one aligned line per row."""
-    table = [tuple(head), *map(tuple, rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = [f"rank {rank}:"]
-    for j, row in enumerate(table):
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
-        if j == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([f"rank {rank}:", *table(rows, head=head, rule=True, indent="  ")])
 
 
 __all__ = ["HEAD", "MiB", "mib", "render"]

@@ -1,24 +1,90 @@
-"""The README's main command: the demo on 2 gloo ranks (tiny sizes), with its memory pictures."""
+"""The README's main command: the demo on 2 gloo ranks (tiny sizes), with its memory pictures,
+its progress lines, for both clients, and the HyperParallel client under torchrun."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from flatpool.integrations.hsdp import demo
+from flatpool.integrations.hsdp import demo, demo_hyperparallel
+from flatpool.memory.viz import COLOURS
+
+HP_MODES = [m for m, _, _ in demo_hyperparallel.modes(4, 4, "cpu")]
 
 
-def test_demo_passes_and_draws_the_seed_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def assert_pictures(out: Path, stdout: str) -> None:
+    paths = [out / f"rank{rank}.png" for rank in (0, 1)]
+    for png in paths:
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert f"memory pictures: {paths[0]}, {paths[1]}" in stdout
+
+
+def assert_progress(stderr: str, modes: list[str], steps: int) -> None:
+    """One line per mode and step, from rank 0 only, in order, on stderr."""
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("progress: ")]
+    want = [f"progress: {m}: step {s}/{steps}" for m in modes for s in range(1, steps + 1)]
+    got = [ln.split(", loss")[0] for ln in lines if ": step " in ln]
+    assert got == want, stderr
+    assert lines[0].startswith("progress: starting 2 ranks on cpu (gloo) ("), stderr
+    assert all(re.search(r" \(\d+\.\d s\)$", ln) for ln in lines), stderr  # elapsed time
+
+
+def test_demo_passes_and_draws_the_seed_case(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")  # --png draws with it (flatpool's 'viz' extra)
     out = tmp_path / "pictures"
     code = demo.main(["--hidden", "32", "--ffn", "64", "--steps", "2", "--png", str(out)])
-    text = capsys.readouterr().out
-    assert code == 0, text
+    text, err = capfd.readouterr()
+    assert code == 0, text + err
     for mode in demo.MODES:
         assert text.count(f"  {mode}") == 2, text  # one row per rank
     assert "BUG (as reported)" in text and "FAIL" not in text
-    for rank in (0, 1):
-        png = out / f"rank{rank}.png"
-        data = png.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "progress:" not in text  # the tables on stdout stay clean
+    assert_pictures(out, text)
+    assert_progress(err, list(demo.MODES), 2)
+
+
+def test_hyperparallel_client_draws_and_reports_progress(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``--client hyperparallel --png DIR`` writes each rank's picture (it wrote none)."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "hp"
+    code = demo.main(["--client", "hyperparallel", "--hidden", "32", "--ffn", "64", "--steps",
+                      "2", "--png", str(out)])
+    text, err = capfd.readouterr()
+    assert code == 0, text + err
+    for mode in HP_MODES:
+        assert text.count(f"  {mode}  ") == 2, text
+    assert text.count("BUG (as reported)") == 2 and "FAIL" not in text
+    assert_pictures(out, text)
+    assert_progress(err, HP_MODES, 2)
+    # the shipped group's surviving originals are drawn stale (its two 4-row shards)
+    image = pytest.importorskip("matplotlib.image").imread(str(out / "rank0.png"))
+    stale = torch.tensor([int(COLOURS["stale"][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    assert int(((torch.tensor(image[..., :3]) - stale).abs().max(-1).values < 0.01).sum()) > 3000
+
+
+def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
+    """Under torchrun each process is one rank of one job: one header, each rank's table once
+    (each rank used to start its own 2-rank job, so every table came twice)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "flatpool.integrations.hsdp.demo", "--client", "hyperparallel", "--hidden", "32",
+         "--ffn", "64", "--steps", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout
+    report = f"exit code {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert out.count("flatpool demo, HyperParallel simulation: 2 ranks") == 1, report
+    assert out.count("rank 0:") == 1 and out.count("rank 1:") == 1, report
+    assert out.count("BUG (as reported)") == 2 and "FAIL" not in out, report
+    assert "progress: starting" not in proc.stderr, report  # torchrun started the ranks
+    assert proc.stderr.count("progress: no fusion: step 1/1") == 1, report  # rank 0 only

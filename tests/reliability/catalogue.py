@@ -825,6 +825,104 @@ def _holder_tuple(c: Ctx) -> Call:
     return lambda: p.adopt(AdoptSpec(t, holders=(Holder(slots, 0, item=True),)))
 
 
+class _Halve(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    def right_inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y / 2
+
+
+def _holder_parametrized(c: Ctx) -> Call:
+    from torch.nn.utils import parametrize
+
+    p = c.pool()
+    lin = nn.Linear(3, 2)
+    parametrize.register_parametrization(lin, "weight", _Halve())
+    c.keep.append(lin)
+    c.tensor("original", lin.parametrizations.weight.original)
+    c.tensor("bias", lin.bias)
+    c.places["parametrizations.weight.original"] = (lin.parametrizations.weight, "original", False)
+    return lambda: p.adopt(AdoptSpec(lin.bias, holders=(Holder(lin, "weight"),)))
+
+
+def _under_fake_mode(c: Ctx) -> Call:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = c.pool()
+    t = c.tensor("t", ints(4))
+
+    def call() -> None:
+        with FakeTensorMode():
+            p.adopt(t)
+
+    return call
+
+
+def _in_func_transform(c: Ctx) -> Call:
+    p = c.pool()
+    t = c.tensor("t", ints(4))  # a plain tensor captured from outside the transform
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        p.adopt(t)
+        return (w * 2).sum()
+
+    return lambda: torch.func.grad(loss)(torch.ones(3))
+
+
+class _Strict(nn.Parameter):
+    """A Parameter subclass whose ``__torch_function__`` refuses every function it does not know."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is not torch.Tensor.add:
+            raise RuntimeError(f"_Strict does not support {func}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _strict_parameter(c: Ctx) -> Call:
+    p = c.pool()
+    w = _Strict(ints(4))
+
+    def call() -> None:
+        assert p.adopt(w).all_released and p.owns(w) and type(w) is _Strict
+        with torch._C.DisableTorchFunctionSubclass():
+            assert torch.equal(w, ints(4))
+
+    return call
+
+
+def _interleaved_strides(c: Ctx) -> Call:
+    p = c.pool()
+    t = torch.as_strided(ints(8), (2, 3), (3, 2))  # elements 0 2 4 / 3 5 7: none shared
+    want = t.clone()
+
+    def call() -> None:
+        assert p.adopt(t).all_released and p.owns(t) and t.stride() == (3, 2)
+        assert torch.equal(t, want)
+
+    return call
+
+
+def _as_strided_overlap(c: Ctx) -> Call:
+    p = c.pool()
+    t = c.tensor("t", torch.as_strided(ints(8), (2, 3), (2, 1)))  # element 2 twice
+    return lambda: p.adopt(t)
+
+
+def _numpy_transient(c: Ctx) -> Call:
+    p = c.pool()
+    t = ints(16)
+    array = t.numpy()
+    del array  # the storage stays non-resizable for good
+
+    def call() -> None:
+        report = p.adopt(t)
+        assert not report.items[0].external and report.freed_bytes == 64 and p.owns(t)
+
+    return call
+
+
 def _views_single_tensor(c: Ctx) -> Call:
     t = c.tensor("t", ints(4))
     return lambda: AdoptSpec(t, views=t)  # type: ignore[arg-type]
@@ -898,6 +996,67 @@ def _as_subclass_alone(c: Ctx) -> Call:
         report = p.adopt([v, AdoptSpec(w, views=(u,))])
         assert report.all_released and p.owns(v) and p.owns(u) and p.owns(w)
         assert type(v) is MySub and torch.equal(v, ints(8))
+
+    return call
+
+
+def _math_bits(c: Ctx) -> Call:
+    """Every way a tensor carries a lazy conj or neg bit, alone and in a batch."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j])
+    want_conj = z.conj().resolve_conj()
+    r = ints(3, start=1)
+    want_neg = -r
+
+    def call() -> None:
+        p = c.pool()
+        conj_view = z.clone().conj()  # its base dropped
+        conj_detached = z.clone().conj().detach()  # no base, conj bit on the leaf
+        neg_view = r.clone()._neg_view()
+        neg_detached = r.clone()._neg_view().detach()
+        base = z.clone()
+        named = base.conj()
+        p.adopt(conj_view)  # alone: the lean path's batch shape
+        p.adopt(neg_detached)
+        report = p.adopt([conj_detached, neg_view, AdoptSpec(base, views=(named,))])
+        assert report.all_released
+        for t, want in ((conj_view, want_conj), (conj_detached, want_conj), (named, want_conj),
+                        (neg_view, want_neg), (neg_detached, want_neg), (base, z)):
+            assert p.owns(t) and torch.equal(t, want), (t, want)
+        p.readopt()
+        assert torch.equal(conj_view, want_conj) and torch.equal(neg_view, want_neg)
+
+    return call
+
+
+def _leaf_view_grad(c: Ctx) -> Call:
+    b = ints(8)
+    v = b[2:6]
+    v.requires_grad_(True)
+    del b
+    calls: list[str] = []
+    v.register_hook(lambda g: calls.append("hook"))
+    v.register_post_accumulate_grad_hook(lambda t: calls.append("post"))
+    v.sum().backward()
+
+    def call() -> None:
+        assert c.pool().adopt(v).all_released and v._base is None
+        v.sum().backward()
+        assert calls == ["hook", "post"] * 2 and v.grad is not None
+        assert torch.equal(v.grad, torch.full((4,), 2.0))
+
+    return call
+
+
+def _shared_counter(c: Ctx) -> Call:
+    base = ints(12)
+    data, local = base.narrow(0, 0, 12), base.narrow(0, 0, 10)
+    del base
+
+    def call() -> None:
+        assert c.pool().adopt(AdoptSpec(data, views=(local,))).all_released
+        v = data._version
+        local.add_(0)
+        assert data._version == v + 1  # one counter, as before
 
     return call
 
@@ -1118,6 +1277,32 @@ ROWS: tuple[Row, ...] = (
         flatpool.InvalidTypeError, r"_ReadOnly.t .*cannot be assigned.*read-only property"),
     Row("holder-tuple", "a Holder naming a tuple slot", _holder_tuple,
         flatpool.InvalidTypeError, r"tuple\[0\] .*cannot be assigned"),
+    Row("holder-parametrized", "a Holder naming a torch.nn.utils.parametrize module's "
+        "parametrized weight, in a refused adoption", _holder_parametrized,
+        flatpool.InvalidRequestError, r"ParametrizedLinear.weight .*does not hold a tensor",
+        "nothing changed: assignability is judged from the owner's type, without writing (the "
+        "write-back ran right_inverse, which replaced the parameter's storage)"),
+    Row("fake-mode-active", "adopt() of a real tensor while a FakeTensorMode is active",
+        _under_fake_mode, flatpool.InvalidRequestError, r"FakeTensorMode is active.*outside",
+        "nothing changed (a raw AssertionError from the mode before)"),
+    Row("func-transform", "adopt() inside torch.func.grad (or vmap), of a plain tensor captured "
+        "from outside", _in_func_transform, flatpool.InvalidRequestError,
+        r"torch.func transform.*before entering", "nothing changed (a raw NotImplementedError "
+        "from a TensorWrapper before)"),
+    Row("strict-torch-function", "a Parameter subclass whose __torch_function__ refuses every "
+        "function it does not know", _strict_parameter, None, "",
+        "adopted, class kept: flatpool reads the TensorImpl with __torch_function__ off (one "
+        "read bypassed that and failed with the subclass's error before)"),
+    Row("interleaved-strides", "a tensor with sizes (2, 3) and strides (3, 2): interleaved, "
+        "but no element reached twice", _interleaved_strides, None, "",
+        "adopted, strides kept (refused as 'an expanded/broadcast view' before)"),
+    Row("as-strided-overlap", "an as_strided view reaching an element twice (sizes (2, 3), "
+        "strides (2, 1))", _as_strided_overlap, flatpool.InvalidRequestError,
+        r"overlaps itself \(strides \(2, 1\) .*twice"),
+    Row("numpy-transient", "a tensor whose t.numpy() array is gone (numpy left its storage "
+        "non-resizable)", _numpy_transient, None, "",
+        "adopted on the lean path, reported freed (external=False; it was reported external with "
+        "freed_bytes 0 and a warning before): the memory came from torch's allocator"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
@@ -1143,6 +1328,20 @@ ROWS: tuple[Row, ...] = (
         "nothing changed; the holder of t is named (it was called an autograd view before)"),
     Row("as-subclass", "t.as_subclass(MySub) alone, or with t in AdoptSpec.views",
         _as_subclass_alone, None, "", "adopted, identity and class kept"),
+    Row("conj-neg-bits", "tensors read through a lazy conj or neg bit: x.conj() with x "
+        "dropped, x.conj().detach(), x._neg_view() (with and without its base), a conj view "
+        "named in AdoptSpec.views", _math_bits, None, "",
+        "adopted, each reading the same values as before (the bit is kept on the moved tensor; "
+        "a conj view read unconjugated values, the others raised a raw RuntimeError or were "
+        "called held outside Python before)"),
+    Row("leaf-view-grad-hooks", "a leaf autograd view (b[2:6].requires_grad_(), b dropped) "
+        "with a .grad, register_hook and register_post_accumulate_grad_hook", _leaf_view_grad,
+        None, "", "adopted; its .grad and hooks stay with it (they were lost silently when it "
+        "moved off its base)"),
+    Row("aliases-version-counter", "aliases sharing a version counter (FSDP2's padded data and "
+        "local tensor: two views of a dropped base)", _shared_counter, None, "",
+        "adopted; they still share one counter, so autograd sees an in-place write through "
+        "either (each had its own before: backward ran on modified values)"),
     Row("readopt-half", "readopt() after module.half()", _readopt_half,
         flatpool.InvalidRequestError, r"disown\(slice\) and pool.free\(slice\), then adopt",
         "nothing changed; following the advice works (test_hostile.py)"),

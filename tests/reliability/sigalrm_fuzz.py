@@ -1,7 +1,8 @@
 """SIGALRM fuzz: interrupt flatpool operations at random moments, check every outcome.
 
-Run in a subprocess by ``test_sigalrm.py`` (``python -m reliability.sigalrm_fuzz N`` from the
-``tests`` folder). For each round one operation of ``test_interrupts.OPS`` runs on a fresh world
+Run in a subprocess by ``test_sigalrm.py`` (``python -m reliability.sigalrm_fuzz N [SEED]
+[--big]`` from the ``tests`` folder). For each round one operation of ``test_interrupts.OPS``
+(with ``--big``: of ``BIG_OPS``, plain batches that take the threaded copy) runs on a fresh world
 while an interval timer fires SIGALRM after a random delay within the operation's duration; the
 handler raises :class:`Interrupt` wherever the interpreter is (inside flatpool or not). Each
 outcome must be "exactly as before" or "fully done"; a rollback must leave the gc pause and the
@@ -19,18 +20,19 @@ import signal
 import sys
 import time
 import traceback
+from collections import Counter
 from types import FrameType
 
 import flatpool
 
 from .state import Snapshot
 from .scenarios import values_of
-from .test_interrupts import OPS, Interrupt, settled
+from .test_interrupts import BIG_OPS, OPS, Interrupt, Ops, settled
 
 FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
 
 
-def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
+def main(target: int, max_rounds: int, seed: int, ops: Ops = OPS) -> dict[str, object]:
     rng = random.Random(seed)
     landed: list[str] = []
 
@@ -40,17 +42,18 @@ def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
 
     signal.signal(signal.SIGALRM, handler)
     durations: dict[str, float] = {}
-    for op, (build, prepare) in OPS.items():  # how long each takes, untouched
+    for op, (build, prepare) in ops.items():  # how long each takes, untouched
         w = build()
         t0 = time.perf_counter()
         prepare(w)()
         durations[op] = time.perf_counter() - t0
     inside = outside = rounds = 0
+    where: Counter[str] = Counter()
     bad: list[str] = []
     while inside < target and rounds < max_rounds:
         rounds += 1
-        op = rng.choice(list(OPS))
-        build, prepare = OPS[op]
+        op = rng.choice(list(ops))
+        build, prepare = ops[op]
         w = build()
         run = prepare(w)
         before = values_of(w)
@@ -73,6 +76,7 @@ def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
             continue
         if landed[0].startswith(FLATPOOL_DIR):
             inside += 1
+            where[os.path.relpath(landed[0], FLATPOOL_DIR)] += 1
         else:
             outside += 1
         try:
@@ -81,9 +85,16 @@ def main(target: int, max_rounds: int, seed: int) -> dict[str, object]:
             settled(op, w, before, snap)
         except AssertionError as err:
             bad.append(f"{op} (landed in {landed[0]}): {err}")
-    return {"rounds": rounds, "inside": inside, "outside": outside, "inconsistent": bad}
+    return {"rounds": rounds, "inside": inside, "outside": outside, "inconsistent": bad,
+            "where": dict(where.most_common())}
 
 
 if __name__ == "__main__":
-    target = int(sys.argv[1]) if len(sys.argv) > 1 else 300
-    print(json.dumps(main(target, max_rounds=40 * target, seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0)))
+    args = [a for a in sys.argv[1:] if a != "--big"]
+    target = int(args[0]) if args else 300
+    seed = int(args[1]) if len(args) > 1 else 0
+    t0 = time.perf_counter()
+    result = main(target, max_rounds=40 * target, seed=seed,
+                  ops=BIG_OPS if "--big" in sys.argv else OPS)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result))

@@ -228,3 +228,10 @@ def check_layout(pool: FlatPool) -> None:
                 assert fe <= s.offset or s.end <= fs, f"free range {(fs, fe)} overlaps {s}"
         if pool.is_materialized:
             assert pool.storage.nbytes() == cap
+        # The indexes every later allocate()/free() relies on agree with the layout.
+        alloc = pool._alloc
+        assert alloc._starts == sorted(alloc._starts) and len(alloc._starts) == len(alloc._ends)
+        assert sorted(alloc._by_size) == alloc._by_size == sorted((e - s, s) for s, e in free)
+        assert alloc._by_usable == sorted((alloc._usable(s, e), s) for s, e in free)
+        assert pool._offsets == [s.offset for s in slices] == sorted(pool._at_offset)
+        assert set(pool._live.values()) == set(slices)

@@ -64,3 +64,39 @@ def test_slice_copies_are_the_same_handle_across_relocation() -> None:
     pool.free(gap)
     mapping = pool.compact()
     assert not dup.is_live and mapping[s.slice_id].is_live
+
+
+def test_a_finalizers_free_inside_a_refused_adopt_stays_done() -> None:
+    """``weakref.finalize(obj, pool.free, s)`` run by the gc pass inside an adoption (explaining
+    a pin) freed ``s``; the adoption's rollback then restored the layout from before and the
+    slice was live again, leaked. A free by anyone else during an operation now stands."""
+    import gc
+    import weakref
+
+    import flatpool
+
+    pool = FlatPool(alignment=64, capacity=4096)
+    s = pool.allocate((4,), torch.float32)
+    other = pool.allocate((4,), torch.float32)
+
+    class Cycle:
+        pass
+
+    was = gc.isenabled()
+    gc.disable()  # the cycle is left for the adoption's own gc pass
+    try:
+        obj = Cycle()
+        obj.me = obj  # type: ignore[attr-defined]
+        done = weakref.finalize(obj, pool.free, s)
+        del obj
+        t = ints(4)
+        pin = t[1:]  # pinned: the adoption explains the pin (a gc pass), then rolls back
+        with pytest.raises(flatpool.PinnedStorageError):
+            pool.adopt(t)
+    finally:
+        if was:
+            gc.enable()
+    assert not done.alive, "the finalizer did not run inside the adoption"
+    assert not s.is_live and pool.slices() == (other,) and not pool.owns(t)
+    assert pool.allocate((4,), torch.float32).offset == s.offset  # its bytes are free again
+    del pin

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import flatpool
-from flatpool import FlatPool
+from flatpool import FlatPool, Slice
 from flatpool.ownership import transaction
 
 from .scenarios import World, batch_world, ints, values_of
@@ -76,14 +76,118 @@ def _plain_world() -> World:
     return w
 
 
-OPS: dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]] = {
-    "adopt-plain": (_plain_world, lambda w: lambda: w.pool.adopt(w.targets)),
+def _big_world(count: int, numel: int, large: int = 0, large_numel: int = 1 << 20) -> World:
+    """``count`` plain tensors of ``numel`` floats (and ``large`` of ``large_numel``) into a
+    growable pool: batches big enough for the threaded copy (:mod:`flatpool.ownership.copying`)."""
+    w = World()
+    w.pools.append(FlatPool(name="big"))
+    sizes = [numel] * count + [large_numel] * large
+    w.targets = [torch.full((n,), float(i % 251)) for i, n in enumerate(sizes)]
+    w.tensors = {f"t{i}": t for i, t in enumerate(w.targets)}
+    return w
+
+
+Ops = dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]]
+
+
+def _adopt_targets(w: World) -> Callable[[], Any]:
+    return lambda: w.pool.adopt(w.targets)
+
+
+OPS: Ops = {
+    "adopt-plain": (_plain_world, _adopt_targets),
     **OPERATIONS,
 }
 
+def _fragmented() -> tuple[FlatPool, list[Slice]]:
+    """A fixed pool with slices and gaps between them: allocations split a gap (best fit),
+    frees merge with the gaps on both sides."""
+    pool = FlatPool(alignment=64, capacity=1 << 12, name="alloc")
+    slices = [pool.allocate((16,), torch.float32) for _ in range(6)]
+    pool.free(slices[1])
+    pool.free(slices[3])
+    return pool, [slices[0], slices[2], slices[4], slices[5]]
+
+
+def _alloc_world(growable: bool = False) -> World:
+    w = World()
+    if growable:  # planned, with a gap in the middle and none at the tail
+        pool = FlatPool(alignment=64, name="planned")
+        a, b, c = (pool.allocate((8,), torch.float32) for _ in range(3))
+        pool.free(b)
+        w.keep = [a, c]
+    else:
+        pool, w.keep = _fragmented()
+    w.targets = list(w.keep)  # the slices it was built with
+    w.pools.append(pool)
+    return w
+
+
+def _allocate(w: World) -> Callable[[], Any]:
+    return lambda: w.keep.append(w.pool.allocate((40,), torch.float32))
+
+
+def _allocate_many(w: World) -> Callable[[], Any]:
+    return lambda: w.keep.extend(w.pool.allocate_many(
+        [((8,), torch.float32), ((300,), torch.float32), ((5,), torch.int64)]))
+
+
+def _free(w: World) -> Callable[[], Any]:
+    return lambda: w.pool.free(w.targets[1])  # gaps on both sides: three free ranges merge
+
+
+ALLOC_OPS: Ops = {
+    "allocate": (_alloc_world, _allocate),
+    "allocate-grow": (lambda: _alloc_world(growable=True),
+                      lambda w: lambda: w.keep.append(w.pool.allocate((64,), torch.float32))),
+    "allocate_many": (_alloc_world, _allocate_many),
+    "allocate_many-planned": (lambda: _alloc_world(growable=True), _allocate_many),
+    "free": (_alloc_world, _free),
+}
+"""The allocator's own operations (no transaction: every-line test only)."""
+
+
+ALLOCATED = {"allocate": [(40,)], "allocate-grow": [(64,)],
+             "allocate_many": [(8,), (300,), (5,)], "allocate_many-planned": [(8,), (300,), (5,)]}
+
+
+def _alloc_done(op: str, w: World) -> None:
+    """Fully done: the new slices (or the freed one's absence) in a consistent layout, and the
+    pool still serves an allocation and a free. (An interrupt at the ``return`` gives the
+    caller no handle although the slices exist: that is done, as any call returning a
+    resource is; the new slices are told apart by their shapes.)"""
+    pool = w.pool
+    check_layout(pool)
+    live = set(pool.slices())
+    if op == "free":
+        assert not w.targets[1].is_live and live == set(w.targets) - {w.targets[1]}
+    else:
+        built = set(w.targets)
+        made = sorted(live - built, key=lambda s: s.slice_id)
+        assert built <= live and set(w.keep) - built <= set(made), (live, w.keep)
+        assert [s.shape for s in made] == ALLOCATED[op], (made, op)
+    extra = pool.allocate((1,), torch.float32)
+    pool.free(extra)
+    check_layout(pool)
+
+
+BIG_OPS: Ops = {
+    # 2,000 x 24 KiB: threaded small copies; 16 x 4 MiB: large copies; the two mixed: the
+    # calling thread copies the large ones while the workers copy the small ones.
+    "adopt-plain-2000x24KiB": (lambda: _big_world(2000, 6144), _adopt_targets),
+    "adopt-plain-16x4MiB": (lambda: _big_world(0, 0, 16), _adopt_targets),
+    "adopt-plain-mixed": (lambda: _big_world(1000, 6144, 4), _adopt_targets),
+}
+"""Plain batches for the SIGALRM fuzz (too many lines for the every-line test)."""
+
+EVERY_LINE: Ops = {**OPS, **ALLOC_OPS}
+
 
 def _done(op: str, w: World, before: dict[str, torch.Tensor]) -> None:
-    if op == "adopt-plain":
+    if op in ALLOC_OPS:
+        _alloc_done(op, w)
+        return
+    if op.startswith("adopt-plain"):
         pool = w.pool
         check_layout(pool)
         assert pool.is_valid()
@@ -128,7 +232,7 @@ def _traced(run: Callable[[], Any], tracer: LineTracer) -> BaseException | None:
 
 def count_lines(op: str, second: bool = False) -> int:
     """Lines flatpool executes for ``op`` (``second``: in the rollback after an interrupt)."""
-    build, prepare = OPS[op]
+    build, prepare = EVERY_LINE[op]
     w = build()
     tracer = LineTracer(None)
     if not second:
@@ -178,7 +282,7 @@ def _positions(n: int, budget: int, slow: bool) -> list[int]:
 def interrupt_at(op: str, k: int, second: int | None = None, retry: bool = True) -> str:
     """Interrupt ``op`` at its ``k``-th line (and its rollback at line ``second``); check the
     outcome. Returns "rolled back", "done" or "not reached"."""
-    build, prepare = OPS[op]
+    build, prepare = EVERY_LINE[op]
     w = build()
     run = prepare(w)
     before = values_of(w)
@@ -224,15 +328,15 @@ def settled(op: str, w: World, before: dict[str, torch.Tensor], snap: Snapshot) 
 
 @pytest.fixture(scope="module")
 def line_counts() -> dict[str, int]:
-    return {op: count_lines(op) for op in OPS}
+    return {op: count_lines(op) for op in EVERY_LINE}
 
 
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("op", list(EVERY_LINE))
 def test_interrupt_at_every_line(op: str, line_counts: dict[str, int],
                                  request: pytest.FixtureRequest) -> None:
-    slow = bool(request.config.getoption("--slow"))
+    slow = bool(request.config.getoption("--slow")) or op in ALLOC_OPS  # those are short
     n = line_counts[op]
-    assert n > 100, f"{op}: only {n} traced lines"
+    assert n > (20 if op in ALLOC_OPS else 100), f"{op}: only {n} traced lines"
     outcomes: dict[str, int] = {}
     for i, k in enumerate(_positions(n, 24, slow)):
         outcome = interrupt_at(op, k, retry=slow or i % 4 == 0)

@@ -1,0 +1,102 @@
+"""Make ``os.fork()`` safe while other threads are inside flatpool.
+
+A forked child has one thread, the one that called ``fork()``. A lock that another thread held
+at that moment stays held in the child forever (every call on that pool would block), a gc
+pause that thread had taken never ends (no automatic collection in the child), and a signal
+guard the main thread had installed would defer the child's signals forever.
+
+So, around every fork (``os.register_at_fork``: ``os.fork`` and ``multiprocessing``'s fork
+start method run it; ``subprocess`` execs at once and needs nothing):
+
+* **before**: wait, up to :data:`FORK_WAIT` seconds in all, for each live pool's lock (in one
+  global order), so a pool operation running in another thread finishes first and the child
+  gets the pool in a consistent state; then take the module locks (each held only for a few
+  instructions).
+* **in the parent**: let go of all of them.
+* **in the child**: let go of what the forking thread took; a pool whose lock could not be had
+  in time (another thread was still inside an operation on it, or waited for a lock the forking
+  thread holds) gets a fresh lock, with a :class:`~flatpool.errors.FlatPoolWarning` that its
+  state in the child is whatever that operation had reached. Other threads' gc pauses are
+  dropped and the user's signal handlers put back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from . import checkpoint, state
+from ._warn import warn
+from .errors import FlatPoolWarning
+from .ownership import gcpause, interrupts
+
+class LockLike(Protocol):
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+FORK_WAIT = 2.0
+"""Seconds ``fork()`` waits, in all, for pool operations running in other threads to end."""
+
+_held: list[Callable[[], None]] = []
+"""How to let go of each lock the forking thread took for the fork, in the order taken: an
+interrupt inside :func:`_before` (CPython only reports it) leaves exactly these to release."""
+_missed: list[state.PoolState] = []  # pools whose lock another thread kept past FORK_WAIT
+
+
+def _module_locks() -> tuple[LockLike, ...]:
+    return (checkpoint._lock, checkpoint._twins_lock, state._registry_lock, gcpause._lock)
+
+
+def _before() -> None:
+    deadline = time.monotonic() + FORK_WAIT
+    for pool in sorted(state.live_pools(), key=id):
+        lock = pool.lock
+        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            _held.append(lock.release)
+        else:
+            _missed.append(pool)
+    for module_lock in _module_locks():  # each held for a few instructions only
+        module_lock.acquire()
+        _held.append(module_lock.release)
+
+
+def _release_held() -> None:
+    while _held:
+        _held.pop()()
+
+
+def _after_in_parent() -> None:
+    _release_held()
+    _missed.clear()
+
+
+def _after_in_child() -> None:
+    gcpause.after_fork_in_child()
+    interrupts.after_fork_in_child()
+    _release_held()
+    missed = list(_missed)
+    _missed.clear()
+    for pool in missed:
+        pool._lock = threading.RLock()  # its holder does not exist here
+    if missed:
+        names = ", ".join(repr(p.name) for p in missed)
+        warn(
+            f"this process was forked while another thread was inside an operation on pool(s) "
+            f"{names} (still running after {FORK_WAIT} s); their locks are reset here, but "
+            "their state is whatever that operation had reached. Fork before using pools from "
+            "threads, or build new pools in the child.",
+            FlatPoolWarning,
+        )
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
+    )
+
+__all__ = ["FORK_WAIT"]
