@@ -8,7 +8,6 @@ original storage is released with proof that it died.
 
 from __future__ import annotations
 
-import warnings
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
@@ -29,6 +28,7 @@ from .aliasing import (  # noqa: E402
 )
 from . import checkpoint  # noqa: E402
 from . import _fork  # noqa: E402,F401  (os.register_at_fork: locks, gc pause, signals)
+from ._warn import warn  # noqa: E402
 from .checkpoint import compact_copy  # noqa: E402
 from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
 from .errors import (  # noqa: E402
@@ -36,6 +36,7 @@ from .errors import (  # noqa: E402
     AliasingError,
     DeviceError,
     ExternalMemoryWarning,
+    FlatPoolDeprecationWarning,
     FlatPoolError,
     FlatPoolWarning,
     ForeignSliceError,
@@ -74,6 +75,7 @@ __all__ = [
     "ByteRange",
     "DeviceError",
     "ExternalMemoryWarning",
+    "FlatPoolDeprecationWarning",
     "FlatPoolWarning",
     "OriginalKeptAliveWarning",
     "UntestedTorchWarning",
@@ -117,9 +119,9 @@ _MOVED = {"FailAt": "flatpool.testing", "set_fault_hook": "flatpool.testing"}
 def __getattr__(name: str) -> Any:
     """Names that moved, kept for one release with a DeprecationWarning."""
     if name in _MOVED:
-        warnings.warn(
+        warn(
             f"flatpool.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
-            "release", DeprecationWarning, stacklevel=2,
+            "release", FlatPoolDeprecationWarning,
         )
         from . import testing
 

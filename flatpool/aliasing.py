@@ -9,7 +9,7 @@ reads geometry from the TensorImpl (a subclass's Python ``shape`` may be a globa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Union
 
 import torch
@@ -19,7 +19,7 @@ from . import torch_compat as tc
 from .errors import AliasingError, InvalidTypeError
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
-storage_key = tc.storage_key
+storage_key: Callable[[torch.UntypedStorage], int] = tc.storage_key
 
 
 @define(frozen=True)

@@ -41,8 +41,8 @@ class RangeAllocator:
     """Free space as sorted, disjoint, coalesced ``[start, end)`` ranges over ``[0, extent)``."""
 
     def __init__(self, capacity: int | None, alignment: int = 1) -> None:
-        self.growable = capacity is None
-        self.extent = 0 if capacity is None else capacity
+        self.growable: bool = capacity is None
+        self.extent: int = 0 if capacity is None else capacity
         self.alignment = alignment
         self._starts: list[int] = []  # free range starts, sorted
         self._ends: list[int] = []  # matching ends

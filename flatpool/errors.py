@@ -54,11 +54,12 @@ class AliasingError(FlatPoolError, ValueError):
 
     def __init__(self, message: str, offenders: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
-        self.offenders = tuple(offenders)
+        self.offenders: tuple[tuple[str, str], ...] = tuple(offenders)
 
 
-class AdoptionError(FlatPoolError):
-    """An adoption could not be carried out; everything was rolled back."""
+class AdoptionError(FlatPoolError, RuntimeError):
+    """An adoption could not be carried out; everything was rolled back. (A ``RuntimeError``
+    too: what torch raises for an operation its inputs' state forbids.)"""
 
 
 class PinnedStorageError(AdoptionError):
@@ -110,3 +111,8 @@ class UnfusedGroupWarning(FlatPoolWarning):
 class OrphanedSliceWarning(FlatPoolWarning):
     """Every parameter adopted into a slice is gone (its module replaced it): nothing trains on
     those bytes, and the pool cannot see the replacement."""
+
+
+class FlatPoolDeprecationWarning(FlatPoolWarning, DeprecationWarning):
+    """A flatpool name or argument that goes in a later release; hidden by default, like every
+    ``DeprecationWarning``, except where the caller's own script (``__main__``) uses it."""

@@ -44,6 +44,7 @@ from .unreleased import Trace, UnreleasedOriginal
 
 if TYPE_CHECKING:
     from .pool import FlatPool
+    from .registry import Record
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -138,6 +139,13 @@ class PoolSnapshot:
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
                  "traces", "freed", "__weakref__")
+    alloc: tuple[bool, int, list[int], list[int]]
+    live: dict[int, Slice]
+    offsets: list[int]
+    at_offset: dict[int, Slice]
+    buffer_key: int | None
+    registry: dict[int, list[Record]]
+    traces: list[Trace]
 
     def __init__(self, pool: PoolState) -> None:
         self.alloc = pool._alloc.snapshot()

@@ -24,13 +24,16 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 from torch.torch_version import TorchVersion
 
 from ._warn import warn
 from .errors import FlatPoolError, UntestedTorchWarning
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, ReduceOp, Work
 
 SUPPORTED_TORCH = (2, 7)
 """Oldest torch release the whole test suite passes on (see docs/compatibility.md): older ones
@@ -120,6 +123,33 @@ from torch.utils._python_dispatch import (  # noqa: E402
 )
 
 
+# -- collectives ---------------------------------------------------------------------------
+# Recent torch renamed the single-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``); in 2.13 and 2.14
+# the old names print a FutureWarning on every call (2.15 keeps them as quiet aliases).
+# Feature-detected: a release without the new names gets the old ones.
+def _collective(new: str, old: str) -> Callable[..., Work | None]:
+    import torch.distributed as dist
+
+    return cast(Callable[..., "Work | None"], getattr(dist, new, None) or getattr(dist, old))
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, *,
+                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``input`` concatenated into ``output`` (torch's recommended call on each
+    release: no FutureWarning)."""
+    return _collective("all_gather_single", "all_gather_into_tensor")(
+        output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp.RedOpType,
+                          group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """``input`` reduced with ``op`` over the ranks, this rank's part into ``output``."""
+    return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        output, input, op=op, group=group, async_op=async_op)
+
+
 # -- reading a tensor's TensorImpl ----------------------------------------------------------
 _Base = torch._C.TensorBase
 
@@ -145,20 +175,22 @@ def no_torch_function() -> AbstractContextManager[Any]:
     return cast(AbstractContextManager[Any], torch._C.DisableTorchFunctionSubclass())
 
 
-impl_size = cast(Callable[[torch.Tensor], torch.Size], _Base.size)
-impl_stride = cast(Callable[[torch.Tensor], tuple[int, ...]], _Base.stride)
-impl_storage_offset = cast(Callable[[torch.Tensor], int], _Base.storage_offset)
-impl_data_ptr = cast(Callable[[torch.Tensor], int], _Base.data_ptr)
-impl_numel = cast(Callable[[torch.Tensor], int], _Base.numel)
-impl_element_size = cast(Callable[[torch.Tensor], int], _Base.element_size)
-impl_is_contiguous = cast(Callable[[torch.Tensor], bool], _Base.is_contiguous)
-impl_untyped_storage = cast(Callable[[torch.Tensor], torch.UntypedStorage], _Base.untyped_storage)
-impl_is_inference = cast(Callable[[torch.Tensor], bool], _Base.is_inference)
-impl_set_ = cast(Callable[..., torch.Tensor], _Base.set_)
-impl_key = cast(Callable[[torch.Tensor], int], operator.attrgetter("_cdata"))
-impl_dtype_of = cast(Callable[[torch.Tensor], torch.dtype], _Base.__dict__["dtype"].__get__)
-""":func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
+impl_size: Callable[[torch.Tensor], torch.Size] = _Base.size
+impl_stride: Callable[[torch.Tensor], tuple[int, ...]] = _Base.stride
+impl_storage_offset: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
+                                                      _Base.storage_offset)
+impl_data_ptr: Callable[[torch.Tensor], int] = _Base.data_ptr
+impl_numel: Callable[[torch.Tensor], int] = _Base.numel
+impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
+impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
+impl_untyped_storage: Callable[[torch.Tensor], torch.UntypedStorage] = _Base.untyped_storage
+impl_is_inference: Callable[[torch.Tensor], bool] = _Base.is_inference
+impl_set_: Callable[..., torch.Tensor] = _Base.set_
+impl_key: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
+                                              operator.attrgetter("_cdata"))
 """:func:`impl_address` as a C callable, for ``map`` over many tensors (no bytecode per tensor)."""
+impl_dtype_of: Callable[[torch.Tensor], torch.dtype] = _Base.__dict__["dtype"].__get__
+""":func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
 
 _getters: dict[str, Any] = {
     name: _Base.__dict__[name].__get__
@@ -173,16 +205,16 @@ def _getter(name: str) -> Callable[[torch.Tensor], Any]:
     return lambda t: get(t, type(t))
 
 
-impl_dtype = cast(Callable[[torch.Tensor], torch.dtype], _getter("dtype"))
-impl_device = cast(Callable[[torch.Tensor], torch.device], _getter("device"))
-impl_is_meta = cast(Callable[[torch.Tensor], bool], _getter("is_meta"))
-impl_layout = cast(Callable[[torch.Tensor], torch.layout], _getter("layout"))
-impl_is_quantized = cast(Callable[[torch.Tensor], bool], _getter("is_quantized"))
-impl_requires_grad = cast(Callable[[torch.Tensor], bool], _getter("requires_grad"))
-impl_is_leaf = cast(Callable[[torch.Tensor], bool], _getter("is_leaf"))
-impl_base = cast(Callable[[torch.Tensor], "torch.Tensor | None"], _getter("_base"))
-impl_version = cast(Callable[[torch.Tensor], int], _getter("_version"))
-impl_is_nested = cast(Callable[[torch.Tensor], bool], _getter("is_nested"))
+impl_dtype: Callable[[torch.Tensor], torch.dtype] = _getter("dtype")
+impl_device: Callable[[torch.Tensor], torch.device] = _getter("device")
+impl_is_meta: Callable[[torch.Tensor], bool] = _getter("is_meta")
+impl_layout: Callable[[torch.Tensor], torch.layout] = _getter("layout")
+impl_is_quantized: Callable[[torch.Tensor], bool] = _getter("is_quantized")
+impl_requires_grad: Callable[[torch.Tensor], bool] = _getter("requires_grad")
+impl_is_leaf: Callable[[torch.Tensor], bool] = _getter("is_leaf")
+impl_base: Callable[[torch.Tensor], torch.Tensor | None] = _getter("_base")
+impl_version: Callable[[torch.Tensor], int] = _getter("_version")
+impl_is_nested: Callable[[torch.Tensor], bool] = _getter("is_nested")
 
 
 def is_wrapper_subclass(t: torch.Tensor) -> bool:
@@ -207,7 +239,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
-storage_address = cast(Callable[[torch.Tensor], int], getattr(torch._C, "_storage_address"))
+storage_address: Callable[[torch.Tensor], int] = getattr(torch._C, "_storage_address")
 """The key of ``t``'s storage without making a Python storage object (cheap, no gc): bound
 once, since per-step validity checks call it several times a member (0.2 us, not 0.8)."""
 
@@ -457,7 +489,7 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = [
-    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
+    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "all_gather_single", "reduce_scatter_single", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
     "UnsupportedTorchError", "check_supported", "missing_apis",
     "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
     "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",

@@ -12,7 +12,7 @@ import torch
 from attrs import define
 
 from . import torch_compat as tc
-from .registry import tensor_ref
+from .registry import Ref, tensor_ref
 
 
 @define(frozen=True)
@@ -38,10 +38,10 @@ class Trace:
     def __init__(
         self, info: UnreleasedOriginal, storage: torch.UntypedStorage, tensor: torch.Tensor | None
     ) -> None:
-        self.info = info
-        self.weak = tc.weak_storage(storage)
+        self.info: UnreleasedOriginal = info
+        self.weak: int = tc.weak_storage(storage)
         self.storage: torch.UntypedStorage | None = storage if info.kept_by_pool else None
-        self.tensor_ref = tensor_ref(tensor) if tensor is not None else None
+        self.tensor_ref: Ref | None = tensor_ref(tensor) if tensor is not None else None
 
     def alive(self) -> bool:
         return not tc.weak_expired(self.weak)

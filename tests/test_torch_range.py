@@ -163,5 +163,7 @@ def test_pyproject_and_docs_state_the_same_range() -> None:
     assert [d for d in deps if "<" in d] == ["torch<2.15"], deps
     compat = (REPO / "docs" / "compatibility.md").read_text()
     assert f"**torch {LO} to {TESTED}**" in compat
+    # the newest tested release has a passing row in the verified-releases table
+    assert re.search(rf"^\| {re.escape(TESTED)}\.\d+ \| 3\.\d+\.\d+ \| PASS \|", compat, re.M)
     assert SILENCE_ENV in compat
     assert "torch_npu 2.14.0 with torch 2.14.0" in compat

@@ -63,7 +63,7 @@ class Guard:
     defers them again through the epilogue (letting go of the lock and the gc pause)."""
 
     def __init__(self) -> None:
-        self.deferring = True
+        self.deferring: bool = True
         self.pending: list[tuple[int, FrameType | None]] = []
         self.deliver: Callable[[int, FrameType | None], None] = lambda signum, frame: None
 

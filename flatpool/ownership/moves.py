@@ -34,6 +34,12 @@ class SetMove:
     """``obj`` came from storage ``key`` at ``(offset, size, stride)`` with counter ``version``."""
 
     __slots__ = ("obj", "key", "offset", "size", "stride", "version")
+    obj: torch.Tensor
+    key: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    version: int
 
     def __init__(
         self, obj: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
@@ -51,6 +57,12 @@ class ImplSwap:
     """
 
     __slots__ = ("obj", "other", "other_ref", "impl", "version", "key", "geometry", "dtype")
+    obj: torch.Tensor
+    impl: int
+    version: int
+    key: int | None
+    geometry: Geometry | None
+    dtype: torch.dtype | None
 
     def __init__(
         self, obj: torch.Tensor, other: torch.Tensor, key: int | None, version: int,
@@ -83,6 +95,9 @@ class SlotSet:
     """``setattr(obj, name, ...)`` replaced ``old`` (a DTensor's ``_local_tensor``, say)."""
 
     __slots__ = ("obj", "name", "old")
+    obj: Any
+    name: str
+    old: Any
 
     def __init__(self, obj: Any, name: str, old: Any) -> None:
         self.obj, self.name, self.old = obj, name, old

@@ -36,6 +36,13 @@ class Member:
     """A tensor object to move, how, and where it sits now (its TensorImpl geometry)."""
 
     __slots__ = ("obj", "holder", "primary", "kind", "byte_offset", "size", "stride")
+    obj: torch.Tensor
+    holder: Holder | None
+    primary: bool
+    kind: int
+    byte_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
 
     def __init__(
         self, obj: torch.Tensor, holder: Holder | None, primary: bool, kind: int,
@@ -49,6 +56,9 @@ class Plan:
     """One original: its validated primary, storage key, members and slice."""
 
     __slots__ = ("primary", "key", "members", "slice", "allocated")
+    primary: Primary
+    key: int
+    allocated: bool
 
     def __init__(self, primary: Primary, key: int) -> None:
         self.primary = primary

@@ -92,8 +92,8 @@ class Transaction:
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
         self.weak: dict[int, int] = {}
-        self.committed = False
-        self.closed = False
+        self.committed: bool = False
+        self.closed: bool = False
 
     # -- originals -------------------------------------------------------------------------
     def track(self, storage: torch.UntypedStorage) -> int:

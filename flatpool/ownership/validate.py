@@ -105,6 +105,12 @@ class Primary:
 
     __slots__ = ("spec", "index", "inner", "storage", "extent", "shape", "dtype", "contiguous",
                  "external")
+    spec: AdoptSpec
+    index: int
+    extent: ByteRange
+    dtype: torch.dtype
+    contiguous: bool
+    external: bool
 
     def __init__(self, spec: AdoptSpec, index: int) -> None:
         self.spec, self.index = spec, index

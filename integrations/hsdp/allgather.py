@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from flatpool import torch_compat as tc
+
 from .layout import Bucket, MemberLayout
 from .protocol import ShardedParam
 
@@ -37,7 +39,7 @@ def fused_all_gather(
     flat = bucket.flat()
     world = dist.get_world_size(group)
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(out, flat, group=group)
+    tc.all_gather_single(out, flat, group=group)
     rows = out.view(world, flat.numel())
     return [_unshard(rows[:, m.offset : m.offset + m.numel], m) for m in bucket.members]
 
@@ -54,7 +56,7 @@ def per_param_all_gather(
     for m in members:
         data = params[m.index]._sharded_param_data.reshape(-1)
         out = torch.empty(world * data.numel(), dtype=data.dtype, device=data.device)
-        dist.all_gather_into_tensor(out, data.contiguous(), group=group)
+        tc.all_gather_single(out, data.contiguous(), group=group)
         result.append(_unshard(out.view(world, data.numel()), m))
     return result
 

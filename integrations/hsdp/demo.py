@@ -54,8 +54,8 @@ class ZeroThreeCase(nn.Module):
 
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.up: nn.Linear = nn.Linear(hidden, ffn, bias=False)
+        self.down: nn.Linear = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down(torch.relu(self.up(x)))

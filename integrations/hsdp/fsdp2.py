@@ -97,7 +97,7 @@ class FusedModule:
         self.groups: list[FSDPParamGroup] = list(fsdp_param_groups(module))
         self.buffers: list[GroupBuffers] = [GroupBuffers(skipped="not adopted yet")
                                             for _ in self.groups]
-        self.readoptions = 0
+        self.readoptions: int = 0
         """How many times a moved member was brought back (for tests and logs)."""
         self._handles: list[RemovableHandle] = []
         self.deferred = 0

@@ -57,7 +57,7 @@ class RankFailedError(FlatPoolError, RuntimeError):
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
         self.failures = failures
-        self.results = dict(results or {})
+        self.results: dict[int, Any] = dict(results or {})
 
 
 def set_local_device(device: str, local_rank: int) -> None:

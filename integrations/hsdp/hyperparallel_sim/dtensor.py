@@ -357,8 +357,8 @@ def dtensor_class(setter: Setter = "routed", data_ptr: DataPtr = "local") -> typ
 
 
 # Named generations, importable by spawned workers (pickling needs module-level names).
-HPDTensorRouted = dtensor_class("routed", "local")
-HPDTensorRebind = dtensor_class("rebind", "local")
+HPDTensorRouted: type[HPDTensorBase] = dtensor_class("routed", "local")
+HPDTensorRebind: type[HPDTensorBase] = dtensor_class("rebind", "local")
 
 
 def wrapper_storage_key(t: torch.Tensor) -> int | None:

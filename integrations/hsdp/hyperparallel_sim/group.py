@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
+from flatpool import torch_compat as tc
+
 from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
 
 
@@ -121,11 +123,11 @@ class HSDPParamGroupV1:
         self.calls: list[tuple[str, Any]] = []
         self.hsdp_params = hsdp_params
         self.mesh_info = mesh
-        self.device = device or torch.device("cpu")
-        self.shard_rank = mesh.shard_mesh_rank
-        self.shard_world_size = mesh.shard_mesh_size
-        self.shard_group = mesh.shard_process_group
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.device: torch.device = device or torch.device("cpu")
+        self.shard_rank: int = mesh.shard_mesh_rank
+        self.shard_world_size: int = mesh.shard_mesh_size
+        self.shard_group: Any = mesh.shard_process_group
+        self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
         self.enable_zero_copy = enable_zero_copy
         self.ag_output: torch.Tensor | None = None
         self._metadata: AllGatherMetadata | None = None
@@ -219,7 +221,7 @@ class HSDPParamGroupV1:
             inp = all_gather_copy_in(inputs, self.ag_output, md.inp_split_sizes,
                                      md.total_input_numel, rank)
         self.last_all_gather_input = inp
-        handle = dist.all_gather_into_tensor(self.ag_output, inp, group=self.shard_group)
+        handle = tc.all_gather_single(self.ag_output, inp, group=self.shard_group)
         self._result = (self.ag_output, md, handle)
 
     def wait_for_unshard(self) -> None:
@@ -300,9 +302,9 @@ class HSDPParamGroupBucketed:
                  init_flat: Callable[[Any, Any], None] | None = None,
                  is_valid: Callable[[Any], bool] | None = None) -> None:
         self.hsdp_params = hsdp_params
-        self.device = device or torch.device("cpu")
+        self.device: torch.device = device or torch.device("cpu")
         self.enable_zero_copy = enable_zero_copy
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
         self.bucket_cls = bucket_cls
         self._init_flat_hook = init_flat
         self._is_valid_hook = is_valid
@@ -367,7 +369,7 @@ class HSDPParamGroupBucketed:
                 inputs = [t for p in b.hsdp_params for t in p.all_gather_inputs]
                 inp = all_gather_copy_in(inputs, out, md.inp_split_sizes, md.total_input_numel,
                                          b.shard_rank)
-            handle = dist.all_gather_into_tensor(out, inp, group=b.shard_group)
+            handle = tc.all_gather_single(out, inp, group=b.shard_group)
             b.all_gather_result = (inp, out, handle)
 
     def wait_for_unshard(self) -> None:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from attrs import define
 from torch import nn
 
+from flatpool import torch_compat as tc
+
 from .dtensor import HPDTensorBase, ShardLayout
 
 Flavor = Literal["even", "padded"]
@@ -84,13 +86,13 @@ class HSDPParam:
         self.mesh_info = mesh
         self.flavor = flavor
         self.dtensor_cls = dtensor_cls
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
         self.offload_to_cpu = False
         self.pin_memory = False
         self.param_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
         self.orig_dtype: torch.dtype | None = None
-        self.hsdp_placement = Shard(0)
+        self.hsdp_placement: Shard = Shard(0)
         self._unsharded_param: nn.Parameter | None = None
         self.all_gather_outputs: list[torch.Tensor] = []
         self._init_sharded_param(module._parameters[param_name])  # type: ignore[arg-type]
@@ -139,14 +141,14 @@ class HSDPParam:
                     padded.narrow(0, 0, length).copy_(local)
                 self._sharded_param_data = padded.view(-1)
                 local = padded.narrow(0, 0, length)
-        self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
+        self.contiguous_sharded_stride: tuple[int, ...] = contiguous_strides(self.sharded_size)
         # nn.Parameter(DTensor) takes torch's custom-tensor path: detach() -> a new wrapper
         # whose _local_tensor is local.detach(); both share local's storage.
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local))
         self.sharded_param.requires_grad_(param.requires_grad)
         self._setattr_on_modules(self.sharded_param)
         self.sharded_param._hsdp_param_initialized = True  # type: ignore[attr-defined]
-        self.sharded_state = ShardedState.SHARDED
+        self.sharded_state: ShardedState = ShardedState.SHARDED
 
     def init_dtype_attrs(self, mp: MixedPrecisionPolicy) -> None:
         param_dtype, reduce_dtype = mp.param_dtype, mp.reduce_dtype
@@ -244,7 +246,7 @@ class HSDPParam:
         """Per-parameter all-gather (comm_fusion off): the reference path."""
         inp = self.all_gather_inputs[0]
         out = torch.empty(inp.numel() * self.shard_world_size, dtype=inp.dtype, device=inp.device)
-        dist.all_gather_into_tensor(out, inp, group=self.mesh_info.shard_process_group)
+        tc.all_gather_single(out, inp, group=self.mesh_info.shard_process_group)
         self.all_gather_outputs = [out]
 
     def init_unsharded_param(self) -> None:
@@ -277,7 +279,7 @@ class HSDPParam:
             padded.narrow(0, 0, grad.size(0)).copy_(grad)
             grad = padded
         out = grad.new_empty(grad.numel() // world)
-        dist.reduce_scatter_tensor(out, grad.contiguous().view(-1), op=dist.ReduceOp.AVG,
+        tc.reduce_scatter_single(out, grad.contiguous().view(-1), op=dist.ReduceOp.AVG,
                                    group=self.mesh_info.shard_process_group)
         shard = out.narrow(0, 0, math.prod(self.sharded_size)).view(self.sharded_size)
         if shard.dtype != self.orig_dtype:

@@ -21,7 +21,7 @@ import torch
 from attrs import define
 from torch import nn
 
-from .dtensor import dtensor_class, skip_dtensor_dispatch
+from .dtensor import HPDTensorBase, dtensor_class, skip_dtensor_dispatch
 from .group import HSDPParamGroupBucketed, HSDPParamGroupV1
 from .measure import Originals, census, digest
 from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
@@ -57,8 +57,8 @@ class TwoWeights(nn.Module):
 
     def __init__(self, rows: int, cols: int) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(rows, cols))
-        self.w2 = nn.Parameter(torch.empty(rows, cols))
+        self.w1: nn.Parameter = nn.Parameter(torch.empty(rows, cols))
+        self.w2: nn.Parameter = nn.Parameter(torch.empty(rows, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ self.w1.T) @ self.w2
@@ -81,23 +81,23 @@ class FullyShardUnit:
                  is_valid: Callable[..., Any] | None = None,
                  group_cls: type | None = None) -> None:
         self.cfg = cfg
-        self.mesh = ShardMesh.world()
-        self.dtensor_cls = dtensor_class(cfg.setter, cfg.data_ptr)
+        self.mesh: ShardMesh = ShardMesh.world()
+        self.dtensor_cls: type[HPDTensorBase] = dtensor_class(cfg.setter, cfg.data_ptr)
         mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype)
         meta = cfg.materialize != "eager"
-        self.device = torch.device(cfg.device)
+        self.device: torch.device = torch.device(cfg.device)
         with torch.device("meta") if meta else self.device:
-            self.module = TwoWeights(cfg.rows, cfg.cols)
+            self.module: TwoWeights = TwoWeights(cfg.rows, cfg.cols)
         if not meta:
             with torch.no_grad():
                 for w, full in zip((self.module.w1, self.module.w2), full_weights(cfg)):
                     w.copy_(full)
-        self.hsdp_params = [
+        self.hsdp_params: list[HSDPParam] = [
             HSDPParam(self.module, name, self.mesh, dtensor_cls=self.dtensor_cls,
                       flavor=cfg.flavor, mp_policy=mp)
             for name in ("w1", "w2")
         ]
-        self.originals = Originals.of(self)  # before the group: V1 fuses inside __init__
+        self.originals: Originals = Originals.of(self)  # before the group: V1 fuses inside __init__
         self.group: Any = None
         if cfg.group in ("v1", "zero_copy"):
             cls = group_cls or HSDPParamGroupV1
