@@ -40,7 +40,6 @@ def _shapes(n: int, seed: int = 0) -> list[tuple[int, ...]]:
 def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
     import torch
 
-    from flatpool import FlatPool
     from flatpool.optim import FlatOptimizer
 
     shapes = _shapes(n)
@@ -59,24 +58,16 @@ def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
         opt.step()  # state made: every timed step is a warm one
         steps[name] = opt.step
     ps = params()
-    pool = FlatPool(alignment=1, name="bench")
-    pool.adopt(ps)
     opt = torch.optim.AdamW(ps, foreach=True, **kw)  # type: ignore[arg-type]
-    fo = FlatOptimizer(opt, [pool])
-    with torch.no_grad():
-        for p in ps:
-            assert p.grad is not None
-            p.grad.normal_(generator=g)
+    fo = FlatOptimizer(opt, [_adopted(ps, "bench")])
+    _fill_grads(ps, g)
     fo.step()
     steps["flat"] = fo.step
     ps2 = params()
     module = torch.nn.ParameterList(ps2)  # a module for the forward hook of verify="forward"
     fo_fw = FlatOptimizer(torch.optim.AdamW(ps2, foreach=True, **kw),  # type: ignore[arg-type]
-                          [_adopted(ps2)], module=module, verify="forward")
-    with torch.no_grad():
-        for p in ps2:
-            assert p.grad is not None
-            p.grad.normal_(generator=g)
+                          [_adopted(ps2, "bench-fw")], module=module, verify="forward")
+    _fill_grads(ps2, g)
     fo_fw.step()
     steps["flat_forward"] = fo_fw.step
     steps["forward_checks"] = lambda: fo_fw._pre_forward()
@@ -89,12 +80,22 @@ def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
     return steps, total
 
 
-def _adopted(ps: list[Any]) -> Any:
+def _adopted(ps: list[Any], name: str) -> Any:
     from flatpool import FlatPool
 
-    pool = FlatPool(alignment=1, name="bench-fw")
+    pool = FlatPool(alignment=1, name=name)
     pool.adopt(ps)
     return pool
+
+
+def _fill_grads(ps: list[Any], g: Any) -> None:
+    """Random values in the pooled gradients (the flat optimizer made them, zeroed)."""
+    import torch
+
+    with torch.no_grad():
+        for p in ps:
+            assert p.grad is not None
+            p.grad.normal_(generator=g)
 
 
 def peak_bytes(step: Callable[[], object]) -> int:
