@@ -195,8 +195,18 @@ def clone(v: torch.Tensor) -> torch.Tensor:
 def reload_in_place(mesh: DeviceMesh) -> None:
     """Model and optimizer state reloaded mid-training (in-place ``load_state_dict`` of the
     module, ``load_state_dict`` of a deep copy of the optimizer's): the flat step re-adopts the
-    new state tensors into its pools once and goes on identically. (``to_empty`` after fusion is
-    not tested here: the HSDP layer's weak references make FSDP2's ``swap_tensors`` refuse it.)"""
+    new state tensors into its pools once and goes on identically."""
+    _reload(mesh, to_empty=False)
+
+
+def to_empty_reload(mesh: DeviceMesh) -> None:
+    """``model.to_empty(device="cpu")`` mid-training (FSDP2 swaps every DTensor parameter for
+    new memory), then the module's and the optimizer's state loaded back: the fusion hooks
+    re-adopt the new shards, the flat step re-plans once, and training goes on identically."""
+    _reload(mesh, to_empty=True)
+
+
+def _reload(mesh: DeviceMesh, *, to_empty: bool) -> None:
     ref = build(mesh, fuse=False)
     flat = build(mesh, fuse=True)
     for m, o, fo in (ref, flat):
@@ -206,6 +216,8 @@ def reload_in_place(mesh: DeviceMesh) -> None:
         osd = {"state": {k: {kind: clone(v) for kind, v in st.items()} for k, st in sd["state"].items()},
                "param_groups": copy.deepcopy(sd["param_groups"])}
         del sd
+        if to_empty:
+            m.to_empty(device="cpu")
         m.load_state_dict(msd)
         o.load_state_dict(osd)
         del msd, osd
@@ -218,7 +230,8 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     return {"fsdp2-flat-vs-foreach": lambda: flat_vs_foreach(mesh),
             "fsdp2-dcp-resume": lambda: dcp_resume(mesh),
             "fsdp2-no_sync-verify_forward": lambda: no_sync_and_forward_checks(mesh),
-            "fsdp2-reload-in-place": lambda: reload_in_place(mesh)}
+            "fsdp2-reload-in-place": lambda: reload_in_place(mesh),
+            "fsdp2-to_empty-reload": lambda: to_empty_reload(mesh)}
 
 
 def run_all() -> dict[str, str | None]:

@@ -1,6 +1,6 @@
 """2-rank gloo: flat optimizer steps over FSDP2's fused groups vs torch's foreach step
 (20 AdamW steps, clipping, 2-step accumulation), storage counts, DCP save + resume, no_sync
-accumulation with the checks in the forward hook, model and optimizer state reloaded mid-training (re-adoption)."""
+accumulation with the checks in the forward hook, model and optimizer state reloaded mid-training (re-adoption), also after ``to_empty``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from flatpool.integrations.hsdp.launch import launch
 
 SCENARIOS = ["fsdp2-flat-vs-foreach", "fsdp2-dcp-resume", "fsdp2-no_sync-verify_forward",
-             "fsdp2-reload-in-place"]
+             "fsdp2-reload-in-place", "fsdp2-to_empty-reload"]
 
 
 @pytest.fixture(scope="module")
