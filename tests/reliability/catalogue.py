@@ -1190,20 +1190,23 @@ ROWS: tuple[Row, ...] = (
     Row("dlpack-numpy", "a tensor a DLPack consumer reads (numpy.from_dlpack(t))",
         _dlpack_numpy, flatpool.PinnedStorageError, DLPACK_PIN,
         "nothing changed; the consumer keeps reading the original (it read freed memory before)"),
-    Row("dlpack-warn", "the same with on_pinned='warn'", _dlpack_warn, UserWarning,
+    Row("dlpack-warn", "the same with on_pinned='warn'", _dlpack_warn,
+        flatpool.OriginalKeptAliveWarning,
         DLPACK_PIN, "adopted; the original stays alive for the consumer (released=False, "
         "freed_bytes 0; kept_by_pool where the consumer holds the moved tensor itself, torch "
         ">= 2.8) until it lets go"),
     Row("numpy-method", "a tensor whose t.numpy() array is alive", _numpy_method,
         flatpool.PinnedStorageError, r"numpy array of t\.numpy\(\)",
         "nothing changed; the array's base tensor is named"),
-    Row("from-numpy", "a torch.from_numpy(array) tensor", _from_numpy, UserWarning,
+    Row("from-numpy", "a torch.from_numpy(array) tensor", _from_numpy,
+        flatpool.ExternalMemoryWarning,
         r"no longer shares", "adopted; external=True, freed_bytes 0 (numpy still owns that "
         "memory); the warning says the tensor stops sharing memory with the array"),
-    Row("frombuffer", "a torch.frombuffer(bytearray) tensor", _frombuffer, UserWarning,
+    Row("frombuffer", "a torch.frombuffer(bytearray) tensor", _frombuffer,
+        flatpool.ExternalMemoryWarning,
         r"no longer shares", "adopted; external=True, freed_bytes 0"),
     Row("shared-memory", "a tensor in shared memory (t.share_memory_(), as torch.multiprocessing "
-        "shares it)", _shared_memory, UserWarning, r"no longer shares",
+        "shares it)", _shared_memory, flatpool.ExternalMemoryWarning, r"no longer shares",
         "adopted; external=True, freed_bytes 0 (other processes keep the segment; it was "
         "reported freed before)"),
     Row("raw-pointer", "a consumer holding only t.data_ptr() (ctypes, numpy.ctypeslib.as_array, a "
