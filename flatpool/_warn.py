@@ -35,9 +35,18 @@ def _import_machinery(filename: str) -> bool:
     return "importlib" in filename and "_bootstrap" in filename
 
 
-def caller_stacklevel() -> int:
+def _in_torch(filename: str) -> bool:
+    torch = sys.modules.get("torch")
+    where = getattr(torch, "__file__", None)
+    if not where:
+        return False
+    return os.path.abspath(filename).startswith(os.path.dirname(os.path.abspath(where)) + os.sep)
+
+
+def caller_stacklevel(*, past_torch: bool = False) -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` made by the caller of this function) that
-    names the first frame outside flatpool.
+    names the first frame outside flatpool (and outside torch with ``past_torch``: a hook
+    that torch calls from ``nn.Module._call_impl`` is the user's ``model(x)`` line's doing).
 
     A warning raised while flatpool imports goes to the user's ``import`` line: the walk passes
     through importlib's frames too, without counting them, since ``warnings`` skips them."""
@@ -45,7 +54,7 @@ def caller_stacklevel() -> int:
     frame = sys._getframe(1)  # the function that will call warnings.warn
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (_inside(name) or _import_machinery(name)):
+        if not (_inside(name) or _import_machinery(name) or (past_torch and _in_torch(name))):
             break
         frame = frame.f_back  # type: ignore[assignment]
         if frame is not None and not _import_machinery(frame.f_code.co_filename):
@@ -53,6 +62,7 @@ def caller_stacklevel() -> int:
     return level
 
 
-def warn(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the first frame outside flatpool."""
-    warnings.warn(message, category, stacklevel=caller_stacklevel())
+def warn(message: str, category: type[Warning], *, past_torch: bool = False) -> None:
+    """``warnings.warn`` attributed to the first frame outside flatpool (and outside torch
+    with ``past_torch``, for warnings from hooks torch runs)."""
+    warnings.warn(message, category, stacklevel=caller_stacklevel(past_torch=past_torch))

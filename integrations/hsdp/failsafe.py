@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from attrs import evolve
 
 from flatpool import FlatPoolError, OnPinned, OriginalKeptAliveWarning
-from flatpool._warn import logger
+from flatpool._warn import logger, warn
 from flatpool.errors import UnfusedGroupWarning
 
 from .group import GroupBuffers
-from .kept import KeptAlive, warn_from_hook
+from .kept import KeptAlive
 from .protocol import ShardedParam
 from .validity import is_valid, needs_replan, readopt_group
 
@@ -96,8 +96,8 @@ def keep_fused(
         if reason not in told:
             told.add(reason)
             logger.info("%s: %s", where, out.skipped)  # the warning is the alert
-            warn_from_hook(f"{where}: {out.skipped}. It is tried again at the next step.",
-                           UnfusedGroupWarning)
+            warn(f"{where}: {out.skipped}. It is tried again at the next step.",
+                 UnfusedGroupWarning, past_torch=True)
     out.kept.report()
     return out, moved
 

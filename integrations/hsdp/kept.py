@@ -12,30 +12,12 @@ holder outside Python that has gone since (``FlatPool.release_kept``).
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Sequence
 
-import torch
 from attrs import define
 
 from flatpool import AdoptionReport, FlatPool, OriginalKeptAliveWarning
-from flatpool._warn import _inside, caller_stacklevel, logger
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def warn_from_hook(message: str, category: type[Warning]) -> None:
-    """``flatpool._warn.warn`` for a hook: attributed to the first frame outside flatpool
-    *and torch* (the user's ``model(x)``, not ``nn.Module._call_impl``)."""
-    level = caller_stacklevel()  # first frame outside flatpool, counted from here
-    frame = sys._getframe(level - 1) if level > 1 else None
-    while frame is not None and (_inside(frame.f_code.co_filename) or os.path.abspath(
-            frame.f_code.co_filename).startswith(_TORCH_DIR)):
-        frame = frame.f_back
-        level += 1
-    warnings.warn(message, category, stacklevel=level)
+from flatpool._warn import logger, warn
 
 
 @define(frozen=True)
@@ -97,9 +79,9 @@ class KeptAlive:
         todo, self._unreported = self._unreported, []
         for kept in todo:
             logger.info("kept alive: %s", kept.describe())  # the warning is the alert
-            warn_from_hook(f"{kept.describe()}. Training goes on from the pool; the memory comes "
-                           "back at the first step after those references are dropped.",
-                           OriginalKeptAliveWarning)
+            warn(f"{kept.describe()}. Training goes on from the pool; the memory comes "
+                 "back at the first step after those references are dropped.",
+                 OriginalKeptAliveWarning, past_torch=True)
 
     def refresh(self) -> int:
         """Forget the originals that died (and let a pool release the ones it kept for a holder
@@ -126,4 +108,4 @@ class KeptAlive:
         return len(self._items)
 
 
-__all__ = ["KeptAlive", "KeptOriginal", "warn_from_hook"]
+__all__ = ["KeptAlive", "KeptOriginal"]
