@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import pytest
 from attrs import define
 
 from flatpool.testing import set_fault_hook
+from torchrun_jobs import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *(f"docs/{n}" for n in ("pool.md", "ownership.md", "census.md", "meta.md",
@@ -115,12 +113,7 @@ def test_script_runs_on_two_torchrun_ranks(block: Block, tmp_path: Path) -> None
     """The complete FSDP2 script of docs/integration.md, as a user runs it."""
     script = tmp_path / "example.py"
     script.write_text(block.source)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_torchrun([str(script)], cwd=tmp_path)
     assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     for rank in (0, 1):
         assert f"rank {rank}: fused and valid after 3 steps" in proc.stdout, proc.stdout

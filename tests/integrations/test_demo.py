@@ -3,10 +3,7 @@ its progress lines, for both clients, and the HyperParallel client under torchru
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 
 from flatpool.integrations.hsdp import demo, demo_hyperparallel
 from flatpool.memory.viz import COLOURS
+from torchrun_jobs import run_torchrun
 
 HP_MODES = [m for m, _, _ in demo_hyperparallel.modes(4, 4, "cpu")]
 
@@ -73,13 +71,8 @@ def test_hyperparallel_client_draws_and_reports_progress(
 def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
     """Under torchrun each process is one rank of one job: one header, each rank's table once
     (each rank used to start its own 2-rank job, so every table came twice)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "flatpool.integrations.hsdp.demo", "--client", "hyperparallel", "--hidden", "32",
-         "--ffn", "64", "--steps", "1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_torchrun(["-m", "flatpool.integrations.hsdp.demo", "--client", "hyperparallel",
+                         "--hidden", "32", "--ffn", "64", "--steps", "1"], cwd=tmp_path)
     out = proc.stdout
     report = f"exit code {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report
