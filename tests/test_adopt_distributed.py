@@ -7,14 +7,13 @@ One 2-rank job (``flatpool.integrations.hsdp.launch``) runs every scenario; each
 from __future__ import annotations
 
 import copy
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from scenario_runs import run_scenarios
 
 SCENARIOS = (
     "train_bit_identical",
@@ -173,18 +172,7 @@ def run_all() -> dict[str, str | None]:
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
-    results: dict[str, str | None] = {}
-    for name in SCENARIOS:
-        try:
-            globals()[f"_s_{name}"](mesh)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-            # Now, not only in the result: if the other rank is left waiting in a collective,
-            # the job ends by timeout and this is what says why (launch shows ranks' stderr).
-            print(f"rank {dist.get_rank()} {name}:\n{results[name]}", file=sys.stderr, flush=True)
-        dist.barrier()
-    return results
+    return run_scenarios({name: lambda n=name: globals()[f"_s_{n}"](mesh) for name in SCENARIOS})
 
 
 # -- test side ---------------------------------------------------------------------------------

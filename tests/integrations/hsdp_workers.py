@@ -6,7 +6,6 @@ them all in one job (a spawn costs seconds) and reports ``{name: None | tracebac
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ from flatpool import local_tensor, same_storage
 from flatpool.integrations.hsdp.allgather import fused_all_gather, per_param_all_gather
 from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
+from scenario_runs import run_scenarios
 
 STEPS = 3
 
@@ -329,14 +329,4 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
 
 def run_all() -> dict[str, str | None]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results: dict[str, str | None] = {}
-    for name, fn in scenarios(mesh).items():
-        try:
-            fn()
-            results[name] = None
-        except TorchRefuses as e:
-            results[name] = f"SKIP: {e}"
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results
+    return run_scenarios(scenarios(mesh), skips=(TorchRefuses,))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded
 from flatpool.integrations.hsdp.fsdp2 import lazy_init
 from flatpool.integrations.hsdp.members import data_of, impl_dtype
+from scenario_runs import run_scenarios
 
 STEPS = 3
 
@@ -362,17 +362,7 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
 
 def run_all(only: str = "") -> dict[str, str | None]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results: dict[str, str | None] = {}
-    for name, fn in scenarios(mesh).items():
-        if only and only not in name:
-            continue
-        try:
-            fn()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results
+    return run_scenarios({name: fn for name, fn in scenarios(mesh).items() if only in name})
 
 
 __all__ = ["run_all", "scenarios"]

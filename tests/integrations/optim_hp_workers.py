@@ -4,7 +4,6 @@ accumulated before the reduce-scatter (HyperParallel's ``no_sync`` shape)."""
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from typing import Any
 
@@ -17,6 +16,7 @@ from flatpool.integrations.hsdp.demo_hyperparallel import BUCKET_HOOKS, V1_HOOKS
 from flatpool.integrations.hsdp.hyperparallel_sim import Config, FullyShardUnit, skip_dtensor_dispatch
 from flatpool.integrations.hsdp.hyperparallel_sim.unit import batch
 from flatpool.optim import FlatOptimizer
+from scenario_runs import run_scenarios
 
 STEPS = 20
 MAX_NORM = 0.05
@@ -102,15 +102,7 @@ def compare(name: str) -> None:
 
 
 def run_all() -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for name in CONFIGS:
-        try:
-            compare(name)
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results
+    return run_scenarios({name: lambda n=name: compare(n) for name in CONFIGS})
 
 
 __all__ = ["CONFIGS", "run_all"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from flatpool import census, local_tensor
 from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
 from flatpool.integrations.hsdp.optim import flat_optimizer
 from flatpool.optim import FlatOptimizer
+from scenario_runs import run_scenarios
 
 STEPS = 20
 ACCUMULATE = 2
@@ -236,15 +236,7 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
 
 def run_all() -> dict[str, str | None]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results: dict[str, str | None] = {}
-    for name, fn in scenarios(mesh).items():
-        try:
-            fn()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results
+    return run_scenarios(scenarios(mesh))
 
 
 __all__ = ["run_all", "scenarios"]

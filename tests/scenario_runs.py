@@ -1,0 +1,43 @@
+"""Run a rank's named scenarios one after another, every rank in step, each failure reported.
+
+The multi-rank test jobs start one process group and run many scenarios in it (a group start
+costs seconds on the loaded machine). Each scenario's exception becomes its traceback in the
+result instead of ending the job, and is printed to stderr at once: if the other rank is left
+waiting in a collective, the job ends by timeout and this is what says why (``launch`` shows
+the ranks' stderr). A barrier after every scenario keeps the ranks on the same one.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+
+import torch.distributed as dist
+
+
+def run_scenarios(
+    cases: Mapping[str, Callable[[], object]],
+    *,
+    skips: tuple[type[BaseException], ...] = (),
+) -> dict[str, str | None]:
+    """``{name: None | "SKIP: reason" | traceback}`` for each case, in order.
+
+    ``skips``: exception types that mean "this torch cannot run the scenario" (reported as
+    ``SKIP: ...``, which the test side turns into a skip), not a failure.
+    """
+    results: dict[str, str | None] = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            results[name] = None
+        except skips as exc:
+            results[name] = f"SKIP: {exc}"
+        except Exception:  # noqa: BLE001 - reported per scenario
+            results[name] = traceback.format_exc()
+            print(f"rank {dist.get_rank()} {name}:\n{results[name]}", file=sys.stderr, flush=True)
+        dist.barrier()
+    return results
+
+
+__all__ = ["run_scenarios"]
