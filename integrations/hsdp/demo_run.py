@@ -120,9 +120,9 @@ def _torchrun_rank(
             code[0] = report([g for g in gathered if g is not None], time.perf_counter() - t0)
             _say_pictures(cfg)
         dist.broadcast_object_list(code, src=0)
-        # Every rank past its last collective before any tears gloo down: a rank destroying
-        # its group while a peer still finishes the broadcast aborted that peer at exit
-        # ("terminate called without an active exception"; seen on a loaded machine).
+        # Every rank past its last collective before any tears gloo down. (An abort at exit,
+        # "terminate called without an active exception", is a torch bug this does not
+        # prevent: docs/compatibility.md, "A rank that aborts at exit on gloo".)
         dist.barrier()
         return int(code[0])
     finally:
