@@ -20,6 +20,7 @@ runs the full rules, which decide (and remember again when they pass).
 from __future__ import annotations
 
 import operator
+from itertools import chain, repeat
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,12 +79,26 @@ class BucketReads:
     """Positions whose wrapper has no memory: identity and impl checked."""
     objects: list[torch.Tensor]
     impls: list[int]
+    raw: tc.ImplSnapshot | None = None
+    """The impl words of every data, local tensor and (when it is not its own local tensor)
+    wrapper, compared in one vectorized read when it can run
+    (:func:`flatpool.torch_compat.impl_unchanged`); else the per-field lists above serve."""
 
 
 def _reads(ts: list[torch.Tensor], offsets: list[int]) -> Reads:
     ptrs = list(map(tc.impl_data_ptr, ts))
     return Reads(ptrs, list(map(tc.impl_size, ts)),
                  [(i, at) for i, (p, at) in enumerate(zip(ptrs, offsets)) if p == 0])
+
+
+def _snapshot(data: list[torch.Tensor], locals_: list[torch.Tensor],
+              wrappers: list[torch.Tensor], key: int) -> tc.ImplSnapshot | None:
+    """The impl words of the data, local tensors (and wrappers) in one snapshot; the wrappers'
+    geometry is not relied on (only their storage key and impl pointer)."""
+    ts = data + locals_
+    if not all(map(_eq, map(tc.storage_address, ts), repeat(key))):
+        return None  # (the rules passed, so each is on the pool: never trust less)
+    return tc.impl_snapshot(ts + wrappers, geometry=len(ts))
 
 
 def _members(params: Sequence[ShardedParam], r: BucketReads) -> list[Any]:
@@ -117,18 +132,20 @@ def _bucket(b: Bucket, params: Sequence[ShardedParam]) -> BucketReads | None:
         if len(locals_) != len(wrappers):
             return None
     keys = list(map(tc.storage_address, wrappers)) if own_local else []
+    data = list(map(_data, ps))
     with_memory = [i for i, k in enumerate(keys) if k == key]
     less = [i for i, k in enumerate(keys) if k != key]
     return BucketReads(
         bucket=b, key=key, base=base, indices=indices, span=span,
         slice_ids=[m.slice.slice_id for m in members if m.slice is not None],
         slices=[m.slice for m in members if m.slice is not None],
-        data=_reads(list(map(_data, ps)), at), types=types, own_local=own_local,
+        data=_reads(data, at), types=types, own_local=own_local,
         local=_reads(locals_, at), wrapper_keys=keys, with_memory=with_memory,
         at=[at[i] for i in with_memory],
         shapes=[tc.impl_size(wrappers[i]) for i in with_memory],
         storage_less=less, objects=[wrappers[i] for i in less],
-        impls=[tc.impl_address(wrappers[i]) for i in less])
+        impls=[tc.impl_address(wrappers[i]) for i in less],
+        raw=_snapshot(data, locals_, wrappers if own_local else [], key))
 
 
 def remember(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> None:
@@ -159,16 +176,29 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
             or not pool.all_live(r.slice_ids, r.slices)):
         return False
     ps = _members(params, r)
-    if len(ps) != len(r.indices):
+    n = len(ps)
+    if n != len(r.indices):
         return False  # fewer parameters than members (``map`` would stop at the shorter)
-    if not _same(list(map(_data, ps)), r.data, r.key):
-        return False
+    fast: bool | None = None
+    if not r.own_local:  # the parameter is its own local tensor (its type is read with it)
+        if r.raw is not None:
+            fast = tc.impl_unchanged(chain(map(_data, ps), map(_wrapper, ps)), 2 * n, r.raw)
+        if fast is not None:
+            return fast
+        wrappers = list(map(_wrapper, ps))
+        return (_same(list(map(_data, ps)), r.data, r.key)
+                and all(map(_is, map(type, wrappers), r.types))
+                and _same(wrappers, r.local, r.key))
     wrappers = list(map(_wrapper, ps))
-    if not all(map(_is, map(type, wrappers), r.types)):
-        return False
-    if not r.own_local:
-        return _same(wrappers, r.local, r.key)
-    if not (_same(list(map(_local, wrappers)), r.local, r.key)
+    if r.raw is not None:  # the wrappers' types, storage keys and impls are in the read
+        fast = tc.impl_unchanged(chain(map(_data, ps), map(_local, wrappers), wrappers),
+                                 3 * n, r.raw)
+        if fast is False:
+            return False
+    if not fast and not (
+            _same(list(map(_data, ps)), r.data, r.key)
+            and all(map(_is, map(type, wrappers), r.types))
+            and _same(list(map(_local, wrappers)), r.local, r.key)
             and all(map(_eq, map(tc.storage_address, wrappers), r.wrapper_keys))):
         return False
     if r.with_memory:
@@ -180,7 +210,7 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
         less = (wrappers if len(r.storage_less) == len(wrappers)
                 else list(map(wrappers.__getitem__, r.storage_less)))
         if not (all(map(_is, less, r.objects))
-                and all(map(_eq, map(tc.impl_key, less), r.impls))):
+                and (fast or all(map(_eq, map(tc.impl_key, less), r.impls)))):
             return False
     return True
 
