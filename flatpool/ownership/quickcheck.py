@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from itertools import repeat
 from collections.abc import Callable
 from typing import Any
 
@@ -34,13 +35,15 @@ from ..state import PoolState
 
 _eq, _is = operator.eq, operator.is_
 _call: Callable[[Ref], Any] = getattr(operator, "call", None) or (lambda f: f())
+_param: Callable[[ParamRef], Any] = operator.attrgetter("_obj")
 _UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
 
 
 @define(frozen=True, eq=False)
 class PoolReads:
     """What the full check read of every binding of one pool, as lists in one order: the
-    unheld bindings (``refs``), then those found through an attribute, then through an item."""
+    unheld bindings (``refs``, then ``params``), then those found through an attribute, then
+    through an item."""
 
     version: int
     key: int
@@ -48,6 +51,10 @@ class PoolReads:
     slice_ids: list[int]
     slices: list[Slice]
     refs: list[Ref]
+    params: list[ParamRef]
+    """Parameters' references, read without the call (a Python function): a parameter its
+    model dropped is in place all the same (the full check skips it), and let go at the
+    pool's next look (``holds``, ``readopt``, relocation) as before."""
     attr_owners: list[Ref]
     attr_keys: list[Any]
     item_owners: list[Ref]
@@ -58,6 +65,9 @@ class PoolReads:
     dtypes: list[torch.dtype]
     empty: list[tuple[int, int]]
     """``(position, byte offset in the storage)`` of the empty tensors."""
+    raw: tc.ImplSnapshot | None = None
+    """The same objects' impl words (storage key, offset, sizes, strides, dtype), compared in
+    one vectorized read when it can run (:func:`flatpool.torch_compat.impl_unchanged`)."""
 
 
 _kept: weakref.WeakKeyDictionary[PoolState, PoolReads] = weakref.WeakKeyDictionary()
@@ -79,8 +89,9 @@ def remember(pool: PoolState) -> None:
     refs: list[Ref] = []
     attrs: tuple[list[Ref], list[Any]] = ([], [])
     items: tuple[list[Ref], list[Any]] = ([], [])
-    objs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
-    at: tuple[list[int], list[int], list[int]] = ([], [], [])
+    params: list[ParamRef] = []
+    objs: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    at: tuple[list[int], ...] = ([], [], [], [])
     for slice_id, records in pool.registry.items():
         slc = pool.live_slice(slice_id)
         if slc is None:
@@ -95,27 +106,33 @@ def remember(pool: PoolState) -> None:
                     continue
                 return  # a place that is empty now may hold a tensor again: full checks only
             kind = 0 if rec[5] is None else (2 if rec[7] else 1)
-            if kind == 0:
+            held: Any = getattr(ref, "_obj", None)
+            if kind == 0 and type(ref) is ParamRef and held is obj:
+                kind = 3
+                params.append(ref)
+            elif kind == 0:
                 refs.append(ref)
             else:
                 (items if kind == 2 else attrs)[0].append(ref)
                 (items if kind == 2 else attrs)[1].append(rec[6])
             objs[kind].append(obj)
             at[kind].append(slc.offset + rec[1])
-    every = objs[0] + objs[1] + objs[2]
-    where = at[0] + at[1] + at[2]
+    every = objs[0] + objs[3] + objs[1] + objs[2]
+    where = at[0] + at[3] + at[1] + at[2]
     with tc.no_torch_function():
         ptrs = list(map(tc.impl_data_ptr, every))
+        on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
         _kept[pool] = PoolReads(
             version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
-            refs=refs, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
+            refs=refs, params=params, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
-            empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0])
+            empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
+            raw=tc.impl_snapshot(every, strides=True) if on_pool else None)
 
 
 def _objects(r: PoolReads) -> list[torch.Tensor]:
-    return (list(map(_call, r.refs))
+    return (list(map(_call, r.refs)) + list(map(_param, r.params))
             + list(map(getattr, map(_call, r.attr_owners), r.attr_keys))
             + list(map(operator.getitem, map(_call, r.item_owners), r.item_keys)))
 
@@ -133,6 +150,10 @@ def still_in_place(pool: PoolState) -> bool | None:
         with tc.no_torch_function():
             try:
                 objs = _objects(r)
+                if r.raw is not None:  # one vectorized read, when it can run now
+                    fast = tc.impl_unchanged(iter(objs), len(objs), r.raw)
+                    if fast is not None:
+                        return True if fast else None
                 if not (all(map(_eq, map(tc.impl_data_ptr, objs), r.ptrs))
                         and all(map(_eq, map(tc.impl_size, objs), r.sizes))
                         and all(map(_eq, map(tc.impl_stride, objs), r.strides))
