@@ -5,7 +5,9 @@ hold it to the full rules: on every member kind the arrays are kept once the rul
 fast answer is ``True`` while nothing changed, and after every move the property test knows
 (and a few it cannot make: a reshape in place, an empty shard moved to another storage, a freed
 slice, a relocated pool, a parameter object replaced) the fast path does not answer and
-``is_valid`` agrees with ``problems``.
+``is_valid`` agrees with ``problems``. Every test runs twice: with the vectorized impl read
+(:func:`flatpool.torch_compat.impl_unchanged`, what answers on a healthy group) and with it
+switched off (the per-field lists, what a torch whose layout the probe does not know gets).
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from flatpool.integrations.hsdp.members import local_of
 from flatpool.integrations.hsdp.quickcheck import still_valid
 
 BROKEN = {"hp meta wrapper, materialized"}
+READS = ("vectorized", "per field")
+
+
+@pytest.fixture(params=READS, autouse=True)
+def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run each test on both readers; the vectorized one must really be in use."""
+    if request.param == "per field":
+        monkeypatch.setattr(tc, "RAW_LAYOUT", None)
+    else:
+        assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
+    return str(request.param)
 """Kinds adoption refuses on this branch (not this module's concern): checked when they adopt."""
 
 
@@ -45,11 +58,12 @@ def _group(mesh: Any, kind: str, n: int = 3) -> tuple[Any, list[Any]]:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_healthy_group_is_answered_from_the_arrays(mesh: Any, kind: str) -> None:
+def test_healthy_group_is_answered_from_the_arrays(mesh: Any, kind: str, reads: str) -> None:
     buffers, ps = _group(mesh, kind)
     assert still_valid(buffers, ps) is None  # nothing remembered before the rules ran
     assert is_valid(buffers, ps)
     assert buffers.wrapper_kinds.fast is not None
+    assert all((r.raw is not None) == (reads == "vectorized") for r in buffers.wrapper_kinds.fast)
     assert still_valid(buffers, ps) is True
     with torch.no_grad():  # an optimizer step writes values in place: still valid, still fast
         for p in ps:
@@ -159,3 +173,90 @@ def test_fewer_parameters_than_members_go_to_the_full_rules(mesh: Any) -> None:
     assert still_valid(buffers, ps[:2]) is None
     with pytest.raises(IndexError):
         is_valid(buffers, ps[:2])
+
+
+def _pool_view(p: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor object over exactly the member's local tensor's place (or in ``dtype``,
+    at the same element offset: other bytes when the element size differs)."""
+    local = local_of(p.sharded_param)
+    with tc.no_torch_function():
+        return torch.empty(0, dtype=dtype or tc.impl_dtype(local)).set_(
+            tc.impl_untyped_storage(local), tc.impl_storage_offset(local),
+            tuple(tc.impl_size(local)), tuple(tc.impl_stride(local)))
+
+
+def test_swap_tensors_moving_a_parameter_out_is_caught(mesh: Any) -> None:
+    """``swap_tensors`` changes the impl behind the same Python object: read it again each call."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    other = nn.Parameter(torch.zeros_like(ps[1].sharded_param.detach()))
+    torch.utils.swap_tensors(ps[1].sharded_param, other)
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+def test_swap_tensors_with_a_twin_in_place_is_rechecked_and_valid(mesh: Any,
+                                                                   reads: str) -> None:
+    """Another impl over the same place: the vectorized read (which names the impl) leaves it
+    to the full rules, which pass it, and the new impl is remembered; per field it reads the
+    same (pointer and shape), which is the rules' answer too."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps)
+    twin = nn.Parameter(_pool_view(ps[1]))
+    torch.utils.swap_tensors(ps[1].sharded_param, twin)
+    assert still_valid(buffers, ps) is (None if reads == "vectorized" else True)
+    assert is_valid(buffers, ps) and not problems(buffers, ps)
+    assert still_valid(buffers, ps) is True
+
+
+@pytest.mark.parametrize("kind", ["plain parameter", "torch DTensor padded"])
+def test_dot_data_onto_another_storage_is_caught(mesh: Any, kind: str) -> None:
+    buffers, ps = _group(mesh, kind)
+    assert is_valid(buffers, ps)
+    local = local_of(ps[1].sharded_param)
+    with torch.no_grad():
+        local.data = local.detach().clone()  # same impl, its storage replaced
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+@pytest.mark.parametrize("kind", ["plain parameter", "torch DTensor padded"])
+def test_set_to_another_element_size_at_the_same_offset_is_caught(mesh: Any, kind: str) -> None:
+    """Same storage, same element offset, same shape, half the element size: other bytes.
+    Only the dtype word tells (the offset is counted in elements)."""
+    buffers, ps = _group(mesh, kind)
+    assert is_valid(buffers, ps)
+    local = local_of(ps[1].sharded_param)
+    half = _pool_view(ps[1], torch.float16)
+    with tc.no_torch_function(), torch.no_grad():
+        assert tc.impl_storage_offset(half) > 0  # (member 1: its bytes differ)
+        tc.impl_set_(local, tc.impl_untyped_storage(half), tc.impl_storage_offset(half),
+                     tuple(tc.impl_size(half)), tuple(tc.impl_stride(half)))
+        if tc.impl_dtype(local) != torch.float16:
+            pytest.skip("set_ kept the dtype on this torch")
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+def test_another_thread_turns_the_vectorized_read_off(mesh: Any, reads: str) -> None:
+    """While another thread exists (it could swap an impl away and free it between two
+    reads), the vectorized read does not run; the per-field lists answer, still exactly."""
+    import threading
+
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not tc.sole_thread()
+        r = buffers.wrapper_kinds.fast[0]
+        if reads == "vectorized":
+            assert r.raw is not None
+            assert tc.impl_unchanged(iter(ps), len(ps), r.raw) is None
+        assert still_valid(buffers, ps) is True
+        _reshape_data(ps[1])
+        assert still_valid(buffers, ps) is None and not is_valid(buffers, ps)
+    finally:
+        stop.set()
+        other.join()
