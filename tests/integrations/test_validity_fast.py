@@ -12,6 +12,7 @@ switched off (the per-field lists, what a torch whose layout the probe does not 
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -230,10 +231,8 @@ def test_set_to_another_element_size_at_the_same_offset_is_caught(mesh: Any, kin
     half = _pool_view(ps[1], torch.float16)
     with tc.no_torch_function(), torch.no_grad():
         assert tc.impl_storage_offset(half) > 0  # (member 1: its bytes differ)
-        tc.impl_set_(local, tc.impl_untyped_storage(half), tc.impl_storage_offset(half),
-                     tuple(tc.impl_size(half)), tuple(tc.impl_stride(half)))
-        if tc.impl_dtype(local) != torch.float16:
-            pytest.skip("set_ kept the dtype on this torch")
+        local.data = half  # same impl, storage, element offset and shape; another dtype
+        assert tc.impl_dtype(local) == torch.float16
     assert still_valid(buffers, ps) is None
     assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
 
@@ -245,18 +244,110 @@ def test_another_thread_turns_the_vectorized_read_off(mesh: Any, reads: str) -> 
 
     buffers, ps = _group(mesh, "plain parameter")
     assert is_valid(buffers, ps)
+    r = buffers.wrapper_kinds.fast[0]
+
+    def tensors() -> Any:  # what the fast path reads, in its order
+        return chain((p._sharded_param_data for p in ps), (p.sharded_param for p in ps))
+
+    if reads == "vectorized":
+        assert r.raw is not None and tc.impl_unchanged(tensors(), 2 * len(ps), r.raw) is True
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
         assert not tc.sole_thread()
-        r = buffers.wrapper_kinds.fast[0]
         if reads == "vectorized":
-            assert r.raw is not None
-            assert tc.impl_unchanged(iter(ps), len(ps), r.raw) is None
+            assert tc.impl_unchanged(tensors(), 2 * len(ps), r.raw) is None
         assert still_valid(buffers, ps) is True
         _reshape_data(ps[1])
         assert still_valid(buffers, ps) is None and not is_valid(buffers, ps)
     finally:
         stop.set()
         other.join()
+
+
+def _set_local(p: Any, storage: torch.UntypedStorage, offset: int,
+               size: tuple[int, ...] | None = None) -> None:
+    local = local_of(p.sharded_param)
+    with tc.no_torch_function(), torch.no_grad():
+        tc.impl_set_(local, storage, offset, size or tuple(tc.impl_size(local)),
+                     tuple(tc.impl_stride(local)))
+
+
+@pytest.mark.parametrize("kind", ["plain parameter", "torch DTensor padded"])
+def test_only_the_storage_changed_is_caught(mesh: Any, kind: str) -> None:
+    """A copy of the pool's storage, the same element offset, shape and dtype: only the
+    storage identity differs."""
+    buffers, ps = _group(mesh, kind)
+    assert is_valid(buffers, ps)
+    local = local_of(ps[1].sharded_param)
+    with tc.no_torch_function():
+        copy = tc.impl_untyped_storage(local).clone()
+        offset = tc.impl_storage_offset(local)
+    _set_local(ps[1], copy, offset)
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+@pytest.mark.parametrize("kind", ["plain parameter", "torch DTensor padded"])
+def test_only_the_offset_changed_is_caught(mesh: Any, kind: str) -> None:
+    """The same storage, shape and dtype, one element further."""
+    buffers, ps = _group(mesh, kind)
+    assert is_valid(buffers, ps)
+    local = local_of(ps[1].sharded_param)
+    with tc.no_torch_function():
+        storage, offset = tc.impl_untyped_storage(local), tc.impl_storage_offset(local)
+    _set_local(ps[1], storage, offset + 1)
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+def test_only_a_size_changed_is_caught(mesh: Any) -> None:
+    """Same storage, offset, dimension count and dtype; one element fewer."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps)
+    data = ps[1]._sharded_param_data
+    with tc.no_torch_function(), torch.no_grad():
+        n = tc.impl_numel(data)
+        tc.impl_set_(data, tc.impl_untyped_storage(data), tc.impl_storage_offset(data),
+                     (n - 1,), (1,))
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
+_NOT_A_TENSOR = """
+import torch
+from torch import nn
+from flatpool import torch_compat as tc
+from flatpool.integrations.hsdp import adopt_group, is_valid
+from flatpool.integrations.hsdp.quickcheck import still_valid
+
+class Member:
+    def __init__(self):
+        self._sharded_param_data = torch.randn(8)
+        self.sharded_param = nn.Parameter(self._sharded_param_data)
+        self.sharded_size = torch.Size([8])
+        self.padded_sharded_param_size = torch.Size([8])
+        self.offload_to_cpu = False
+
+ps = [Member() for _ in range(3)]
+buffers = adopt_group(ps, world_size=2)
+assert is_valid(buffers, ps) and buffers.wrapper_kinds.fast[0].raw is not None
+ps[1]._sharded_param_data = [1, 2, 3]  # its third word is its length, not an impl pointer
+print("answer", still_valid(buffers, ps))
+"""
+
+
+def test_an_object_of_another_type_is_never_followed(reads: str) -> None:
+    """A member attribute that is no longer a tensor: only its type word is read (following
+    its third word as an impl pointer would read address 3). In a subprocess: a wrong read
+    crashes."""
+    if reads != "vectorized":
+        pytest.skip("the subprocess reads with the layout its own probe found")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NOT_A_TENSOR], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "answer None" in out.stdout
