@@ -720,7 +720,11 @@ class ImplLayout:
     """The word holding the dtype (with the device and layout flags: compared whole)."""
 
 
-_WORD_SPAN = 40
+_WORD_SPAN = 21
+"""Words of a TensorImpl the probes look at (every field used lies in them; the impl is
+larger, so no probe reads past it)."""
+_PY_SPAN = 4
+"""Words of a tensor's Python object the probes look at (it has at least five)."""
 
 
 def _words_at(address: int, n: int = _WORD_SPAN) -> list[int]:
@@ -742,7 +746,7 @@ def _probe_layout() -> ImplLayout | None:
     the layout then reads other tensors exactly as the public readers do."""
     try:
         probes = _probe_tensors()
-        py_words = [_words_at(id(t), 8) for t in probes]
+        py_words = [_words_at(id(t), _PY_SPAN) for t in probes]
         impl = [int(t._cdata) for t in probes]
         words = [_words_at(a) for a in impl]
         if any(w[1] != id(type(t)) for w, t in zip(py_words, probes)):
@@ -751,7 +755,7 @@ def _probe_layout() -> ImplLayout | None:
         def only(found: list[int]) -> int | None:
             return found[0] if len(found) == 1 else None
 
-        py_impl = only([i for i in range(2, 8) if all(w[i] == a for w, a in zip(py_words,
+        py_impl = only([i for i in range(2, _PY_SPAN) if all(w[i] == a for w, a in zip(py_words,
                                                                                impl))])
         storage = only([i for i in range(1, _WORD_SPAN) if all(
             w[i] == storage_address(t) for w, t in zip(words, probes))])
@@ -780,6 +784,9 @@ def _probe_layout() -> ImplLayout | None:
 
 def _layout_reads_right(layout: ImplLayout) -> bool:
     """The layout, on tensors the probes did not see, against the public readers."""
+    if (max(layout.storage, layout.offset, layout.flags, layout.dim + 2 * layout.inline)
+            >= _WORD_SPAN or layout.py_impl >= _PY_SPAN):
+        return False
     base = torch.arange(600, dtype=torch.float64)
     checks = [base[17:29].view(3, 4), base.view(20, 30).t()[2:5, 1:4],
               torch.ones(3, 1, 2, dtype=torch.bfloat16), torch.zeros(0, 4)[:, 1:],
@@ -787,7 +794,7 @@ def _layout_reads_right(layout: ImplLayout) -> bool:
     for t in checks:
         w = _words_at(int(t._cdata))
         d = w[layout.dim]
-        if (_words_at(id(t), 8)[layout.py_impl] != int(t._cdata) or w[0] != layout.vtable
+        if (_words_at(id(t), _PY_SPAN)[layout.py_impl] != int(t._cdata) or w[0] != layout.vtable
                 or w[layout.storage] != storage_address(t)
                 or w[layout.offset] != t.storage_offset() or d != t.dim()
                 or w[layout.dim + 1:layout.dim + 1 + d] != list(t.shape)

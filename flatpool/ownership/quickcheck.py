@@ -10,6 +10,10 @@ offset). :func:`still_in_place` repeats those reads as ``map`` passes compared w
 garbage-collector passes). A non-empty tensor is judged by its data pointer: inside the pool's
 live storage no other allocation owns an address, and a tensor there aliases its slice.
 
+Where it can run, one vectorized read of every bound object's TensorImpl (storage key,
+offset, sizes, strides, dtype word: :func:`flatpool.torch_compat.impl_unchanged`) replaces the
+four passes; parameters' references are read without calling them (a Python call each).
+
 The lists are trusted only for the registry version (bumped before every change), the storage
 and the live slices they were made for; any difference, a binding gone or no longer readable
 answers ``None``, and the full check decides (and remembers again). Bindings whose object is

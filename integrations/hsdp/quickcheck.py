@@ -10,6 +10,14 @@ placeholder storage key (the verdict :class:`.wrappers.WrapperKinds` remembers).
 with ``all(map(eq, ...))``: the loop runs in C and builds no list of results (10,000
 ``torch.Size`` objects alive at once would cost a garbage-collector pass every 700).
 
+Where it can run, the data, local tensors and wrappers of a bucket are instead read in one
+vectorized pass over their TensorImpls (:func:`flatpool.torch_compat.impl_unchanged`: impl
+pointer, storage key, element offset, sizes and dtype word, compared word for word with what
+was read when the rules passed); the lists above serve when it cannot (no layout found at
+import, another thread alive, a tensor type with a sizes policy of its own). Equal words say
+more than the rules ask: the same storage (the live pool's: no other can have its address),
+the same element offset and dtype (so the same data pointer), the same shape.
+
 Equal reads are the full rules' verdict again, the empty-shard and wrapper rules included: a
 non-empty tensor is judged by its data pointer (inside the live pool's storage no other
 allocation owns the address), an empty one (pointer 0) by storage key and element offset.
