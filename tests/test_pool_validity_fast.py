@@ -24,6 +24,7 @@ def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
         monkeypatch.setattr(tc, "RAW_LAYOUT", None)
     else:
         assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
+        monkeypatch.setattr(tc, "VECTORIZED_MIN", 1)  # (the groups here are small)
     return str(request.param)
 
 

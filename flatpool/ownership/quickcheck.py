@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from itertools import repeat
+from itertools import chain, repeat
 from collections.abc import Callable
 from typing import Any
 
@@ -135,10 +135,15 @@ def remember(pool: PoolState) -> None:
             raw=tc.impl_snapshot(every, strides=True) if on_pool else None)
 
 
+def _each(r: PoolReads) -> Any:
+    """The bound objects now, in the lists' order, lazily (a C-level chain of maps)."""
+    return chain(map(_call, r.refs), map(_param, r.params),
+                 map(getattr, map(_call, r.attr_owners), r.attr_keys),
+                 map(operator.getitem, map(_call, r.item_owners), r.item_keys))
+
+
 def _objects(r: PoolReads) -> list[torch.Tensor]:
-    return (list(map(_call, r.refs)) + list(map(_param, r.params))
-            + list(map(getattr, map(_call, r.attr_owners), r.attr_keys))
-            + list(map(operator.getitem, map(_call, r.item_owners), r.item_keys)))
+    return list(_each(r))
 
 
 def still_in_place(pool: PoolState) -> bool | None:
@@ -153,11 +158,13 @@ def still_in_place(pool: PoolState) -> bool | None:
             return None
         with tc.no_torch_function():
             try:
-                objs = _objects(r)
                 if r.raw is not None:  # one vectorized read, when it can run now
-                    fast = tc.impl_unchanged(iter(objs), len(objs), r.raw)
+                    fast = tc.impl_unchanged(_each(r), len(r.ptrs), r.raw)
                     if fast is not None:
                         return True if fast else None
+                objs = _objects(r)
+                if len(objs) != len(r.ptrs):
+                    return None
                 if not (all(map(_eq, map(tc.impl_data_ptr, objs), r.ptrs))
                         and all(map(_eq, map(tc.impl_size, objs), r.sizes))
                         and all(map(_eq, map(tc.impl_stride, objs), r.strides))

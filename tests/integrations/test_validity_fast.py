@@ -36,6 +36,7 @@ def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
         monkeypatch.setattr(tc, "RAW_LAYOUT", None)
     else:
         assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
+        monkeypatch.setattr(tc, "VECTORIZED_MIN", 1)  # (the groups here are small)
     return str(request.param)
 """Kinds adoption refuses on this branch (not this module's concern): checked when they adopt."""
 
@@ -330,6 +331,7 @@ class Member:
         self.padded_sharded_param_size = torch.Size([8])
         self.offload_to_cpu = False
 
+tc.VECTORIZED_MIN = 1
 ps = [Member() for _ in range(3)]
 buffers = adopt_group(ps, world_size=2)
 assert is_valid(buffers, ps) and buffers.wrapper_kinds.fast[0].raw is not None
