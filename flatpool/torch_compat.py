@@ -891,12 +891,15 @@ def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any
     # impl pointer lies inside the object; an object of another type may be shorter).
     word = _rows(1)
     ids = (np.asarray(_Span(held.__array_interface__["data"][0], n)) >> 3) - 1
-    if not (word[ids + 1, 0] == types).all():
+    try:  # (an address past the view's 2**56 bytes raises before anything is read there)
+        if not (word[ids + 1, 0] == types).all():
+            return None
+        impl = word[ids + layout.py_impl, 0]
+        if not impl.all():
+            return None
+        rows = _rows(int(cols.max()) + 1)[(impl >> 3) - 1][:, cols]
+    except IndexError:
         return None
-    impl = word[ids + layout.py_impl, 0]
-    if not impl.all():
-        return None
-    rows = _rows(int(cols.max()) + 1)[(impl >> 3) - 1][:, cols]
     del held
     return impl, rows
 

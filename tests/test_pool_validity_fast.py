@@ -173,3 +173,16 @@ def test_the_probe_refuses_a_layout_that_reads_wrong() -> None:
     for field in ("py_impl", "storage", "offset", "dim", "flags"):
         wrong = attrs.evolve(layout, **{field: getattr(layout, field) + 1})
         assert not tc._layout_reads_right(wrong), field
+
+
+def test_parameters_their_model_dropped_go_to_the_full_check() -> None:
+    """Parameters adopted without holders are referenced strongly but read as gone once their
+    model lets go (``load_state_dict(assign=True)``): the fast path must not answer for them
+    (it did, when it read the reference's object without calling it)."""
+    m = nn.Linear(4, 3)
+    pool = FlatPool("cpu")
+    pool.adopt(list(m.parameters()))
+    assert pool.is_valid() and still_in_place(pool) is True
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    assert still_in_place(pool) is None
+    assert not pool.is_valid()

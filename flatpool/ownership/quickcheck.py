@@ -12,7 +12,7 @@ live storage no other allocation owns an address, and a tensor there aliases its
 
 Where it can run, one vectorized read of every bound object's TensorImpl (storage key,
 offset, sizes, strides, dtype word: :func:`flatpool.torch_compat.impl_unchanged`) replaces the
-four passes; parameters' references are read without calling them (a Python call each).
+four passes.
 
 The lists are trusted only for the registry version (bumped before every change), the storage
 and the live slices they were made for; any difference, a binding gone or no longer readable
@@ -39,15 +39,13 @@ from ..state import PoolState
 
 _eq, _is = operator.eq, operator.is_
 _call: Callable[[Ref], Any] = getattr(operator, "call", None) or (lambda f: f())
-_param: Callable[[ParamRef], Any] = operator.attrgetter("_obj")
 _UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
 
 
 @define(frozen=True, eq=False)
 class PoolReads:
     """What the full check read of every binding of one pool, as lists in one order: the
-    unheld bindings (``refs``, then ``params``), then those found through an attribute, then
-    through an item."""
+    unheld bindings (``refs``), then those found through an attribute, then through an item."""
 
     version: int
     key: int
@@ -55,10 +53,8 @@ class PoolReads:
     slice_ids: list[int]
     slices: list[Slice]
     refs: list[Ref]
-    params: list[ParamRef]
-    """Parameters' references, read without the call (a Python function): a parameter its
-    model dropped is in place all the same (the full check skips it), and let go at the
-    pool's next look (``holds``, ``readopt``, relocation) as before."""
+    """Called each check: a parameter's reference (:class:`~flatpool.registry.ParamRef`, a
+    Python call) answers ``None`` once its model dropped it, which the full check judges."""
     attr_owners: list[Ref]
     attr_keys: list[Any]
     item_owners: list[Ref]
@@ -93,9 +89,8 @@ def remember(pool: PoolState) -> None:
     refs: list[Ref] = []
     attrs: tuple[list[Ref], list[Any]] = ([], [])
     items: tuple[list[Ref], list[Any]] = ([], [])
-    params: list[ParamRef] = []
-    objs: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-    at: tuple[list[int], ...] = ([], [], [], [])
+    objs: tuple[list[torch.Tensor], ...] = ([], [], [])
+    at: tuple[list[int], ...] = ([], [], [])
     for slice_id, records in pool.registry.items():
         slc = pool.live_slice(slice_id)
         if slc is None:
@@ -110,25 +105,21 @@ def remember(pool: PoolState) -> None:
                     continue
                 return  # a place that is empty now may hold a tensor again: full checks only
             kind = 0 if rec[5] is None else (2 if rec[7] else 1)
-            held: Any = getattr(ref, "_obj", None)
-            if kind == 0 and type(ref) is ParamRef and held is obj:
-                kind = 3
-                params.append(ref)
-            elif kind == 0:
+            if kind == 0:
                 refs.append(ref)
             else:
                 (items if kind == 2 else attrs)[0].append(ref)
                 (items if kind == 2 else attrs)[1].append(rec[6])
             objs[kind].append(obj)
             at[kind].append(slc.offset + rec[1])
-    every = objs[0] + objs[3] + objs[1] + objs[2]
-    where = at[0] + at[3] + at[1] + at[2]
+    every = objs[0] + objs[1] + objs[2]
+    where = at[0] + at[1] + at[2]
     with tc.no_torch_function():
         ptrs = list(map(tc.impl_data_ptr, every))
         on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
         _kept[pool] = PoolReads(
             version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
-            refs=refs, params=params, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
+            refs=refs, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
             empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
@@ -137,7 +128,7 @@ def remember(pool: PoolState) -> None:
 
 def _each(r: PoolReads) -> Any:
     """The bound objects now, in the lists' order, lazily (a C-level chain of maps)."""
-    return chain(map(_call, r.refs), map(_param, r.params),
+    return chain(map(_call, r.refs),
                  map(getattr, map(_call, r.attr_owners), r.attr_keys),
                  map(operator.getitem, map(_call, r.item_owners), r.item_keys))
 
