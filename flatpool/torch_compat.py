@@ -901,6 +901,8 @@ def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any
     except IndexError:
         return None
     del held
+    if not sole_thread():  # a thread came up meanwhile: what was read is not trusted
+        return None
     return impl, rows
 
 
