@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flatpool import torch_compat as tc
 from flatpool.integrations.hsdp.group import adopt_group
 from flatpool.integrations.hsdp.validity import _members_valid, is_valid
 from flatpool.ownership.readopt import moved
@@ -58,6 +59,8 @@ def _run(n: int, quick: bool) -> list[Result]:
     assert buffers.adopted and is_valid(buffers, params)  # type: ignore[arg-type]
     pool = buffers.buckets[0].pool
     assert pool.is_valid()
+    fast = buffers.wrapper_kinds.fast or ()
+    vectorized = bool(fast) and all(r.raw is not None for r in fast) and tc.sole_thread()
 
     def pointer_loop() -> None:
         for p in params:
@@ -85,7 +88,8 @@ def _run(n: int, quick: bool) -> list[Result]:
             "validity", f"{name} per member, {n} members", f"{per * 1e9:.0f} ns",
             f"{median(base) / n * 1e9:.0f} ns (data_ptr)", ratio, f"<= {target:.2f}",
             None if quick else ratio <= target, rounds=reps,
-            note=f"CPU-time ratio {median_ratio(cpu[name], cpu['data_ptr loop']):.2f}" + (
+            note=f"CPU-time ratio {median_ratio(cpu[name], cpu['data_ptr loop']):.2f}; "
+            f"vectorized impl read {'on' if vectorized else 'OFF'}" + (
                 "" if quick else f"; the full check: {median(times[name + ' full']) / n * 1e9:.0f}"
                 f" ns, CPU-time ratio {median_ratio(cpu[name + ' full'], cpu['data_ptr loop']):.2f}"),
         ))

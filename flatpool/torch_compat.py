@@ -27,6 +27,7 @@ from operator import attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
+from attrs import define
 from torch.torch_version import TorchVersion
 
 from ._warn import warn
@@ -688,3 +689,280 @@ def fsdp_module_param_groups(module: object) -> list[Any]:
 
 
 __all__ += ["fsdp_lazy_init", "fsdp_module_param_groups", "fsdp_state"]
+
+
+# -- TensorImpl fields of many tensors in one vectorized read (per-step validity checks) ------
+# A validity check that reads ``data_ptr()`` and ``size()`` per tensor pays a Python-level call
+# (and a ``torch.Size``) per field per tensor. These helpers read the same fields for a whole
+# list of tensors in three numpy gathers: each object's type and TensorImpl pointer from the
+# live Python object (``THPVariable``), then the impl's words. The word offsets are found at
+# import by probes on real tensors, checked against the public readers on other tensors; any
+# doubt switches the reads off (``RAW_LAYOUT`` is then ``None`` and callers use the per-field
+# readers). What keeps them from reading freed memory: the caller's objects are held in an
+# object array for the whole read; only objects whose type is a tensor type the caller named
+# are followed to their impl; a null impl stops the read; and the reads run only while this
+# thread is the interpreter's only thread (see :func:`impl_rows`).
+@define(frozen=True)
+class ImplLayout:
+    """Word (8-byte) offsets found by the probes: in the Python object, in the TensorImpl."""
+
+    py_impl: int
+    """The ``THPVariable``'s TensorImpl pointer (its type pointer is word 1 of any object)."""
+    vtable: int
+    """The plain ``TensorImpl``'s vtable (word 0): an impl subclass (functional, batched,
+    nested) has another one and never takes this path."""
+    storage: int
+    offset: int
+    dim: int
+    """Dimension count; the sizes follow inline, then the strides (``inline`` of each)."""
+    inline: int
+    flags: int
+    """The word holding the dtype (with the device and layout flags: compared whole)."""
+
+
+_WORD_SPAN = 21
+"""Words of a TensorImpl the probes look at (every field used lies in them; the impl is
+larger, so no probe reads past it)."""
+_PY_SPAN = 4
+"""Words of a tensor's Python object the probes look at (it has at least five)."""
+
+
+def _words_at(address: int, n: int = _WORD_SPAN) -> list[int]:
+    import ctypes
+
+    return list((ctypes.c_int64 * n).from_address(address))
+
+
+def _probe_tensors() -> list[torch.Tensor]:
+    base = torch.zeros(4096)
+    return [base[3:13], base.view(64, 64)[1:3, 2:7], base[100:220].view(2, 3, 4, 5),
+            torch.zeros(7, 2, 3, 2, 5, dtype=torch.float16)[1:, :, 1:], torch.zeros(11,
+            dtype=torch.int64), torch.empty(0, dtype=torch.int32),
+            torch.nn.Parameter(torch.ones(5, 3)), torch.zeros(9, dtype=torch.uint8)[2:]]
+
+
+def _probe_layout() -> ImplLayout | None:
+    """Find the words on probe tensors; ``None`` unless each is found at exactly one place and
+    the layout then reads other tensors exactly as the public readers do."""
+    try:
+        probes = _probe_tensors()
+        py_words = [_words_at(id(t), _PY_SPAN) for t in probes]
+        impl = [int(t._cdata) for t in probes]
+        words = [_words_at(a) for a in impl]
+        if any(w[1] != id(type(t)) for w, t in zip(py_words, probes)):
+            return None
+
+        def only(found: list[int]) -> int | None:
+            return found[0] if len(found) == 1 else None
+
+        py_impl = only([i for i in range(2, _PY_SPAN) if all(w[i] == a for w, a in zip(py_words,
+                                                                               impl))])
+        storage = only([i for i in range(1, _WORD_SPAN) if all(
+            w[i] == storage_address(t) for w, t in zip(words, probes))])
+        offset = only([i for i in range(1, _WORD_SPAN) if all(
+            w[i] == t.storage_offset() for w, t in zip(words, probes))])
+        inline = 5
+        dim = only([i for i in range(1, _WORD_SPAN - 2 * inline) if all(
+            w[i] == t.dim() and w[i + 1:i + 1 + t.dim()] == list(t.shape)
+            and w[i + 1 + inline:i + 1 + inline + t.dim()] == list(t.stride())
+            for w, t in zip(words, probes))])
+        low = [[w[i] & 0xFFFF for w in words] for i in range(_WORD_SPAN)]
+        dtypes = [t.dtype for t in probes]
+        flags = only([i for i in range(1, _WORD_SPAN) if all(
+            (low[i][a] == low[i][b]) == (dtypes[a] == dtypes[b])
+            for a in range(len(probes)) for b in range(len(probes)))])
+        vtables = {w[0] for w in words}
+        if None in (py_impl, storage, offset, dim, flags) or len(vtables) != 1:
+            return None
+        assert py_impl is not None and storage is not None and offset is not None
+        assert dim is not None and flags is not None
+        layout = ImplLayout(py_impl, vtables.pop(), storage, offset, dim, inline, flags)
+        return layout if _layout_reads_right(layout) else None
+    except Exception:  # noqa: BLE001 - an unknown build: the vectorized reads stay off
+        return None
+
+
+def _layout_reads_right(layout: ImplLayout) -> bool:
+    """The layout, on tensors the probes did not see, against the public readers."""
+    if (max(layout.storage, layout.offset, layout.flags, layout.dim + 2 * layout.inline)
+            >= _WORD_SPAN or layout.py_impl >= _PY_SPAN):
+        return False
+    base = torch.arange(600, dtype=torch.float64)
+    checks = [base[17:29].view(3, 4), base.view(20, 30).t()[2:5, 1:4],
+              torch.ones(3, 1, 2, dtype=torch.bfloat16), torch.zeros(0, 4)[:, 1:],
+              base.view(torch.int64)[5:9], torch.nn.Parameter(torch.zeros(6))]
+    for t in checks:
+        w = _words_at(int(t._cdata))
+        d = w[layout.dim]
+        if (_words_at(id(t), _PY_SPAN)[layout.py_impl] != int(t._cdata) or w[0] != layout.vtable
+                or w[layout.storage] != storage_address(t)
+                or w[layout.offset] != t.storage_offset() or d != t.dim()
+                or w[layout.dim + 1:layout.dim + 1 + d] != list(t.shape)
+                or w[layout.dim + 1 + layout.inline:layout.dim + 1 + layout.inline + d]
+                != list(t.stride())):
+            return False
+    same = [_words_at(int(t._cdata))[layout.flags] & 0xFFFF for t in checks]
+    return len({same[0], same[4]}) == 2 and same[0] == same[1]
+
+
+RAW_LAYOUT: ImplLayout | None = _probe_layout()
+"""Where the vectorized reads find their words, or ``None`` (probe failed or ambiguous: every
+caller then uses the per-field readers)."""
+
+
+class _Span:
+    """``__array_interface__`` over the address space from 8 on, read-only, never written."""
+
+    def __init__(self, address: int, words: int) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": (words,),
+                                    "typestr": "<i8", "version": 3}
+
+
+def _thread_states() -> Callable[[], bool] | None:
+    try:
+        import ctypes
+
+        api = ctypes.pythonapi
+        api.PyInterpreterState_Get.restype = ctypes.c_void_p
+        head, nxt = api.PyInterpreterState_ThreadHead, api.PyThreadState_Next
+        head.restype, head.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        nxt.restype, nxt.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        interp = api.PyInterpreterState_Get()
+        return lambda: nxt(head(interp)) is None
+    except Exception:  # noqa: BLE001 - no C API through ctypes: the reads stay off
+        return None
+
+
+_sole_thread = _thread_states()
+
+
+def sole_thread() -> bool:
+    """This thread is the interpreter's only thread state: no other thread can run Python
+    (and so swap a tensor's impl away and free it) while a vectorized read runs."""
+    return _sole_thread is not None and _sole_thread()
+
+
+_ROWS: dict[int, Any] = {}
+"""Per row width, a read-only view of the address space from 8 on whose row ``i`` is the
+``width`` words from address ``8 * (i + 1)``: one index per object reads its words."""
+_COLS: dict[tuple[int, bool], Any] = {}
+
+
+def _rows(width: int) -> Any:
+    view = _ROWS.get(width)
+    if view is None:
+        import numpy as np
+        from numpy.lib.stride_tricks import as_strided
+
+        view = _ROWS[width] = as_strided(np.asarray(_Span(8, 1 << 53)), shape=(1 << 53, width),
+                                         strides=(8, 8), writeable=False)
+    return view
+
+
+def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any:
+    """Per object of the iterable ``objects`` (``n`` of them), its TensorImpl pointer and a
+    row of int64 words: the impl's vtable, storage key, storage offset, dimension count, the
+    first ``dims`` sizes (and strides), the dtype word. ``None`` when the reads are off,
+    another thread exists, the count differs, an object's type is not the one ``types`` (an
+    int64 array of ``id(type)``) names, or an impl pointer is null: the caller reads per field.
+
+    Only sizes up to :attr:`ImplLayout.inline` dimensions are inline: a caller compares the
+    dimension count before trusting them (a longer tensor keeps them elsewhere).
+    """
+    layout = RAW_LAYOUT
+    if layout is None or dims > layout.inline or not sole_thread():
+        return None
+    import numpy as np
+
+    try:
+        held = np.fromiter(objects, dtype=object, count=n)  # strong references for the call
+    except ValueError:  # fewer than n
+        return None
+    if len(held) != n or len(types) != n:
+        return None
+    cols = _COLS.get((dims, strides))
+    if cols is None:
+        words = [0, layout.storage, layout.offset, layout.dim]
+        words += [layout.dim + 1 + i for i in range(dims)]
+        if strides:
+            words += [layout.dim + 1 + layout.inline + i for i in range(dims)]
+        cols = _COLS[(dims, strides)] = np.array(words + [layout.flags])
+    # Word 1 of any object is its type; only a tensor of the type named is read further (its
+    # impl pointer lies inside the object; an object of another type may be shorter).
+    word = _rows(1)
+    ids = (np.asarray(_Span(held.__array_interface__["data"][0], n)) >> 3) - 1
+    try:  # (an address past the view's 2**56 bytes raises before anything is read there)
+        if not (word[ids + 1, 0] == types).all():
+            return None
+        impl = word[ids + layout.py_impl, 0]
+        if not impl.all():
+            return None
+        rows = _rows(int(cols.max()) + 1)[(impl >> 3) - 1][:, cols]
+    except IndexError:
+        return None
+    del held
+    if not sole_thread():  # a thread came up meanwhile: what was read is not trusted
+        return None
+    return impl, rows
+
+
+VECTORIZED_MIN = 128
+"""Fewer tensors than this are read per field: the vectorized read's fixed cost (a dozen numpy
+calls, ~25 us) is more than the per-field passes save below it (measured: 16 members 1.5-2.4 us
+a member vectorized, 0.8-0.9 per field; equal at 64; 0.21 vs 0.53 at 1,000)."""
+
+_GEOMETRY_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Types whose impl sizes are the fields themselves (no Python sizes policy): a snapshot that
+callers trust for geometry takes only these."""
+
+
+@define(frozen=True, eq=False)
+class ImplSnapshot:
+    """What :func:`impl_rows` read of a list of tensors, to compare a later read with."""
+
+    types: Any
+    dims: int
+    strides: bool
+    impls: Any
+    rows: Any
+
+
+def impl_snapshot(tensors: Sequence[torch.Tensor], *, geometry: int | None = None,
+                  strides: bool = False) -> ImplSnapshot | None:
+    """A snapshot of ``tensors`` for :func:`impl_unchanged`, or ``None`` when vectorized reads
+    cannot serve them (reads off, another thread, an impl subclass, more than the inline
+    dimensions, or among the first ``geometry`` (all by default), whose geometry the caller
+    relies on, a tensor type other than ``Tensor``/``Parameter``)."""
+    layout = RAW_LAYOUT
+    if layout is None or len(tensors) < VECTORIZED_MIN:
+        return None
+    kinds = list(map(type, tensors))
+    if not all(k in _GEOMETRY_TYPES for k in kinds[:geometry]):
+        return None
+    import numpy as np
+
+    dims = max(map(len, map(impl_size, tensors)))
+    if dims > layout.inline:
+        return None
+    types = np.fromiter(map(id, kinds), dtype=np.int64, count=len(kinds))
+    read = impl_rows(iter(tensors), len(tensors), types, dims, strides)
+    if read is None or not (read[1][:, 0] == layout.vtable).all() or (read[1][:, 3] > dims).any():
+        return None
+    return ImplSnapshot(types, dims, strides, read[0], read[1])
+
+
+def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot) -> bool | None:
+    """The ``n`` objects of ``objects`` read word for word as ``snap``: the same types, impls,
+    storages, storage offsets, dimension counts, sizes (strides) and dtypes. ``None`` when the
+    vectorized read cannot run now, or an object is not of its remembered type (the caller
+    then reads per field)."""
+    read = impl_rows(objects, n, snap.types, snap.dims, snap.strides)
+    if read is None:
+        return None
+    import numpy as np
+
+    return bool((read[0] == snap.impls).all() and (read[1] == snap.rows).all())
+
+
+__all__ += ["ImplLayout", "ImplSnapshot", "RAW_LAYOUT", "VECTORIZED_MIN", "impl_rows", "impl_snapshot",
+            "impl_unchanged", "sole_thread"]

@@ -1,6 +1,8 @@
 """``FlatPool.is_valid()``'s fast path (``flatpool.ownership.quickcheck``): taken while nothing
 changed, never answering for a binding that moved, reshaped, changed dtype, died or was
-replaced in its holder, nor after the registry or the storage changed."""
+replaced in its holder, nor after the registry or the storage changed. Every test runs with the
+vectorized impl read and with it off (what a torch whose layout the probe does not know gets).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ from torch import nn
 from flatpool import AdoptSpec, FlatPool, Holder
 from flatpool import torch_compat as tc
 from flatpool.ownership.quickcheck import still_in_place
+
+
+@pytest.fixture(params=("vectorized", "per field"), autouse=True)
+def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "per field":
+        monkeypatch.setattr(tc, "RAW_LAYOUT", None)
+    else:
+        assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
+        monkeypatch.setattr(tc, "VECTORIZED_MIN", 1)  # (the groups here are small)
+    return str(request.param)
 
 
 def _set(t: torch.Tensor, storage: torch.UntypedStorage, offset: int,
@@ -77,17 +89,44 @@ def _replaced_in_holder(ts: list[torch.Tensor], model: Any) -> None:
     model[0].weight = nn.Parameter(model[0].weight.detach().clone())
 
 
-CHANGES = {"moved elsewhere": _moved_elsewhere, "shifted in the pool": _shifted,
+def _copy_same_place(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[1]  # a copy of the pool's storage, same offset, shape, stride, dtype
+    _set(t, t.untyped_storage().clone(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def _one_further(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[1]  # same storage, shape, stride, dtype; one element further
+    _set(t, t.untyped_storage(), t.storage_offset() + 1, tuple(t.shape), tuple(t.stride()))
+
+
+def _other_shape(ts: list[torch.Tensor], model: Any) -> None:
+    t = ts[0]  # same storage, offset, dimension count, dtype: (4, 3) read as (3, 4)
+    _set(t, t.untyped_storage(), t.storage_offset(), (3, 4), (4, 1))
+
+
+def _swapped_out(ts: list[torch.Tensor], model: Any) -> None:
+    if model is None:
+        pytest.skip("plain tensors carry weak references (swap_tensors refuses them)")
+    t = model[1].bias
+    torch.utils.swap_tensors(t, nn.Parameter(torch.zeros_like(t.detach())))
+
+
+CHANGES = {"copied storage, same place": _copy_same_place, "one element further": _one_further,
+           "other shape, same dims": _other_shape, "swap_tensors out": _swapped_out,
+           "moved elsewhere": _moved_elsewhere, "shifted in the pool": _shifted,
            "reshaped in place": _reshaped, "restrided in place": _transposed,
            "other dtype, same bytes": _other_dtype, "replaced in its holder": _replaced_in_holder}
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
-def test_a_healthy_pool_is_answered_from_the_arrays(setup: str) -> None:
+def test_a_healthy_pool_is_answered_from_the_arrays(setup: str, reads: str) -> None:
     pool, ts, _ = SETUPS[setup]()
     assert still_in_place(pool) is None  # nothing remembered before a full check
     assert pool.is_valid()
     assert still_in_place(pool) is True
+    from flatpool.ownership.quickcheck import _kept
+    assert (_kept[pool._state if hasattr(pool, "_state") else pool].raw is not None) == (
+        reads == "vectorized")
     with torch.no_grad():
         for t in ts:
             t.add_(1)  # values change in place: still valid, still fast
@@ -122,3 +161,28 @@ def test_registry_and_storage_changes_are_rechecked() -> None:
     assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool)
     _set(extra, torch.zeros(5).untyped_storage(), 0, (5,), (1,))
     assert still_in_place(pool) is None and not pool.is_valid()
+
+
+def test_the_probe_refuses_a_layout_that_reads_wrong() -> None:
+    """The layout found at import reads fresh tensors as the public readers do; the same
+    layout one word off anywhere does not (a probe that found it would switch the reads off)."""
+    import attrs
+
+    layout = tc._probe_layout()  # (probed again: the fixture may have switched the reads off)
+    assert layout is not None and tc._layout_reads_right(layout)
+    for field in ("py_impl", "storage", "offset", "dim", "flags"):
+        wrong = attrs.evolve(layout, **{field: getattr(layout, field) + 1})
+        assert not tc._layout_reads_right(wrong), field
+
+
+def test_parameters_their_model_dropped_go_to_the_full_check() -> None:
+    """Parameters adopted without holders are referenced strongly but read as gone once their
+    model lets go (``load_state_dict(assign=True)``): the fast path must not answer for them
+    (it did, when it read the reference's object without calling it)."""
+    m = nn.Linear(4, 3)
+    pool = FlatPool("cpu")
+    pool.adopt(list(m.parameters()))
+    assert pool.is_valid() and still_in_place(pool) is True
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    assert still_in_place(pool) is None
+    assert not pool.is_valid()

@@ -10,6 +10,10 @@ offset). :func:`still_in_place` repeats those reads as ``map`` passes compared w
 garbage-collector passes). A non-empty tensor is judged by its data pointer: inside the pool's
 live storage no other allocation owns an address, and a tensor there aliases its slice.
 
+Where it can run, one vectorized read of every bound object's TensorImpl (storage key,
+offset, sizes, strides, dtype word: :func:`flatpool.torch_compat.impl_unchanged`) replaces the
+four passes.
+
 The lists are trusted only for the registry version (bumped before every change), the storage
 and the live slices they were made for; any difference, a binding gone or no longer readable
 answers ``None``, and the full check decides (and remembers again). Bindings whose object is
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from itertools import chain, repeat
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +53,8 @@ class PoolReads:
     slice_ids: list[int]
     slices: list[Slice]
     refs: list[Ref]
+    """Called each check: a parameter's reference (:class:`~flatpool.registry.ParamRef`, a
+    Python call) answers ``None`` once its model dropped it, which the full check judges."""
     attr_owners: list[Ref]
     attr_keys: list[Any]
     item_owners: list[Ref]
@@ -58,6 +65,9 @@ class PoolReads:
     dtypes: list[torch.dtype]
     empty: list[tuple[int, int]]
     """``(position, byte offset in the storage)`` of the empty tensors."""
+    raw: tc.ImplSnapshot | None = None
+    """The same objects' impl words (storage key, offset, sizes, strides, dtype), compared in
+    one vectorized read when it can run (:func:`flatpool.torch_compat.impl_unchanged`)."""
 
 
 _kept: weakref.WeakKeyDictionary[PoolState, PoolReads] = weakref.WeakKeyDictionary()
@@ -79,8 +89,8 @@ def remember(pool: PoolState) -> None:
     refs: list[Ref] = []
     attrs: tuple[list[Ref], list[Any]] = ([], [])
     items: tuple[list[Ref], list[Any]] = ([], [])
-    objs: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
-    at: tuple[list[int], list[int], list[int]] = ([], [], [])
+    objs: tuple[list[torch.Tensor], ...] = ([], [], [])
+    at: tuple[list[int], ...] = ([], [], [])
     for slice_id, records in pool.registry.items():
         slc = pool.live_slice(slice_id)
         if slc is None:
@@ -106,18 +116,25 @@ def remember(pool: PoolState) -> None:
     where = at[0] + at[1] + at[2]
     with tc.no_torch_function():
         ptrs = list(map(tc.impl_data_ptr, every))
+        on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
         _kept[pool] = PoolReads(
             version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
             refs=refs, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
-            empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0])
+            empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
+            raw=tc.impl_snapshot(every, strides=True) if on_pool else None)
+
+
+def _each(r: PoolReads) -> Any:
+    """The bound objects now, in the lists' order, lazily (a C-level chain of maps)."""
+    return chain(map(_call, r.refs),
+                 map(getattr, map(_call, r.attr_owners), r.attr_keys),
+                 map(operator.getitem, map(_call, r.item_owners), r.item_keys))
 
 
 def _objects(r: PoolReads) -> list[torch.Tensor]:
-    return (list(map(_call, r.refs))
-            + list(map(getattr, map(_call, r.attr_owners), r.attr_keys))
-            + list(map(operator.getitem, map(_call, r.item_owners), r.item_keys)))
+    return list(_each(r))
 
 
 def still_in_place(pool: PoolState) -> bool | None:
@@ -132,7 +149,13 @@ def still_in_place(pool: PoolState) -> bool | None:
             return None
         with tc.no_torch_function():
             try:
+                if r.raw is not None:  # one vectorized read, when it can run now
+                    fast = tc.impl_unchanged(_each(r), len(r.ptrs), r.raw)
+                    if fast is not None:
+                        return True if fast else None
                 objs = _objects(r)
+                if len(objs) != len(r.ptrs):
+                    return None
                 if not (all(map(_eq, map(tc.impl_data_ptr, objs), r.ptrs))
                         and all(map(_eq, map(tc.impl_size, objs), r.sizes))
                         and all(map(_eq, map(tc.impl_stride, objs), r.strides))

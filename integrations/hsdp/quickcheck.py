@@ -10,6 +10,14 @@ placeholder storage key (the verdict :class:`.wrappers.WrapperKinds` remembers).
 with ``all(map(eq, ...))``: the loop runs in C and builds no list of results (10,000
 ``torch.Size`` objects alive at once would cost a garbage-collector pass every 700).
 
+Where it can run, the data, local tensors and wrappers of a bucket are instead read in one
+vectorized pass over their TensorImpls (:func:`flatpool.torch_compat.impl_unchanged`: impl
+pointer, storage key, element offset, sizes and dtype word, compared word for word with what
+was read when the rules passed); the lists above serve when it cannot (no layout found at
+import, another thread alive, a tensor type with a sizes policy of its own). Equal words say
+more than the rules ask: the same storage (the live pool's: no other can have its address),
+the same element offset and dtype (so the same data pointer), the same shape.
+
 Equal reads are the full rules' verdict again, the empty-shard and wrapper rules included: a
 non-empty tensor is judged by its data pointer (inside the live pool's storage no other
 allocation owns the address), an empty one (pointer 0) by storage key and element offset.
@@ -20,6 +28,7 @@ runs the full rules, which decide (and remember again when they pass).
 from __future__ import annotations
 
 import operator
+from itertools import chain, repeat
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,12 +87,26 @@ class BucketReads:
     """Positions whose wrapper has no memory: identity and impl checked."""
     objects: list[torch.Tensor]
     impls: list[int]
+    raw: tc.ImplSnapshot | None = None
+    """The impl words of every data, local tensor and (when it is not its own local tensor)
+    wrapper, compared in one vectorized read when it can run
+    (:func:`flatpool.torch_compat.impl_unchanged`); else the per-field lists above serve."""
 
 
 def _reads(ts: list[torch.Tensor], offsets: list[int]) -> Reads:
     ptrs = list(map(tc.impl_data_ptr, ts))
     return Reads(ptrs, list(map(tc.impl_size, ts)),
                  [(i, at) for i, (p, at) in enumerate(zip(ptrs, offsets)) if p == 0])
+
+
+def _snapshot(data: list[torch.Tensor], locals_: list[torch.Tensor],
+              wrappers: list[torch.Tensor], key: int) -> tc.ImplSnapshot | None:
+    """The impl words of the data, local tensors (and wrappers) in one snapshot; the wrappers'
+    geometry is not relied on (only their storage key and impl pointer)."""
+    ts = data + locals_
+    if not all(map(_eq, map(tc.storage_address, ts), repeat(key))):
+        return None  # (the rules passed, so each is on the pool: never trust less)
+    return tc.impl_snapshot(ts + wrappers, geometry=len(ts))
 
 
 def _members(params: Sequence[ShardedParam], r: BucketReads) -> list[Any]:
@@ -117,18 +140,20 @@ def _bucket(b: Bucket, params: Sequence[ShardedParam]) -> BucketReads | None:
         if len(locals_) != len(wrappers):
             return None
     keys = list(map(tc.storage_address, wrappers)) if own_local else []
+    data = list(map(_data, ps))
     with_memory = [i for i, k in enumerate(keys) if k == key]
     less = [i for i, k in enumerate(keys) if k != key]
     return BucketReads(
         bucket=b, key=key, base=base, indices=indices, span=span,
         slice_ids=[m.slice.slice_id for m in members if m.slice is not None],
         slices=[m.slice for m in members if m.slice is not None],
-        data=_reads(list(map(_data, ps)), at), types=types, own_local=own_local,
+        data=_reads(data, at), types=types, own_local=own_local,
         local=_reads(locals_, at), wrapper_keys=keys, with_memory=with_memory,
         at=[at[i] for i in with_memory],
         shapes=[tc.impl_size(wrappers[i]) for i in with_memory],
         storage_less=less, objects=[wrappers[i] for i in less],
-        impls=[tc.impl_address(wrappers[i]) for i in less])
+        impls=[tc.impl_address(wrappers[i]) for i in less],
+        raw=_snapshot(data, locals_, wrappers if own_local else [], key))
 
 
 def remember(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> None:
@@ -159,16 +184,29 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
             or not pool.all_live(r.slice_ids, r.slices)):
         return False
     ps = _members(params, r)
-    if len(ps) != len(r.indices):
+    n = len(ps)
+    if n != len(r.indices):
         return False  # fewer parameters than members (``map`` would stop at the shorter)
-    if not _same(list(map(_data, ps)), r.data, r.key):
-        return False
+    fast: bool | None = None
+    if not r.own_local:  # the parameter is its own local tensor (its type is read with it)
+        if r.raw is not None:
+            fast = tc.impl_unchanged(chain(map(_data, ps), map(_wrapper, ps)), 2 * n, r.raw)
+        if fast is not None:
+            return fast
+        wrappers = list(map(_wrapper, ps))
+        return (_same(list(map(_data, ps)), r.data, r.key)
+                and all(map(_is, map(type, wrappers), r.types))
+                and _same(wrappers, r.local, r.key))
     wrappers = list(map(_wrapper, ps))
-    if not all(map(_is, map(type, wrappers), r.types)):
-        return False
-    if not r.own_local:
-        return _same(wrappers, r.local, r.key)
-    if not (_same(list(map(_local, wrappers)), r.local, r.key)
+    if r.raw is not None:  # the wrappers' types, storage keys and impls are in the read
+        fast = tc.impl_unchanged(chain(map(_data, ps), map(_local, wrappers), wrappers),
+                                 3 * n, r.raw)
+        if fast is False:
+            return False
+    if not fast and not (
+            _same(list(map(_data, ps)), r.data, r.key)
+            and all(map(_is, map(type, wrappers), r.types))
+            and _same(list(map(_local, wrappers)), r.local, r.key)
             and all(map(_eq, map(tc.storage_address, wrappers), r.wrapper_keys))):
         return False
     if r.with_memory:
@@ -180,7 +218,7 @@ def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
         less = (wrappers if len(r.storage_less) == len(wrappers)
                 else list(map(wrappers.__getitem__, r.storage_less)))
         if not (all(map(_is, less, r.objects))
-                and all(map(_eq, map(tc.impl_key, less), r.impls))):
+                and (fast or all(map(_eq, map(tc.impl_key, less), r.impls)))):
             return False
     return True
 

@@ -35,13 +35,18 @@ from .protocol import ShardedParam
 from .quickcheck import remember, still_valid
 
 
-def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...]) -> str | None:
-    """What is wrong with tensor ``t`` versus ``(pool key, element offset, size)``, or None."""
+def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
+           itemsize: int | None = None) -> str | None:
+    """What is wrong with tensor ``t`` versus ``(pool key, element offset, size)`` (and, when
+    given, the bucket's element size: the offset counts elements), or None."""
     with tc.no_torch_function():
         if tc.impl_is_meta(t):
             return "is on the meta device"
         if tc.storage_address(t) != key:
             return "is on a storage outside the pool"
+        if itemsize is not None and tc.impl_element_size(t) != itemsize:
+            return (f"has {tc.impl_element_size(t)}-byte elements ({tc.impl_dtype(t)}), not "
+                    f"{itemsize}: it starts at another byte than its slice")
         if tc.impl_storage_offset(t) != offset:
             return f"starts at element {tc.impl_storage_offset(t)} of the pool, not {offset}"
         if tuple(tc.impl_size(t)) != size:
@@ -49,8 +54,10 @@ def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...]) -> str
     return None
 
 
-def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> list[str]:
-    """What of member ``p`` is not where layout ``m`` puts it (empty when it is)."""
+def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool,
+                    itemsize: int | None = None) -> list[str]:
+    """What of member ``p`` is not where layout ``m`` puts it (empty when it is); with
+    ``itemsize`` (the bucket's) a tensor viewing its bytes as another element size counts."""
     if m.slice is None:
         return []  # a member with no element has no slice and nothing to keep in place
     key = pool.storage_key
@@ -58,16 +65,16 @@ def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> list[st
         return ["its slice is gone"]
     out = []
     data = data_of(p, m.index)
-    wrong = _place(data, key, m.offset, (m.numel,))
+    wrong = _place(data, key, m.offset, (m.numel,), itemsize)
     if wrong:
         out.append(f"_sharded_param_data {wrong}")
     wrapper = p.sharded_param
     local = local_of(wrapper)
-    wrong = _place(local, key, m.offset, tuple(m.sharded_size))
+    wrong = _place(local, key, m.offset, tuple(m.sharded_size), itemsize)
     if wrong:
         out.append(f"the local tensor {wrong}")
     if local is not wrapper and has_memory(wrapper):
-        wrong = _place(wrapper, key, m.offset, tuple(m.sharded_size))
+        wrong = _place(wrapper, key, m.offset, tuple(m.sharded_size), itemsize)
         if wrong:
             out.append(f"the parameter wrapper (it has memory of its own) {wrong}")
     return out
@@ -78,7 +85,7 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
     out: dict[int, list[str]] = {}
     for b in buffers.buckets:
         for m in b.members:
-            found = member_problems(params[m.index], m, b.pool)
+            found = member_problems(params[m.index], m, b.pool, b.dtype.itemsize)
             if found:
                 out[m.index] = found
     return out
