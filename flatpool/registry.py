@@ -66,6 +66,11 @@ def tensor_ref(t: torch.Tensor) -> Ref:
     return weakref.ref(t)
 
 
+def plain_ref(t: torch.Tensor) -> Ref:
+    """:func:`tensor_ref` for an exact ``torch.Tensor`` or ``nn.Parameter`` (no class check)."""
+    return weakref.ref(t) if type(t) is torch.Tensor else ParamRef(t)
+
+
 def _ref(obj: Any) -> Ref:
     if isinstance(obj, torch.Tensor):
         return tensor_ref(obj)
@@ -188,4 +193,4 @@ class AdoptionRegistry:
 
 
 __all__ = ["AdoptionRegistry", "Binding", "Geometry", "ParamRef", "Record", "current",
-           "make_record", "record_holder", "tensor_ref"]
+           "make_record", "plain_ref", "record_holder", "tensor_ref"]
