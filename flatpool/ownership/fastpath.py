@@ -81,6 +81,27 @@ class _Batch:
         self.nbytes: list[int] = []  # bytes of each original storage
 
 
+_Geometry = tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]
+"""``(size, stride, span in elements, shape of the slice)``: a function of size and stride
+only, so worked out once per distinct pair of a batch (and the pair's tuples shared)."""
+
+
+def _geometry(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> _Geometry | None:
+    if 0 in size:
+        return None
+    if t.is_contiguous():
+        return size, stride, t.numel(), size
+    span = 1
+    for sz, st in zip(size, stride):
+        if st < 0:
+            return None
+        span += (sz - 1) * st
+    with tc.no_torch_function():
+        if self_overlapping(t):
+            return None  # the general path refuses it with the reason
+    return size, stride, span, (span,)  # a strided original keeps its strides in a flat run
+
+
 def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
     """Per-tensor facts, or ``None`` when any tensor needs the general path.
 
@@ -89,15 +110,13 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
     override them), so the plain attribute reads are the TensorImpl reads, at C speed.
     """
     b = _Batch(tensors)
-    seen: set[int] = set()
     device = pool.device
     cpu = device.type == "cpu"
     strided = torch.strided
     storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
     by_storage = pool_index()
     storage_offset = tc.impl_storage_offset
-    interned: dict[tuple[int, ...], tuple[int, ...]] = {}
-    intern = interned.setdefault
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], _Geometry] = {}
     add_storage, add_key, add_offset = b.storages.append, b.keys.append, b.offsets.append
     add_size, add_stride, add_dtype = b.sizes.append, b.strides.append, b.dtypes.append
     add_shape = b.shapes.append
@@ -108,37 +127,26 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
             return None  # (a meta tensor is on neither)
         if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
             return None
-        if tc.has_math_bits(t):
+        if t.is_conj() or t.is_neg():
             return None  # lazy conj/neg bits: the copy into itself would see them
-        size = tuple(t.size())
-        size = intern(size, size)
-        if 0 in size:
-            return None
-        stride = t.stride()
-        stride = intern(stride, stride)
+        sz, stride = t.size(), t.stride()
+        geo = known.get((sz, stride))
+        if geo is None:
+            geo = _geometry(t, tuple(sz), stride)
+            if geo is None:
+                return None
+            known[geo[0], geo[1]] = geo
+        size, stride, span, shape = geo
         storage = t.untyped_storage()
         if not pointer_valid(storage):
             return None  # a C++ functional tensor's placeholder: validate() names it
         key = storage_key(storage)
-        if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
-                or (cpu and storage.is_shared()) or (key in by_storage and pool_of_storage(key) is not None)):
+        if ((not storage.resizable() and tc.torch_allocated(storage) is not True)
+                or (cpu and storage.is_shared())
+                or (key in by_storage and pool_of_storage(key) is not None)):
             return None  # shared or external memory: the general path reports it external
-        seen.add(key)
         dtype = t.dtype
         offset = storage_offset(t)
-        if t.is_contiguous():
-            span = t.numel()
-            shape = size
-        else:
-            span = 1
-            for sz, st in zip(size, stride):
-                if st < 0:
-                    return None
-                span += (sz - 1) * st
-            with tc.no_torch_function():
-                if self_overlapping(t):
-                    return None  # the general path refuses it with the reason
-            shape = (span,)  # a strided original keeps its strides in a flat run
         nbytes = storage.nbytes()
         item = dtype.itemsize
         if (offset + span) * item > nbytes:
@@ -154,6 +162,8 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
         add_span(span * item)
         add_version(t._version)
         add_nbytes(nbytes)
+    if len(set(b.keys)) != len(b.keys):
+        return None  # two targets share a storage
     for dtype in dtypes:
         check_dtype(dtype)
     return b
@@ -222,10 +232,9 @@ def _adopt(
 
     pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [b, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
-    pool.registry.bind_many(  # make_record()'s tuples, inline: one per tensor of the batch
-        (s.slice_id, [(plain_ref(t), 0, size, stride, dtype, None, None, False, True)])
-        for t, s, size, stride, dtype in zip(tensors, slices, b.sizes, b.strides, b.dtypes)
-    )
+    # One run of columns, not a record per tensor: records are built when someone asks.
+    pool.registry.bind_run([s.slice_id for s in slices], list(map(plain_ref, tensors)),
+                           b.sizes, b.strides, b.dtypes)
     nbytes = b.nbytes
     expired, late = release(txn, name, pins, on_pinned)
     pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
