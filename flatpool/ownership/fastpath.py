@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
+from operator import attrgetter, eq, floordiv
 
 import torch
 
@@ -40,6 +41,7 @@ from .transaction import Transaction
 from .validate import label, self_overlapping
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def plain_targets(targets: object) -> list[torch.Tensor] | None:
@@ -48,6 +50,8 @@ def plain_targets(targets: object) -> list[torch.Tensor] | None:
     items = [targets] if isinstance(targets, (torch.Tensor, AdoptSpec)) else targets
     if not isinstance(items, (list, tuple)) or not items:
         return None
+    if set(map(type, items)) <= _PLAIN_TYPES:  # the common batch: one C-level pass
+        return list(items)
     out = []
     for x in items:
         if isinstance(x, AdoptSpec):
@@ -58,6 +62,9 @@ def plain_targets(targets: object) -> list[torch.Tensor] | None:
             return None
         out.append(x)
     return out
+
+
+_itemsize = attrgetter("itemsize")
 
 
 class _Batch:
@@ -199,7 +206,7 @@ def _adopt(
     slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
     target = pool.storage
     key = pool.storage_key
-    places = [s // d.itemsize for s, d in zip(starts, b.dtypes)]  # element offsets in the pool
+    places = list(map(floordiv, starts, map(_itemsize, b.dtypes)))  # element offsets in the pool
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.
@@ -238,7 +245,7 @@ def _adopt(
     nbytes = b.nbytes
     expired, late = release(txn, name, pins, on_pinned)
     pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
-    return AdoptionReport(ItemTable(slices, nbytes, [expired[k] for k in keys], pinned))
+    return AdoptionReport(ItemTable(slices, nbytes, list(map(expired.__getitem__, keys)), pinned))
 
 
 def _check_moved(
@@ -249,16 +256,15 @@ def _check_moved(
     TensorImpl that it sits on the pool's storage at its place, with its size and stride (which
     fix its extent inside its slice); any difference gets check_placed's full verdict."""
     pool.check_invariants()
-    address, offset_of, size_of, stride_of = (
-        tc.storage_address, tc.impl_storage_offset, tc.impl_size, tc.impl_stride)
-    with tc.no_torch_function():
-        for t, place, size, stride in zip(tensors, places, sizes, strides):
-            if (address(t) != key or offset_of(t) != place or size_of(t) != size
-                    or stride_of(t) != stride):
-                check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, slices)])
-                raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
-                    f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
-                    "nothing was changed")
+    with tc.no_torch_function():  # one C-level pass per read over the chunk just moved
+        if not (all(map(eq, map(tc.storage_address, tensors), repeat(key)))
+                and list(map(tc.impl_storage_offset, tensors)) == places
+                and list(map(tc.impl_size, tensors)) == sizes
+                and list(map(tc.impl_stride, tensors)) == strides):
+            check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, slices)])
+            raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
+                f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
+                "nothing was changed")
 
 
 __all__ = ["adopt_plain", "plain_targets"]
