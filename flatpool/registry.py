@@ -17,8 +17,10 @@ relocation) or with the pool.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Iterable, Iterator
+from operator import attrgetter
 from typing import Any, Callable, Union
 
 import torch
@@ -148,6 +150,10 @@ class Binding:
         return current(self.record)
 
 
+RUN_MIN = 64
+"""Batches smaller than this are bound as plain records (a run saves nothing there)."""
+
+
 class _Run:
     """The bindings of a lean batch (one tensor per slice, ids ``first ..``), as columns: a
     record is built only when someone asks for it, then kept (readers may key on its id)."""
@@ -177,6 +183,9 @@ class _Run:
         return rec
 
 
+_first_id = attrgetter("first")
+
+
 class RegistrySnapshot(dict[int, list[Record]]):
     """What :meth:`AdoptionRegistry.snapshot` remembers: the plain records, and the batches'
     columns (shared: a batch is never changed in place) with the ids taken out of them."""
@@ -203,10 +212,9 @@ class AdoptionRegistry:
     def _run_of(self, slice_id: int) -> _Run | None:
         if not isinstance(slice_id, int) or slice_id in self._dead:
             return None  # (a key no slice id equals finds nothing, as in the plain map)
-        for run in self._runs:
-            if slice_id in run:
-                return run
-        return None
+        runs = self._runs  # in id order (each run's ids past every earlier one's)
+        i = bisect.bisect_right(runs, slice_id, key=_first_id) - 1
+        return runs[i] if i >= 0 and slice_id in runs[i] else None
 
     def _get(self, slice_id: int) -> list[Record] | tuple[Record, ...]:
         recs = self._records.get(slice_id)
@@ -247,8 +255,9 @@ class AdoptionRegistry:
         if not slice_ids:
             return
         first = slice_ids[0]
-        if slice_ids[-1] - first != len(slice_ids) - 1 or any(
-                i - 1 != j for i, j in zip(slice_ids[1:], slice_ids)):
+        last = self._runs[-1] if self._runs else None
+        if (len(slice_ids) < RUN_MIN or (last is not None and first < last.first + len(last.refs))
+                or any(i - 1 != j for i, j in zip(slice_ids[1:], slice_ids))):
             self.bind_many(
                 (i, [(r, 0, sz, st, dt, None, None, False, True)])
                 for i, r, sz, st, dt in zip(slice_ids, refs, sizes, strides, dtypes))

@@ -11,13 +11,16 @@ import torch
 
 from flatpool import AdoptSpec, FlatPool
 from flatpool.errors import PinnedStorageError
-from flatpool.registry import current
+from flatpool.registry import RUN_MIN, current
+
+
+N = RUN_MIN + 6
 
 
 def _pair(
-    n: int = 5, capacity: int | None = None
+    n: int = N, capacity: int | None = None
 ) -> tuple[FlatPool, list[torch.Tensor], FlatPool, list[torch.Tensor]]:
-    lean = [torch.randn(i + 1, 3) for i in range(n)]
+    lean = [torch.randn(i % 7 + 1, 3) for i in range(n)]
     general = [t.clone() for t in lean]
     p1, p2 = FlatPool(capacity=capacity), FlatPool(capacity=capacity)
     p1.adopt(lean)  # bare tensors: one run
@@ -35,7 +38,7 @@ def test_a_lean_batch_is_one_run_and_reads_like_records() -> None:
     p1, lean, p2, general = _pair()
     reg = p1.registry
     assert reg._runs and not reg._records  # no record made yet
-    assert len(reg) == len(p2.registry) == 5
+    assert len(reg) == len(p2.registry) == N
     ids = [s.slice_id for s in p1.slices()]
     for sid, t in zip(ids, lean):
         (rec,) = reg.records(sid)
@@ -54,7 +57,7 @@ def test_unbind_rebind_free_and_dead_tensors_in_a_run() -> None:
     slices = p1.slices()
     p1.disown(slices[1])  # unbinds one id of the run
     assert not reg.holds(slices[1].slice_id) and reg.records(slices[1].slice_id) == ()
-    assert len(reg) == 4 and slices[1].slice_id not in {sid for sid, _ in reg.items()}
+    assert len(reg) == N - 1 and slices[1].slice_id not in {sid for sid, _ in reg.items()}
     p1.free(slices[1])
     with pytest.raises(Exception):
         p1.free(slices[2])  # still backs a tensor of the run
@@ -62,10 +65,10 @@ def test_unbind_rebind_free_and_dead_tensors_in_a_run() -> None:
     gc.collect()
     assert not reg.holds(slices[2].slice_id)
     p1.free(slices[2])  # its tensor died: the binding goes with the slice
-    assert len(reg) == 3 and p1.is_valid()
+    assert len(reg) == N - 2 and p1.is_valid()
     version = reg.version
     reg.bind(slices[0].slice_id, list(reg.records(slices[0].slice_id)))  # bound anew
-    assert reg.version > version and len(reg) == 3
+    assert reg.version > version and len(reg) == N - 2
     assert [sid for sid, _ in reg.items()].count(slices[0].slice_id) == 1
 
 
@@ -76,10 +79,10 @@ def test_a_failed_second_adoption_restores_the_run() -> None:
     keep = pinned.view(2, 2)  # a view the adoption is not told about pins the original
     with pytest.raises(PinnedStorageError):
         p1.adopt([torch.randn(3), pinned])
-    assert _view(p1) == before and len(p1.registry) == 5
+    assert _view(p1) == before and len(p1.registry) == N
     del keep
     p1.adopt([torch.randn(3), pinned])
-    assert len(p1.registry) == 7 and p1.is_valid()
+    assert len(p1.registry) == N + 2 and p1.is_valid()
 
 
 def test_relocation_keeps_a_runs_bindings() -> None:
@@ -89,6 +92,20 @@ def test_relocation_keeps_a_runs_bindings() -> None:
     p1.free(p1.slices()[0])
     lean, values = lean[1:], values[1:]
     p1.compact()  # new handles: the bindings move to plain records of the new ids
-    assert len(p1.registry) == 4 and p1.is_valid()
+    assert len(p1.registry) == N - 1 and p1.is_valid()
     for t, v in zip(lean, values):
         assert torch.equal(t, v) and p1.slice_of(t) is not None
+
+
+def test_small_batches_bind_plain_records_and_many_runs_are_found() -> None:
+    pool = FlatPool(capacity=1 << 22)
+    small = [torch.randn(3) for _ in range(RUN_MIN - 1)]
+    pool.adopt(small)
+    assert not pool.registry._runs and len(pool.registry._records) == RUN_MIN - 1
+    batches = [[torch.randn(2) for _ in range(RUN_MIN)] for _ in range(5)]
+    for batch in batches:
+        pool.adopt(batch)
+    reg = pool.registry
+    assert len(reg._runs) == 5 and len(reg) == RUN_MIN - 1 + 5 * RUN_MIN
+    for s, t in zip(pool.slices(), [*small, *(t for b in batches for t in b)]):
+        assert current(reg.records(s.slice_id)[0]) is t
