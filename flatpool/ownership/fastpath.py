@@ -204,9 +204,9 @@ def _adopt(
     b.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")
     slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
+    b.spans, b.shapes = [], []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
     key = pool.storage_key
-    places = list(map(floordiv, starts, map(_itemsize, b.dtypes)))  # element offsets in the pool
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.
@@ -218,10 +218,11 @@ def _adopt(
             srcs = [t.detach() for t in chunk]
         checkpoint("rebind")
         sizes, strides = b.sizes[first:last], b.strides[first:last]
+        places = list(map(floordiv, starts[first:last], map(_itemsize, b.dtypes[first:last])))
         journal.extend(map(SetMove, chunk, keys[first:last], b.offsets[first:last], sizes,
                            strides, b.versions[first:last]))
-        place_many(zip(chunk, repeat(target), places[first:last], sizes, strides))
-        _check_moved(pool, key, chunk, places[first:last], sizes, strides, slices[first:last])
+        place_many(zip(chunk, repeat(target), places, sizes, strides))  # element offsets
+        _check_moved(pool, key, chunk, places, sizes, strides, slices[first:last])
         checkpoint("copy")
         copy_all(chunk, srcs)
         del srcs
