@@ -17,8 +17,10 @@ relocation) or with the pool.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Iterable, Iterator
+from operator import attrgetter
 from typing import Any, Callable, Union
 
 import torch
@@ -64,6 +66,11 @@ def tensor_ref(t: torch.Tensor) -> Ref:
     if isinstance(t, nn.Parameter):
         return ParamRef(t)
     return weakref.ref(t)
+
+
+def plain_ref(t: torch.Tensor) -> Ref:
+    """:func:`tensor_ref` for an exact ``torch.Tensor`` or ``nn.Parameter`` (no class check)."""
+    return weakref.ref(t) if type(t) is torch.Tensor else ParamRef(t)
 
 
 def _ref(obj: Any) -> Ref:
@@ -143,49 +150,156 @@ class Binding:
         return current(self.record)
 
 
+RUN_MIN = 64
+"""Batches smaller than this are bound as plain records (a run saves nothing there)."""
+
+
+class _Run:
+    """The bindings of a lean batch (one tensor per slice, ids ``first ..``), as columns: a
+    record is built only when someone asks for it, then kept (readers may key on its id)."""
+
+    __slots__ = ("first", "refs", "sizes", "strides", "dtypes", "made")
+
+    def __init__(
+        self, first: int, refs: list[Ref], sizes: list[tuple[int, ...]],
+        strides: list[tuple[int, ...]], dtypes: list[torch.dtype],
+    ) -> None:
+        self.first, self.refs, self.sizes, self.strides, self.dtypes = (
+            first, refs, sizes, strides, dtypes)
+        self.made: list[Record | None] | None = None
+
+    def __contains__(self, slice_id: int) -> bool:
+        return 0 <= slice_id - self.first < len(self.refs)
+
+    def record(self, slice_id: int) -> Record:
+        i = slice_id - self.first
+        made = self.made
+        if made is None:
+            made = self.made = [None] * len(self.refs)
+        rec = made[i]
+        if rec is None:
+            rec = made[i] = (self.refs[i], 0, self.sizes[i], self.strides[i], self.dtypes[i],
+                             None, None, False, True)
+        return rec
+
+
+_first_id = attrgetter("first")
+
+
+class RegistrySnapshot(dict[int, list[Record]]):
+    """What :meth:`AdoptionRegistry.snapshot` remembers: the plain records, and the batches'
+    columns (shared: a batch is never changed in place) with the ids taken out of them."""
+
+    runs: list[_Run]
+    dead: set[int]
+
+
 class AdoptionRegistry:
-    """Per-pool map: slice id -> records. Guarded by the pool's lock."""
+    """Per-pool map: slice id -> records. Guarded by the pool's lock.
+
+    A lean batch is bound as one :class:`_Run` (:meth:`bind_run`): its slices' records exist
+    only as columns until asked for. ``_dead`` holds the ids taken out of a run since (unbound,
+    or bound anew: those records then live in the plain map)."""
 
     def __init__(self) -> None:
         self._records: dict[int, list[Record]] = {}
+        self._runs: list[_Run] = []
+        self._dead: set[int] = set()
         self.version = 0
         """Bumped *before* every change (an interrupt in between costs a recheck, never a
         stale answer): what the fast validity check (:mod:`.ownership.quickcheck`) keys on."""
 
+    def _run_of(self, slice_id: int) -> _Run | None:
+        if not isinstance(slice_id, int) or slice_id in self._dead:
+            return None  # (a key no slice id equals finds nothing, as in the plain map)
+        runs = self._runs  # in id order (each run's ids past every earlier one's)
+        i = bisect.bisect_right(runs, slice_id, key=_first_id) - 1
+        return runs[i] if i >= 0 and slice_id in runs[i] else None
+
+    def _get(self, slice_id: int) -> list[Record] | tuple[Record, ...]:
+        recs = self._records.get(slice_id)
+        if recs is not None:
+            return recs
+        run = self._run_of(slice_id) if self._runs else None
+        return () if run is None else (run.record(slice_id),)
+
     def holds(self, slice_id: int) -> bool:
-        return any(current(r) is not None for r in self._records.get(slice_id, ()))
+        return any(current(r) is not None for r in self._get(slice_id))
 
     def records(self, slice_id: int) -> tuple[Record, ...]:
-        return tuple(self._records.get(slice_id, ()))
+        return tuple(self._get(slice_id))
 
     def bindings(self, slice_id: int) -> tuple[Binding, ...]:
-        return tuple(Binding(r) for r in self._records.get(slice_id, ()))
+        return tuple(Binding(r) for r in self._get(slice_id))
 
     def bind(self, slice_id: int, records: list[Record]) -> None:
         self.version += 1
         self._records[slice_id] = records
+        if self._runs and self._run_of(slice_id) is not None:
+            self._dead.add(slice_id)
 
     def bind_many(self, pairs: Iterable[tuple[int, list[Record]]]) -> None:
         self.version += 1
-        self._records.update(pairs)
+        if not self._runs:
+            self._records.update(pairs)
+            return
+        for slice_id, records in pairs:
+            self.bind(slice_id, records)
+
+    def bind_run(
+        self, slice_ids: list[int], refs: list[Ref], sizes: list[tuple[int, ...]],
+        strides: list[tuple[int, ...]], dtypes: list[torch.dtype],
+    ) -> None:
+        """Bind one tensor (``refs[i]``, primary, at byte 0) to each of ``slice_ids``: fresh ids
+        of consecutive numbers (a lean batch's), else plain records."""
+        if not slice_ids:
+            return
+        first = slice_ids[0]
+        last = self._runs[-1] if self._runs else None
+        if (len(slice_ids) < RUN_MIN or (last is not None and first < last.first + len(last.refs))
+                or any(i - 1 != j for i, j in zip(slice_ids[1:], slice_ids))):
+            self.bind_many(
+                (i, [(r, 0, sz, st, dt, None, None, False, True)])
+                for i, r, sz, st, dt in zip(slice_ids, refs, sizes, strides, dtypes))
+            return
+        run = _Run(first, refs, sizes, strides, dtypes)
+        self.version += 1
+        self._runs = [*self._runs, run]  # one assignment: all or nothing
 
     def unbind(self, slice_id: int) -> list[Record]:
         self.version += 1
-        return self._records.pop(slice_id, [])
+        recs = self._records.pop(slice_id, None)
+        run = self._run_of(slice_id) if self._runs else None
+        if run is not None:
+            rec = run.record(slice_id)
+            self._dead.add(slice_id)
+            if recs is None:
+                return [rec]
+        return [] if recs is None else recs
 
     def items(self) -> Iterator[tuple[int, list[Record]]]:
-        return iter(list(self._records.items()))
+        out = list(self._records.items())
+        dead = self._dead
+        for run in self._runs:
+            out += [(i, [run.record(i)]) for i in range(run.first, run.first + len(run.refs))
+                    if i not in dead]
+        return iter(out)
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + sum(len(r.refs) for r in self._runs) - len(self._dead)
 
-    def snapshot(self) -> dict[int, list[Record]]:
-        return dict(self._records)  # lists are replaced, never mutated in place
+    def snapshot(self) -> RegistrySnapshot:
+        snap = RegistrySnapshot(self._records)  # lists are replaced, never mutated in place
+        snap.runs, snap.dead = list(self._runs), set(self._dead)
+        return snap
 
     def restore(self, snap: dict[int, list[Record]]) -> None:
+        """Put back a :meth:`snapshot` (or install a plain map of records: relocation)."""
         self.version += 1
-        self._records = dict(snap)
+        runs: list[_Run] = getattr(snap, "runs", [])
+        dead: set[int] = getattr(snap, "dead", set())
+        self._records, self._runs, self._dead = dict(snap), list(runs), set(dead)
 
 
-__all__ = ["AdoptionRegistry", "Binding", "Geometry", "ParamRef", "Record", "current",
-           "make_record", "record_holder", "tensor_ref"]
+__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "Record", "current",
+           "make_record", "plain_ref", "record_holder", "tensor_ref"]

@@ -81,6 +81,12 @@ def pool_of_storage(key: int) -> PoolState | None:
     return pool if pool is not None and pool._buffer_key == key else None
 
 
+def pool_index() -> dict[int, weakref.ref[PoolState]]:
+    """The storage-key index :func:`pool_of_storage` reads (a key absent from it belongs to no
+    pool), for a batch check to skip the call on the common miss."""
+    return _by_storage
+
+
 _pool_storages: dict[int, int] = {}
 """The current storage of every pool that has one, and the last storage of every pool object
 that died: key -> raw weak reference. A storage outlives its pool object while tensors still
@@ -366,6 +372,40 @@ class PoolState:
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
+
+    def allocate_spans(
+        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[torch.dtype],
+    ) -> tuple[list[Slice], list[int]]:
+        """:meth:`allocate_many` for a lean batch: slices of ``spans`` bytes (each > 0, its
+        ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts."""
+        with self._lock:
+            before = PoolSnapshot(self)
+            try:
+                return self._allocate_spans(spans, shapes, dtypes)
+            except BaseException:
+                self.restore(before)
+                del before  # a kept traceback must not pin the pool's storage
+                raise
+
+    def _allocate_spans(
+        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[torch.dtype],
+    ) -> tuple[list[Slice], list[int]]:
+        if all(d.itemsize <= self.alignment for d in set(dtypes)):
+            before = self._alloc.snapshot()
+            starts = self._alloc.append_run(spans)
+            if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
+                ids = list(itertools.islice(self._slice_ids, len(starts)))
+                out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
+                self._live.update(zip(ids, out))
+                self._at_offset.update(zip(starts, out))
+                self._offsets.extend(starts)  # past every existing slice, already sorted
+                return out, starts
+            if starts is not None:  # over the address limit: undo, report per request
+                self._alloc.restore(before)
+        out = [self.allocate_checked(d, t) for d, t in zip(shapes, dtypes)]
+        return out, [s.offset for s in out]
 
     def allocate_checked(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
         """:meth:`allocate` for a shape and dtype already validated."""
@@ -726,5 +766,5 @@ class PoolState:
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_pools", "pool_of_storage",
+    "empty_storage_tensor", "live_pools", "pool_index", "pool_of_storage",
 ]

@@ -201,6 +201,34 @@ def test_a_wrong_geometry_is_caught_and_rolled_back(monkeypatch: pytest.MonkeyPa
     assert pool.adopt([t, u]).all_released
 
 
+def test_the_lean_path_catches_a_move_inside_its_slice_but_not_as_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lean path's read-back compares each TensorImpl with the place, size and stride it
+    was given, not only with its slice's bounds: a shorter size (in bounds) is caught too, and
+    everything is put back."""
+    t, u = torch.randn(6), torch.randn(6)
+    values = [t.clone(), u.clone()]
+    pool = FlatPool(alignment=1)
+    real = tc.impl_set_
+    lied: list[bool] = []
+
+    def wrong(obj: torch.Tensor, storage: Any, offset: int, size: Any, stride: Any) -> Any:
+        if obj is u and not lied and storage.nbytes() == 48:
+            lied.append(True)
+            size = (3,)
+        return real(obj, storage, offset, size, stride)
+
+    monkeypatch.setattr(tc, "impl_set_", wrong)
+    with pytest.raises(PoolInvariantError, match="does not sit where it was placed"):
+        pool.adopt([t, u])
+    monkeypatch.undo()
+    assert lied
+    assert torch.equal(t, values[0]) and torch.equal(u, values[1]) and u.shape == (6,)
+    assert pool.slices() == ()
+    assert pool.adopt([t, u]).all_released
+
+
 def test_the_invariant_check_sees_a_grown_storage() -> None:
     pool = FlatPool(capacity=64)
     pool.adopt(torch.randn(4))

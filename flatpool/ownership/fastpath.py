@@ -20,13 +20,17 @@ that path raises the precise error for a bad input.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, eq, floordiv
 
 import torch
 
 from .. import torch_compat as tc
-from ..registry import tensor_ref
+from ..errors import PoolInvariantError
+from ..registry import plain_ref
 from ..requests import check_dtype
-from ..state import PoolState, pool_of_storage
+from ..slices import Slice
+from ..state import PoolState, pool_index, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMove, place_many
@@ -37,6 +41,7 @@ from .transaction import Transaction
 from .validate import label, self_overlapping
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def plain_targets(targets: object) -> list[torch.Tensor] | None:
@@ -45,6 +50,8 @@ def plain_targets(targets: object) -> list[torch.Tensor] | None:
     items = [targets] if isinstance(targets, (torch.Tensor, AdoptSpec)) else targets
     if not isinstance(items, (list, tuple)) or not items:
         return None
+    if set(map(type, items)) <= _PLAIN_TYPES:  # the common batch: one C-level pass
+        return list(items)
     out = []
     for x in items:
         if isinstance(x, AdoptSpec):
@@ -57,136 +64,208 @@ def plain_targets(targets: object) -> list[torch.Tensor] | None:
     return out
 
 
-class _Item:
-    """What the lean path knows of one tensor (a slotted object: thousands are made)."""
-
-    __slots__ = ("t", "key", "storage", "offset", "size", "stride", "dtype", "shape", "version")
-
-    def __init__(
-        self, t: torch.Tensor, key: int, storage: torch.UntypedStorage, offset: int,
-        size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
-        shape: tuple[int, ...], version: int,
-    ) -> None:
-        self.t, self.key, self.offset, self.size, self.stride = t, key, offset, size, stride
-        self.storage: torch.UntypedStorage | None = storage
-        self.dtype, self.shape, self.version = dtype, shape, version
+_itemsize = attrgetter("itemsize")
 
 
-def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> list[_Item] | None:
+class _Batch:
+    """What the lean path knows of a batch: one list per fact, in input order (no object per
+    tensor). Shapes and strides are interned, so equal ones share one tuple."""
+
+    __slots__ = ("tensors", "storages", "keys", "offsets", "sizes", "strides", "shapes",
+                 "dtypes", "spans", "versions", "nbytes")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.storages: list[torch.UntypedStorage] = []
+        self.keys: list[int] = []
+        self.offsets: list[int] = []  # element offsets on the originals
+        self.sizes: list[tuple[int, ...]] = []
+        self.strides: list[tuple[int, ...]] = []
+        self.shapes: list[tuple[int, ...]] = []  # of the slices: a strided one's is flat
+        self.dtypes: list[torch.dtype] = []
+        self.spans: list[int] = []  # bytes each needs in the pool
+        self.versions: list[int] = []
+        self.nbytes: list[int] = []  # bytes of each original storage
+
+
+_Geometry = tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]
+"""``(size, stride, span in elements, shape of the slice)``: a function of size and stride
+only, so worked out once per distinct pair of a batch (and the pair's tuples shared)."""
+
+
+def _geometry(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> _Geometry | None:
+    if 0 in size:
+        return None
+    if t.is_contiguous():
+        return size, stride, t.numel(), size
+    span = 1
+    for sz, st in zip(size, stride):
+        if st < 0:
+            return None
+        span += (sz - 1) * st
+    with tc.no_torch_function():
+        if self_overlapping(t):
+            return None  # the general path refuses it with the reason
+    return size, stride, span, (span,)  # a strided original keeps its strides in a flat run
+
+
+def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
     """Per-tensor facts, or ``None`` when any tensor needs the general path.
 
     The targets are exact ``torch.Tensor``/``nn.Parameter`` objects (:func:`plain_targets`):
     their attributes are torch's own, read straight from the TensorImpl (no subclass can
     override them), so the plain attribute reads are the TensorImpl reads, at C speed.
     """
-    items: list[_Item] = []
-    seen: set[int] = set()
+    b = _Batch(tensors)
     device = pool.device
     cpu = device.type == "cpu"
     strided = torch.strided
     storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
+    by_storage = pool_index()
+    storage_offset = tc.impl_storage_offset
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], _Geometry] = {}
+    add_storage, add_key, add_offset = b.storages.append, b.keys.append, b.offsets.append
+    add_size, add_stride, add_dtype = b.sizes.append, b.strides.append, b.dtypes.append
+    add_shape = b.shapes.append
+    add_span, add_version, add_nbytes = b.spans.append, b.versions.append, b.nbytes.append
+    dtypes: set[torch.dtype] = set()
     for t in tensors:
         if (not t.is_cpu if cpu else t.device != device) or t._base is not None:
             return None  # (a meta tensor is on neither)
         if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
             return None
-        if tc.has_math_bits(t):
+        if t.is_conj() or t.is_neg():
             return None  # lazy conj/neg bits: the copy into itself would see them
-        size, stride = tuple(t.size()), t.stride()
-        if 0 in size:
-            return None
+        sz, stride = t.size(), t.stride()
+        geo = known.get((sz, stride))
+        if geo is None:
+            geo = _geometry(t, tuple(sz), stride)
+            if geo is None:
+                return None
+            known[geo[0], geo[1]] = geo
+        size, stride, span, shape = geo
         storage = t.untyped_storage()
         if not pointer_valid(storage):
             return None  # a C++ functional tensor's placeholder: validate() names it
         key = storage_key(storage)
-        if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
-                or (cpu and storage.is_shared()) or pool_of_storage(key) is not None):
+        if ((not storage.resizable() and tc.torch_allocated(storage) is not True)
+                or (cpu and storage.is_shared())
+                or (key in by_storage and pool_of_storage(key) is not None)):
             return None  # shared or external memory: the general path reports it external
-        seen.add(key)
         dtype = t.dtype
-        offset = int(t.storage_offset())
-        if t.is_contiguous():
-            span, shape = t.numel(), size
-        else:
-            span = 1
-            for sz, st in zip(size, stride):
-                if st < 0:
-                    return None
-                span += (sz - 1) * st
-            with tc.no_torch_function():
-                if self_overlapping(t):
-                    return None  # the general path refuses it with the reason
-            shape = (span,)  # a strided original keeps its strides in a flat run
-        if (offset + span) * dtype.itemsize > storage.nbytes():
+        offset = storage_offset(t)
+        nbytes = storage.nbytes()
+        item = dtype.itemsize
+        if (offset + span) * item > nbytes:
             return None
-        items.append(_Item(t, key, storage, offset, size, stride, dtype, shape, t._version))
-    for it in items:
-        check_dtype(it.dtype)
-    return items
+        dtypes.add(dtype)
+        add_storage(storage)
+        add_key(key)
+        add_offset(offset)
+        add_size(size)
+        add_stride(stride)
+        add_shape(shape)
+        add_dtype(dtype)
+        add_span(span * item)
+        add_version(t._version)
+        add_nbytes(nbytes)
+    if len(set(b.keys)) != len(b.keys):
+        return None  # two targets share a storage
+    for dtype in dtypes:
+        check_dtype(dtype)
+    return b
 
 
 def adopt_plain(
     pool: PoolState, tensors: list[torch.Tensor], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport | None:
     """Adopt plain tensors in ``txn``; ``None`` (nothing done) when one needs the general path."""
-    items = _eligible(pool, tensors)
-    if items is None:
+    batch = _eligible(pool, tensors)
+    if batch is None:
         return None
-    held = {id(t) for t in held_outside_python([it.t for it in items])}
-    outside = {it.key: [it.t] for it in items if id(it.t) in held}
-    return _adopt(pool, items, txn, on_pinned, outside)
+    # Only a tensor whose impl has another owner can be held outside Python (no views here).
+    users = tc.tensor_impl_users
+    maybe = [t for t in tensors if users(t) > 1]
+    held = held_outside_python(maybe) if maybe else []
+    outside: Outside = {}
+    if held:
+        ids = {id(t) for t in held}
+        outside = {k: [t] for k, t in zip(batch.keys, tensors) if id(t) in ids}
+    del maybe, held
+    return _adopt(pool, batch, txn, on_pinned, outside)
 
 
 def _adopt(
-    pool: PoolState, items: list[_Item], txn: Transaction, on_pinned: OnPinned, outside: Outside
+    pool: PoolState, b: _Batch, txn: Transaction, on_pinned: OnPinned, outside: Outside
 ) -> AdoptionReport:
-    originals = txn.originals
-    for it in items:
-        assert it.storage is not None
-        originals[it.key] = it.storage
-        txn.nbytes[it.key] = it.storage.nbytes()
-        it.storage = None
+    keys, tensors = b.keys, b.tensors
+    txn.originals.update(zip(keys, b.storages))
+    txn.nbytes.update(zip(keys, b.nbytes))
+    b.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")
-    slices = pool.allocate_many([(it.shape, it.dtype) for it in items])
+    slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
+    b.spans, b.shapes = [], []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
-    tensors = [it.t for it in items]
+    key = pool.storage_key
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.
-    for first in range(0, len(items), COPY_CHUNK):
-        chunk = items[first:first + COPY_CHUNK]
-        placed = slices[first:first + COPY_CHUNK]
+    journal = txn.journal
+    for first in range(0, len(tensors), COPY_CHUNK):
+        last = first + COPY_CHUNK
+        chunk = tensors[first:last]
         with tc.no_torch_function():
-            srcs = [it.t.detach() for it in chunk]
+            srcs = [t.detach() for t in chunk]
         checkpoint("rebind")
-        txn.journal.extend(
-            SetMove(it.t, it.key, it.offset, it.size, it.stride, it.version) for it in chunk)
-        place_many((it.t, target, slc.offset // it.dtype.itemsize, it.size, it.stride)
-                   for it, slc in zip(chunk, placed))
-        check_placed(pool, [(it.t, slc.offset, slc.end) for it, slc in zip(chunk, placed)])
+        sizes, strides = b.sizes[first:last], b.strides[first:last]
+        places = list(map(floordiv, starts[first:last], map(_itemsize, b.dtypes[first:last])))
+        journal.extend(map(SetMove, chunk, keys[first:last], b.offsets[first:last], sizes,
+                           strides, b.versions[first:last]))
+        place_many(zip(chunk, repeat(target), places, sizes, strides))  # element offsets
+        _check_moved(pool, key, chunk, places, sizes, strides, slices[first:last])
         checkpoint("copy")
-        copy_all([it.t for it in chunk], srcs)
+        copy_all(chunk, srcs)
         del srcs
-    tc.set_versions(tensors, [it.version for it in items])
+    tc.set_versions(tensors, b.versions)
 
-    index = {it.key: i for i, it in enumerate(items)}
+    index: dict[int, int] = {}
 
-    def name(key: int) -> str:
-        return label(tensors[index[key]], index[key])
+    def at(k: int) -> int:  # built only when an original is named (pinned, late)
+        if not index:
+            index.update((k, i) for i, k in enumerate(keys))
+        return index[k]
 
-    keys = [it.key for it in items]
-    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [items, tensors])
+    def name(k: int) -> str:
+        return label(tensors[at(k)], at(k))
+
+    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [b, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
-    ref = tensor_ref  # no Python weakref on a Parameter: swap_tensors refuses those
-    pool.registry.bind_many(  # make_record()'s tuples, inline: one per tensor of the batch
-        (s.slice_id, [(ref(it.t), 0, it.size, it.stride, it.dtype, None, None, False, True)])
-        for it, s in zip(items, slices)
-    )
-    nbytes = txn.nbytes
+    # One run of columns, not a record per tensor: records are built when someone asks.
+    pool.registry.bind_run([s.slice_id for s in slices], list(map(plain_ref, tensors)),
+                           b.sizes, b.strides, b.dtypes)
+    nbytes = b.nbytes
     expired, late = release(txn, name, pins, on_pinned)
-    pinned = {index[k]: v for k, v in (*pins.items(), *late.items())}
-    return AdoptionReport(ItemTable(slices, [nbytes[k] for k in keys],
-                                    [expired[k] for k in keys], pinned))
+    pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
+    return AdoptionReport(ItemTable(slices, nbytes, list(map(expired.__getitem__, keys)), pinned))
+
+
+def _check_moved(
+    pool: PoolState, key: int | None, tensors: list[torch.Tensor], places: list[int],
+    sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]], slices: Sequence[Slice],
+) -> None:
+    """:func:`check_placed` for exact tensors ``set_`` by this path: read back from each
+    TensorImpl that it sits on the pool's storage at its place, with its size and stride (which
+    fix its extent inside its slice); any difference gets check_placed's full verdict."""
+    pool.check_invariants()
+    with tc.no_torch_function():  # one C-level pass per read over the chunk just moved
+        if not (all(map(eq, map(tc.storage_address, tensors), repeat(key)))
+                and list(map(tc.impl_storage_offset, tensors)) == places
+                and list(map(tc.impl_size, tensors)) == sizes
+                and list(map(tc.impl_stride, tensors)) == strides):
+            check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, slices)])
+            raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
+                f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
+                "nothing was changed")
 
 
 __all__ = ["adopt_plain", "plain_targets"]
