@@ -16,6 +16,7 @@ from torch import nn
 from flatpool import AdoptSpec, FlatPool, Holder
 from flatpool import torch_compat as tc
 from flatpool.ownership.quickcheck import still_in_place
+from vectorized_reads import use_vectorized_reads
 
 
 @pytest.fixture(params=("vectorized", "per field"), autouse=True)
@@ -23,8 +24,7 @@ def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "per field":
         monkeypatch.setattr(tc, "RAW_LAYOUT", None)
     else:
-        assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
-        monkeypatch.setattr(tc, "VECTORIZED_MIN", 1)  # (the groups here are small)
+        use_vectorized_reads(monkeypatch)
     return str(request.param)
 
 

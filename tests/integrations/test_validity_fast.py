@@ -24,6 +24,7 @@ from flatpool import torch_compat as tc
 from flatpool.integrations.hsdp import adopt_group, is_valid, problems
 from flatpool.integrations.hsdp.members import local_of
 from flatpool.integrations.hsdp.quickcheck import still_valid
+from vectorized_reads import use_vectorized_reads
 
 BROKEN = {"hp meta wrapper, materialized"}
 READS = ("vectorized", "per field")
@@ -35,8 +36,7 @@ def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "per field":
         monkeypatch.setattr(tc, "RAW_LAYOUT", None)
     else:
-        assert tc.RAW_LAYOUT is not None and tc.sole_thread(), "the probe found no layout"
-        monkeypatch.setattr(tc, "VECTORIZED_MIN", 1)  # (the groups here are small)
+        use_vectorized_reads(monkeypatch)
     return str(request.param)
 """Kinds adoption refuses on this branch (not this module's concern): checked when they adopt."""
 
