@@ -64,7 +64,7 @@ class _Row:
     """One spec's facts: the shard ``t``, its local tensor ``local``, where both sit now."""
 
     __slots__ = ("t", "local", "key", "storage", "offset", "size", "stride", "version",
-                 "local_version", "local_offset", "swap", "grad", "local_size", "local_stride", "holder", "wrapper", "slice")
+                 "local_version", "local_offset", "swap", "grad", "nbytes", "local_size", "local_stride", "holder", "wrapper", "slice")
 
     def __init__(self, t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor, key: int,
                  storage: torch.UntypedStorage) -> None:
@@ -73,6 +73,7 @@ class _Row:
         self.offset = int(t.storage_offset())
         self.size: tuple[int, ...] = tuple(t.size())
         self.stride: tuple[int, ...] = t.stride()
+        self.nbytes = t.numel() * t.dtype.itemsize
         self.version = t._version
         self.local_version = local._version
         self.local_offset = int(local.storage_offset())
@@ -95,6 +96,7 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
     rows: list[_Row] = []
     seen: set[int] = set()
     given: set[int] = set()
+    assignable: dict[tuple[type, object, bool], str | None | bool] = {}
     dtypes: set[torch.dtype] = set()
     device = pool.device
     cpu = device.type == "cpu"
@@ -153,7 +155,13 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
                 or row.local_offset + local.numel() > row.offset + numel):
             return None
         for h in spec.holders:
-            if type(h) is not Holder or h.unassignable() is not None:
+            if type(h) is not Holder:
+                return None
+            place = (type(h.owner), h.key, h.item)  # decided from the owner's type alone
+            why = assignable.get(place, False)
+            if why is False:
+                why = assignable[place] = h.unassignable()
+            if why is not None:
                 return None
             try:
                 value = h.get()
@@ -165,8 +173,9 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
             row.holder = h
         if spec.slice is not None:
             slc = spec.slice
-            if (type(slc) is not Slice or slc.pool is not pool or slc.slice_id in given or slc.dtype != t.dtype
-                    or slc.nbytes != numel * t.dtype.itemsize or pool.registry.holds(slc.slice_id)):
+            if (type(slc) is not Slice or slc.pool is not pool or slc.slice_id in given
+                    or slc.dtype != t.dtype or slc.nbytes != row.nbytes
+                    or pool.registry.holds(slc.slice_id)):
                 return None
             given.add(slc.slice_id)
             row.slice = slc
@@ -247,8 +256,10 @@ def _adopt(
                                    r.local_version))
             places.append((r.local, target, start + r.local_offset - r.offset, r.local_size,
                            r.local_stride))
-            where.append((r.t, slc.offset, slc.end))
-            where.append((r.local, slc.offset, slc.end))
+            lo = slc.offset
+            hi = lo + r.nbytes
+            where.append((r.t, lo, hi))
+            where.append((r.local, lo, hi))
         txn.journal.extend(journal)  # write-ahead: the records exist before the moves
         del journal
         place_many(places)
