@@ -114,7 +114,7 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
         for x in (t, local):
             if (not x.is_cpu if cpu else x.device != device) or x.layout is not strided:
                 return None
-            if x.is_nested or x.is_quantized or x.is_inference() or tc.has_math_bits(x):
+            if x.is_nested or x.is_quantized or x.is_inference() or x.is_conj() or x.is_neg():
                 return None
             if not x.is_contiguous() or x.dtype != t.dtype or x.numel() == 0:
                 return None

@@ -103,13 +103,21 @@ def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str |
     return None
 
 
+def _size(shape: object) -> torch.Size:
+    """``shape`` as a ``torch.Size``: the member's own when it is one already (immutable, so
+    shared; a model of 10,000 members would otherwise make 30,000 copies per fusion)."""
+    return shape if type(shape) is torch.Size else torch.Size(shape)  # type: ignore[arg-type]
+
+
 def layout_of(
     p: ShardedParam, index: int, offset: int, slc: Slice | None = None,
-    padded: torch.Size | None = None,
+    padded: torch.Size | None = None, size: torch.Size | None = None,
 ) -> MemberLayout:
     """Where member ``p`` goes, checking that its padded data is what the protocol says
-    (``padded``: its :func:`padded_size`, when the caller has it already)."""
-    size = impl_size(data_of(p, index))
+    (``padded``: its :func:`padded_size`, ``size`` its data's TensorImpl size, when the caller
+    has them already)."""
+    if size is None:
+        size = impl_size(data_of(p, index))
     if padded is None:
         padded = padded_size(p, index)
     numel = math.prod(padded)
@@ -120,13 +128,13 @@ def layout_of(
         )
     orig = getattr(p, "_orig_size", None)
     # The *global* shape is wanted here, which is what a DTensor's Python ``shape`` answers.
-    orig_size = torch.Size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
+    orig_size = _size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
     return MemberLayout(
         index=index,
         offset=offset,
         numel=size[0],
         padded_size=padded,
-        sharded_size=torch.Size(p.sharded_size),
+        sharded_size=_size(p.sharded_size),
         orig_size=orig_size,
         shard_dim=shard_dim(p),
         slice=slc,
@@ -247,18 +255,21 @@ def plan_buckets(
         pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
                         name=f"{name}/{str(dtype).replace('torch.', '')}")
         padded = [padded_size(params[i], i) for i in indices]
-        sized = [k for k, shape in enumerate(padded) if math.prod(shape) != 0]
-        slices = iter(pool.allocate_many([(tuple(padded[k]), dtype) for k in sized]))
+        with tc.no_torch_function():  # one pass of TensorImpl reads
+            sizes = [tc.impl_size(data_of(params[i], i)) for i in indices]
+        counts = [math.prod(shape) for shape in padded]
+        slices = iter(pool.allocate_many([(tuple(shape), dtype)
+                                          for shape, n in zip(padded, counts) if n]))
         item = dtype.itemsize
         end = pool.capacity
         layouts = []
-        for i, shape in zip(indices, padded):
-            if math.prod(shape) == 0:
-                layouts.append(layout_of(params[i], i, end // item, padded=shape))
+        for i, shape, n, size in zip(indices, padded, counts, sizes):
+            if not n:
+                layouts.append(layout_of(params[i], i, end // item, padded=shape, size=size))
                 continue
             slc = next(slices)
-            end = slc.end
-            layouts.append(layout_of(params[i], i, slc.offset // item, slc, shape))
+            end = slc.offset + n * item
+            layouts.append(layout_of(params[i], i, slc.offset // item, slc, shape, size))
         plans.append((dtype, pool, layouts))
     return plans
 

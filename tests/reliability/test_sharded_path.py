@@ -1,10 +1,9 @@
 """The lean path for sharded parameters (:mod:`flatpool.ownership.sharded`) against the general one.
 
-Members are built the way FSDP2 lays them out after lazy init: a padded tensor nobody names,
-``_sharded_param_data`` a flat autograd view of it, the local tensor a base-less tensor on the
-same storage (rows ``0..n`` of the padding), and the parameter a torch DTensor over that local
-tensor, on a real 1-rank gloo mesh. Each spec is what ``adopt_group`` passes: the shard, the
-parameter as its view, the member's attribute as its holder.
+Members are built the way FSDP2 lays them out after lazy init (:class:`.scenarios.ShardedMember`,
+on a real 1-rank gloo mesh). Each spec is what ``adopt_group`` passes: the shard, the parameter
+as its view, the member's attribute as its holder. (Every line of the path is interrupted in
+``test_interrupts.py``, op ``adopt-sharded``.)
 """
 
 from __future__ import annotations
@@ -13,38 +12,20 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import flatpool.ownership.adopt as adopt_mod
-from flatpool import AdoptSpec, FlatPool, Holder, PinnedStorageError
+from flatpool import AdoptSpec, FlatPool, PinnedStorageError
 from flatpool import torch_compat as tc
 from flatpool.ownership.sharded import is_sharded_batch
 from flatpool.testing import FailAt, set_fault_hook
 
-
-class Member:
-    """An FSDP2-shaped member: ``_sharded_param_data``, ``sharded_param``."""
-
-    def __init__(self, mesh: Any, rows: int, padded_rows: int, cols: int, start: float) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
-        padded = (torch.arange(padded_rows * cols, dtype=torch.float32) + start).view(
-            padded_rows, cols).clone()
-        self._sharded_param_data = padded.view(-1)  # an autograd view of a base nobody names
-        local = torch.empty(0).set_(padded.untyped_storage(), 0, (rows, cols), (cols, 1))
-        spec = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)._spec
-        self.sharded_param = nn.Parameter(DTensor(local, spec, requires_grad=True))  # type: ignore[no-untyped-call]
-
-    def spec(self) -> AdoptSpec:
-        return AdoptSpec(self._sharded_param_data, views=(self.sharded_param,),
-                         holders=(Holder(self, "_sharded_param_data"),))
-
+from .scenarios import ShardedMember as Member
 
 SHAPES = [(3, 3, 4), (5, 6, 2), (1, 2, 7), (4, 4, 1)]  # (rows, padded rows, cols)
 
 
 def _members(mesh: Any) -> list[Member]:
-    return [Member(mesh, r, p, c, start=100.0 * i) for i, (r, p, c) in enumerate(SHAPES)]
+    return [Member(r, p, c, start=100.0 * i, mesh=mesh) for i, (r, p, c) in enumerate(SHAPES)]
 
 
 def _state(m: Member) -> tuple[Any, ...]:
