@@ -31,7 +31,7 @@ import torch
 
 from .. import torch_compat as tc
 from ..holder import Holder
-from ..registry import Record, make_record
+from ..registry import Record, make_record, tensor_ref
 from ..requests import check_dtype
 from ..slices import Slice
 from ..state import PoolState, pool_of_storage
@@ -293,9 +293,11 @@ def _records(r: _Row) -> list[Record]:
     the local tensor (held by its wrapper's slot)."""
     dtype = r.t.dtype
     shift = (r.local_offset - r.offset) * dtype.itemsize
+    # The local's record is make_record()'s tuple, inline: its holder's owner is the wrapper,
+    # a tensor, which make_record() refers to by tensor_ref() as well.
     return [make_record(r.t, 0, r.size, r.stride, dtype, r.holder, True),
-            make_record(r.local, shift, r.local_size, r.local_stride, dtype,
-                        Holder(r.wrapper, _LOCAL), False)]
+            (tensor_ref(r.local), shift, r.local_size, r.local_stride, dtype,
+             tensor_ref(r.wrapper), _LOCAL, False, False)]
 
 
 def is_sharded_batch(specs: Sequence[object]) -> bool:
