@@ -54,7 +54,7 @@ def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None =
     known: dict[int, torch.Tensor] = {}
     bases: dict[int, torch.Tensor] = {}
     address, is_meta, base_of = tc.storage_address, tc.impl_is_meta, tc.impl_base
-    with tc.no_torch_function():  # what _on() reads, for every old impl in one block
+    with tc.no_torch_function():  # every old impl and its base in one block (meta: none)
         for old in olds or ():
             if not is_meta(old) and address(old) == key:
                 known[tc.impl_address(old)] = old
