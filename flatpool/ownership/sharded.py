@@ -105,58 +105,19 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
     with_slice = specs[0].slice is not None
     if with_slice and not planned:
         return None  # an existing slice's bytes must be saved for a rollback: general path
+    # Python-level reads first (a wrapper's ``_local_tensor``, the holders' places), as the
+    # general path makes them; then every TensorImpl read in one no_torch_function block.
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Holder | None]] = []
     for spec in specs:
         t, wrapper = spec.tensor, spec.views[0]
         local = getattr(wrapper, _LOCAL, None)
         if type(local) not in _PLAIN or local is t or (spec.slice is not None) != with_slice:
             return None
         assert isinstance(local, torch.Tensor)
-        for x in (t, local):
-            if (not x.is_cpu if cpu else x.device != device) or x.layout is not strided:
-                return None
-            if x.is_nested or x.is_quantized or x.is_inference() or x.is_conj() or x.is_neg():
-                return None
-            if not x.is_contiguous() or x.dtype != t.dtype or x.numel() == 0:
-                return None
-        # The shard moves in place when it is no autograd view, or a view of its local tensor
-        # (which moves with it); a view of a base that stays behind (FSDP2's padded tensor)
-        # gets a fresh impl on its slice, swapped in, or that base would pin the original.
-        # The local tensor moves in place: no view, or a view of a shard moving in place.
-        base, local_base = t._base, local._base
-        swap = base is not None and base is not local
-        if local_base is not None and (local_base is not t or swap):
-            return None
-        if swap and tc.storage_address(base) != tc.storage_address(t):  # type: ignore[arg-type]
-            return None
-        del base, local_base
-        storage = t.untyped_storage()
-        if not pointer_valid(storage):
-            return None
-        key = storage_key(storage)
-        if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
-                or (cpu and storage.is_shared()) or pool_of_storage(key) is not None
-                or tc.storage_address(local) != key):
-            return None
-        try:
-            with tc.no_torch_function():
-                if tc.impl_is_meta(wrapper) or tc.storage_address(wrapper) == key:
-                    return None  # a wrapper on the shard's storage (or meta) moves too
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None
-        seen.add(key)
-        row = _Row(t, local, wrapper, key, storage)
-        del storage
-        row.swap = swap
-        if swap:
-            row.grad = t.requires_grad and t.is_leaf
-        numel = t.numel()
-        if ((row.offset + numel) * t.dtype.itemsize > row.storage.nbytes()  # type: ignore[union-attr]
-                or row.local_offset < row.offset
-                or row.local_offset + local.numel() > row.offset + numel):
-            return None
+        holder = None
         for h in spec.holders:
-            if type(h) is not Holder:
-                return None
+            if type(h) is not Holder or holder is not None:
+                return None  # (a second holder, or one of the local, is the general path's)
             place = (type(h.owner), h.key, h.item)  # decided from the owner's type alone
             why = assignable.get(place, False)
             if why is False:
@@ -167,20 +128,70 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
                 value = h.get()
             except Exception:
                 return None
-            if value is not t or row.holder is not None:
-                return None  # (a holder of the local would replace the wrapper's slot)
-            del value
-            row.holder = h
-        if spec.slice is not None:
-            slc = spec.slice
-            if (type(slc) is not Slice or slc.pool is not pool or slc.slice_id in given
-                    or slc.dtype != t.dtype or slc.nbytes != row.nbytes
-                    or pool.registry.holds(slc.slice_id)):
+            if value is not t:
                 return None
-            given.add(slc.slice_id)
-            row.slice = slc
-        dtypes.add(t.dtype)
-        rows.append(row)
+            del value
+            holder = h
+        found.append((t, local, wrapper, holder))
+    with tc.no_torch_function():
+        for spec, (t, local, wrapper, holder) in zip(specs, found):
+            dt = t.dtype
+            if (not t.is_cpu if cpu else t.device != device) or t.layout is not strided:
+                return None
+            for x in (t, local):  # the local tensor's device is its storage's, checked below
+                if x.layout is not strided or x.is_nested or x.is_quantized or x.is_inference():
+                    return None
+                if x.is_conj() or x.is_neg() or not x.is_contiguous() or x.dtype != dt:
+                    return None
+                if x.numel() == 0:
+                    return None
+            # The shard moves in place when it is no autograd view, or a view of its local
+            # tensor (which moves with it); a view of a base that stays behind (FSDP2's padded
+            # tensor) gets a fresh impl on its slice, swapped in, or that base would pin the
+            # original. The local tensor moves in place: no view, or a view of a shard moving
+            # in place.
+            base, local_base = t._base, local._base
+            swap = base is not None and base is not local
+            if local_base is not None and (local_base is not t or swap):
+                return None
+            if swap and tc.storage_address(base) != tc.storage_address(t):  # type: ignore[arg-type]
+                return None
+            del base, local_base
+            storage = t.untyped_storage()
+            if not pointer_valid(storage):
+                return None
+            key = storage_key(storage)
+            if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
+                    or (cpu and storage.is_shared()) or pool_of_storage(key) is not None
+                    or tc.storage_address(local) != key):
+                return None
+            try:
+                if tc.impl_is_meta(wrapper) or tc.storage_address(wrapper) == key:
+                    return None  # a wrapper on the shard's storage (or meta) moves too
+            except (RuntimeError, NotImplementedError, TypeError):
+                return None
+            seen.add(key)
+            row = _Row(t, local, wrapper, key, storage)
+            del storage
+            row.holder = holder
+            row.swap = swap
+            if swap:
+                row.grad = t.requires_grad and t.is_leaf
+            numel = t.numel()
+            if ((row.offset + numel) * dt.itemsize > row.storage.nbytes()  # type: ignore[union-attr]
+                    or row.local_offset < row.offset
+                    or row.local_offset + local.numel() > row.offset + numel):
+                return None
+            if spec.slice is not None:
+                slc = spec.slice
+                if (type(slc) is not Slice or slc.pool is not pool or slc.slice_id in given
+                        or slc.dtype != dt or slc.nbytes != row.nbytes
+                        or pool.registry.holds(slc.slice_id)):
+                    return None
+                given.add(slc.slice_id)
+                row.slice = slc
+            dtypes.add(dt)
+            rows.append(row)
     if with_slice and not pool.all_live([r.slice.slice_id for r in rows],  # type: ignore[union-attr]
                                         [r.slice for r in rows]):  # type: ignore[misc]
         return None  # a freed or relocated handle: the general path names it

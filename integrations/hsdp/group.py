@@ -220,16 +220,17 @@ def _adopt_group(
             if specs:
                 report = pool.adopt(specs, on_pinned=on_pinned)
                 freed += report.freed_bytes
-                reports.append((pool, report, [member_name(params[m.index], m.index)
-                                               for m in layouts if m.slice is not None]))
+                reports.append((pool, report, layouts))
             done.append((pool, layouts))
     except BaseException:
         for pool, layouts in done:
             evict(pool, [params[m.index] for m in layouts], layouts)
         raise
     kept = kept if kept is not None else KeptAlive()
-    for pool, report, names in reports:
-        kept.note(pool, report, names)
+    for pool, report, layouts in reports:
+        if not report.all_released:  # something kept alive: name its members
+            kept.note(pool, report, [member_name(params[m.index], m.index)
+                                     for m in layouts if m.slice is not None])
     buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
