@@ -148,3 +148,30 @@ def test_a_pinned_shard_rolls_back_naming_its_holder(single_rank_mesh: Any) -> N
         report = pool.adopt([m.spec() for m in members], on_pinned="warn")
     assert [bool(i.pinned_by) for i in report.items] == [False, True, False, False]
     assert pool.is_valid() and held is not None
+
+
+def test_real_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``adopt_group`` on FSDP2's own members after lazy init (1-rank mesh: the layout FSDP2
+    makes, its DTensor parameters) never reaches the general path; every shard is released."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from flatpool.integrations.hsdp import adopt_group, is_valid
+    from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, lazy_init
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    fully_shard(model, mesh=single_rank_mesh)
+    lazy_init(model)
+    params = next(iter(fsdp_param_groups(model))).fsdp_params
+    before = [p._sharded_param_data.clone() for p in params]
+    calls: list[str] = []
+    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: calls.append("general"))
+    buffers = adopt_group(params)
+    assert calls == [] and buffers.adopted and is_valid(buffers, params)
+    assert len(buffers.buckets) == 1 and buffers.freed_bytes == sum(b.nbytes for b in before)
+    for p, b in zip(params, before):
+        assert torch.equal(p._sharded_param_data, b)
+        assert p._sharded_param_data.untyped_storage().data_ptr() == \
+            p.sharded_param._local_tensor.untyped_storage().data_ptr()
