@@ -143,8 +143,8 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
                     return None
                 if x.is_conj() or x.is_neg() or not x.is_contiguous() or x.dtype != dt:
                     return None
-                if x.numel() == 0:
-                    return None
+            if t.numel() == 0:  # (a local tensor may be empty: a rank's share of no rows)
+                return None
             # The shard moves in place when it is no autograd view, or a view of its local
             # tensor (which moves with it); a view of a base that stays behind (FSDP2's padded
             # tensor) gets a fresh impl on its slice, swapped in, or that base would pin the

@@ -21,7 +21,7 @@ from flatpool.testing import FailAt, set_fault_hook
 
 from .scenarios import ShardedMember as Member
 
-SHAPES = [(3, 3, 4), (5, 6, 2), (1, 2, 7), (4, 4, 1)]  # (rows, padded rows, cols)
+SHAPES = [(3, 3, 4), (5, 6, 2), (0, 2, 7), (4, 4, 1)]  # (rows, padded rows, cols); one empty
 
 
 def _members(mesh: Any) -> list[Member]:
