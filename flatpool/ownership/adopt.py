@@ -6,7 +6,9 @@ each original storage died. Any failure, including an interrupt at any bytecode 
 original in the default mode, puts every tensor and the pool back where they were.
 
 Plain batches (exact ``torch.Tensor``/``nn.Parameter`` targets, one storage each, nothing else
-named) take the lean path in :mod:`flatpool.ownership.fastpath`, with the same guarantees.
+named) take the lean path in :mod:`flatpool.ownership.fastpath`, and batches of sharded
+parameters (a plain shard, a memory-less wrapper over a local tensor on it, a holder: what a
+fusion group passes) the one in :mod:`flatpool.ownership.sharded`, with the same guarantees.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .fastpath import adopt_plain, plain_targets
 from .moves import ImplSwap, Place, SetMove, counter_group, fresh_like, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
+from .sharded import adopt_sharded, sharded_specs
 from .settle import (
     Outside,
     Pins,
@@ -71,11 +74,17 @@ def adopt(
     if not isinstance(discover, bool):
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     check_not_in_backward()
-    plain = None if discover or into_bound or on_pinned == "force" else plain_targets(targets)
+    lean = not (discover or into_bound or on_pinned == "force")
+    plain = plain_targets(targets) if lean else None
+    sharded = sharded_specs(targets) if lean and plain is None else None
 
     def body(txn: Transaction) -> AdoptionReport:
         if plain is not None:
             report = adopt_plain(pool, plain, txn, on_pinned)
+            if report is not None:
+                return report
+        if sharded is not None:
+            report = adopt_sharded(pool, sharded, txn, on_pinned)
             if report is not None:
                 return report
         return _adopt(pool, normalize(targets), txn, discover, on_pinned, into_bound)

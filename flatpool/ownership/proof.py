@@ -36,13 +36,6 @@ OUTSIDE_PYTHON = (
 )
 
 
-def _on(t: torch.Tensor, key: int) -> bool:
-    with tc.no_torch_function():
-        if tc.impl_is_meta(t):
-            return False
-    return tc.storage_address(t) == key
-
-
 def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
     """Per original key, the old impls the transaction holds (views moved off their base):
     one pass over the journal for every key to look up."""
@@ -60,14 +53,15 @@ def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None =
     """
     known: dict[int, torch.Tensor] = {}
     bases: dict[int, torch.Tensor] = {}
-    for old in olds or ():
-        if _on(old, key):
-            known[tc.impl_address(old)] = old
-            with tc.no_torch_function():
-                found = tc.impl_base(old)
-            if found is not None and _on(found, key):
-                bases.setdefault(tc.impl_address(found), found)
-            found = None
+    address, is_meta, base_of = tc.storage_address, tc.impl_is_meta, tc.impl_base
+    with tc.no_torch_function():  # every old impl and its base in one block (meta: none)
+        for old in olds or ():
+            if not is_meta(old) and address(old) == key:
+                known[tc.impl_address(old)] = old
+                found = base_of(old)
+                if found is not None and not is_meta(found) and address(found) == key:
+                    bases.setdefault(tc.impl_address(found), found)
+                found = None
     for addr in bases:  # a base that is also a known impl counts once
         known.pop(addr, None)
     storage = txn.originals[key]

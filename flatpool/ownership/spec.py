@@ -105,20 +105,21 @@ class ItemTable(Sequence[AdoptedItem]):
     values only when looked at (a batch of 10,000 would otherwise build 10,000 objects that
     most callers never read)."""
 
-    __slots__ = ("_slices", "_nbytes", "_released", "_pinned", "_made")
+    __slots__ = ("_slices", "_nbytes", "_released", "_pinned", "_made", "_rebound")
 
     def __init__(
         self, slices: Sequence[Slice], nbytes: Sequence[int], released: Sequence[bool],
-        pinned: dict[int, tuple[str, ...]],
+        pinned: dict[int, tuple[str, ...]], rebound: int = 1,
     ) -> None:
         self._slices, self._nbytes, self._released = tuple(slices), tuple(nbytes), tuple(released)
         self._pinned = pinned  # index -> holders
         self._made: tuple[AdoptedItem, ...] | None = None
+        self._rebound = rebound  # tensor objects moved per item (the same for every item)
 
     def _items(self) -> tuple[AdoptedItem, ...]:
         if self._made is None:
             self._made = tuple(
-                AdoptedItem(slice=s, original_nbytes=n, released=r, rebound=1,
+                AdoptedItem(slice=s, original_nbytes=n, released=r, rebound=self._rebound,
                             pinned_by=self._pinned.get(i, ()))
                 for i, (s, n, r) in enumerate(zip(self._slices, self._nbytes, self._released)))
         return self._made

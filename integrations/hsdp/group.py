@@ -18,17 +18,19 @@ import math
 from collections.abc import Sequence
 
 import torch
-from attrs import define, evolve, field
+from attrs import define, field
 
 from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned, Slice
+from flatpool import torch_compat as tc
 from flatpool.devices import DeviceLike, resolve_device
+from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.moves import fresh_on, place_many
 from flatpool.pool import contiguous_strides
 
 from .kept import KeptAlive
 from .layout import Bucket, MemberLayout
-from .members import data_of, has_memory, impl_device, impl_dtype, impl_requires_grad, impl_size
-from .members import is_meta, local_of, member_name, padded_size, shard_dim
+from .members import data_of, has_memory, impl_device, impl_requires_grad, impl_size
+from .members import local_of, member_name, padded_size, shard_dim
 from .protocol import ShardedParam
 from .wrappers import WrapperKinds
 
@@ -90,8 +92,9 @@ def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str |
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
     if any(p.offload_to_cpu for p in params):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
-    meta = [i for i, p in enumerate(params)
-            if is_meta(data_of(p, i)) or is_meta(local_of(p.sharded_param))]
+    with tc.no_torch_function():  # one pass of TensorImpl reads
+        meta = [i for i, p in enumerate(params)
+                if tc.impl_is_meta(data_of(p, i)) or tc.impl_is_meta(local_of(p.sharded_param))]
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
@@ -100,26 +103,41 @@ def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str |
     return None
 
 
-def layout_of(p: ShardedParam, index: int, offset: int) -> MemberLayout:
-    """Where member ``p`` goes, checking that its padded data is what the protocol says."""
-    size = impl_size(data_of(p, index))
-    padded = padded_size(p, index)
-    if len(size) != 1 or size[0] != math.prod(padded):
+def _size(shape: object) -> torch.Size:
+    """``shape`` as a ``torch.Size``: the member's own when it is one already (immutable, so
+    shared; a model of 10,000 members would otherwise make 30,000 copies per fusion)."""
+    return shape if type(shape) is torch.Size else torch.Size(shape)  # type: ignore[arg-type]
+
+
+def layout_of(
+    p: ShardedParam, index: int, offset: int, slc: Slice | None = None,
+    padded: torch.Size | None = None, size: torch.Size | None = None,
+) -> MemberLayout:
+    """Where member ``p`` goes, checking that its padded data is what the protocol says
+    (``padded``: its :func:`padded_size`, ``size`` its data's TensorImpl size, when the caller
+    has them already)."""
+    if size is None:
+        size = impl_size(data_of(p, index))
+    if padded is None:
+        padded = padded_size(p, index)
+    numel = math.prod(padded)
+    if len(size) != 1 or size[0] != numel:
         raise InvalidRequestError(
-            f"member {index}: _sharded_param_data must be 1-D with {math.prod(padded)} elements "
+            f"member {index}: _sharded_param_data must be 1-D with {numel} elements "
             f"(padded size {tuple(padded)}), got shape {tuple(size)}"
         )
     orig = getattr(p, "_orig_size", None)
     # The *global* shape is wanted here, which is what a DTensor's Python ``shape`` answers.
-    orig_size = torch.Size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
+    orig_size = _size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
     return MemberLayout(
         index=index,
         offset=offset,
         numel=size[0],
         padded_size=padded,
-        sharded_size=torch.Size(p.sharded_size),
+        sharded_size=_size(p.sharded_size),
         orig_size=orig_size,
         shard_dim=shard_dim(p),
+        slice=slc,
     )
 
 
@@ -143,8 +161,9 @@ def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
 def bucket_members(params: Sequence[ShardedParam]) -> dict[torch.dtype, list[int]]:
     """Member indices per dtype of the padded data, first-seen dtype first, group order kept."""
     out: dict[torch.dtype, list[int]] = {}
-    for i, p in enumerate(params):
-        out.setdefault(impl_dtype(data_of(p, i)), []).append(i)
+    with tc.no_torch_function():
+        for i, p in enumerate(params):
+            out.setdefault(tc.impl_dtype(data_of(p, i)), []).append(i)
     return out
 
 
@@ -178,6 +197,14 @@ def adopt_group(
         kept: the tracker to record into (a re-planned group keeps its old one).
     """
     params = list(params)
+    with gc_paused():  # thousands of small objects: no cycle collection passes meanwhile
+        return _adopt_group(params, device, world_size, alignment, name, on_pinned, kept)
+
+
+def _adopt_group(
+    params: list[ShardedParam], device: DeviceLike | None, world_size: int | None,
+    alignment: int, name: str, on_pinned: OnPinned, kept: KeptAlive | None,
+) -> GroupBuffers:
     reason = skip_reason(params, world_size)
     if reason is not None:
         return GroupBuffers(skipped=reason)
@@ -193,16 +220,17 @@ def adopt_group(
             if specs:
                 report = pool.adopt(specs, on_pinned=on_pinned)
                 freed += report.freed_bytes
-                reports.append((pool, report, [member_name(params[m.index], m.index)
-                                               for m in layouts if m.slice is not None]))
+                reports.append((pool, report, layouts))
             done.append((pool, layouts))
     except BaseException:
         for pool, layouts in done:
             evict(pool, [params[m.index] for m in layouts], layouts)
         raise
     kept = kept if kept is not None else KeptAlive()
-    for pool, report, names in reports:
-        kept.note(pool, report, names)
+    for pool, report, layouts in reports:
+        if not report.all_released:  # something kept alive: name its members
+            kept.note(pool, report, [member_name(params[m.index], m.index)
+                                     for m in layouts if m.slice is not None])
     buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
@@ -216,19 +244,33 @@ def plan_buckets(
     """One planned (not yet materialized) pool per dtype, a slice per member in group order.
 
     A member whose padded shard holds no element (a parameter with no rows) gets no slice: it
-    keeps its own empty tensors, and its place in the flat buffer has no width.
+    keeps its own empty tensors, and its place in the flat buffer has no width. The slices of a
+    bucket are planned in one step (:meth:`FlatPool.allocate_many`: the layout one ``allocate``
+    per member would give, packed in order).
     """
     plans: list[BucketPlan] = []
     for dtype, indices in bucket_members(params).items():
-        pool = FlatPool(device, alignment=alignment, name=f"{name}/{str(dtype).replace('torch.', '')}")
+        # A pool holds one dtype, whose slices start at multiples of max(alignment, itemsize):
+        # that is the pool's alignment then (the same layout), and it lets allocate_many()
+        # place the whole bucket in one step.
+        pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
+                        name=f"{name}/{str(dtype).replace('torch.', '')}")
+        padded = [padded_size(params[i], i) for i in indices]
+        with tc.no_torch_function():  # one pass of TensorImpl reads
+            sizes = [tc.impl_size(data_of(params[i], i)) for i in indices]
+        counts = [math.prod(shape) for shape in padded]
+        slices = iter(pool.allocate_many([(tuple(shape), dtype)
+                                          for shape, n in zip(padded, counts) if n]))
+        item = dtype.itemsize
+        end = pool.capacity
         layouts = []
-        for i in indices:
-            padded = padded_size(params[i], i)
-            if math.prod(padded) == 0:
-                layouts.append(layout_of(params[i], i, pool.capacity // dtype.itemsize))
+        for i, shape, n, size in zip(indices, padded, counts, sizes):
+            if not n:
+                layouts.append(layout_of(params[i], i, end // item, padded=shape, size=size))
                 continue
-            slc = pool.allocate(padded, dtype)
-            layouts.append(evolve(layout_of(params[i], i, slc.offset // dtype.itemsize), slice=slc))
+            slc = next(slices)
+            end = slc.offset + n * item
+            layouts.append(layout_of(params[i], i, slc.offset // item, slc, shape, size))
         plans.append((dtype, pool, layouts))
     return plans
 

@@ -55,6 +55,8 @@ class KeptAlive:
 
         ``names[i]`` names the member of the batch's spec ``i`` (the report has an item per
         spec unless specs shared an original; then the engine's own labels are used)."""
+        if report.all_released:  # nothing kept alive: no item to look at
+            return
         items = list(report.items)
         pinned = [(i, item) for i, item in enumerate(items) if item.pinned_by]
         if not pinned:

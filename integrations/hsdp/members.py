@@ -76,8 +76,8 @@ def padded_size(p: ShardedParam, index: int) -> torch.Size:
     """``padded_sharded_param_size``, or ``sharded_size`` where the member has none and its
     data shows the sharding is even; a typed error where the padding cannot be known."""
     padded = getattr(p, "padded_sharded_param_size", None)
-    if padded is not None:
-        return torch.Size(padded)
+    if padded is not None:  # a Size is immutable: the member's own is shared, not copied
+        return padded if type(padded) is torch.Size else torch.Size(padded)
     sharded = torch.Size(p.sharded_size)
     numel = math.prod(impl_size(data_of(p, index)))
     if numel != math.prod(sharded):

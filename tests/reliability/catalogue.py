@@ -22,7 +22,7 @@ from torch import nn
 import flatpool
 from flatpool import AdoptSpec, FlatPool, Holder, Slice
 
-from .scenarios import Box, Wrapper, ints
+from .scenarios import Box, Wrapper, ints, one_rank_mesh
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
 START, END = "<!-- catalogue:start -->", "<!-- catalogue:end -->"
@@ -63,17 +63,7 @@ class Ctx:
     def dtensor(self, local: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(local, _mesh(), [Shard(0)], run_check=False)
-
-
-def _mesh() -> Any:
-    """A 1-rank gloo mesh (reusing the default group when one exists, as conftest does)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    return DeviceMesh("cpu", list(range(dist.get_world_size())))
+        return DTensor.from_local(local, one_rank_mesh(), [Shard(0)], run_check=False)
 
 
 Call = Callable[[], object]

@@ -49,6 +49,54 @@ class World:
         return self.pools[0]
 
 
+def one_rank_mesh() -> Any:
+    """A 1-rank gloo mesh (reusing the default group when one exists, as conftest does)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return DeviceMesh("cpu", list(range(dist.get_world_size())))
+
+
+class ShardedMember:
+    """An FSDP2 member as lazy init lays it out: a padded tensor nobody names,
+    ``_sharded_param_data`` a flat autograd view of it, the local tensor a base-less tensor on
+    the same storage (its first ``rows`` rows), ``sharded_param`` a torch DTensor parameter over
+    the local tensor. :meth:`spec` is what ``adopt_group`` passes for it."""
+
+    def __init__(self, rows: int, padded_rows: int, cols: int, start: float,
+                 mesh: Any = None) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = one_rank_mesh() if mesh is None else mesh
+        padded = ints(padded_rows, cols, start=start)
+        self._sharded_param_data = padded.view(-1)
+        local = torch.empty(0).set_(padded.untyped_storage(), 0, (rows, cols), (cols, 1))
+        spec = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)._spec
+        self.sharded_param = nn.Parameter(DTensor(local, spec, requires_grad=True))  # type: ignore[no-untyped-call]
+
+    def spec(self) -> AdoptSpec:
+        return AdoptSpec(self._sharded_param_data, views=(self.sharded_param,),
+                         holders=(Holder(self, "_sharded_param_data"),))
+
+
+def sharded_world() -> World:
+    """FSDP2-shaped members (one padded) into a planned pool: the sharded lean path."""
+    w = World()
+    w.pools.append(FlatPool(alignment=1, name="sharded"))
+    members = [ShardedMember(3, 3, 4, 100.0), ShardedMember(5, 6, 2, 200.0),
+               ShardedMember(2, 2, 3, 300.0)]
+    w.targets = [m.spec() for m in members]
+    for i, m in enumerate(members):
+        w.tensors[f"data{i}"] = m._sharded_param_data
+        w.tensors[f"local{i}"] = m.sharded_param._local_tensor
+        w.places[f"member{i}"] = (m, "_sharded_param_data", False)
+        w.places[f"wrapper{i}"] = (m.sharded_param, "_local_tensor", False)
+    w.keep = members
+    return w
+
+
 def ints(*shape: int, start: float = 0.0) -> torch.Tensor:
     """Integer-valued floats: arithmetic on them is exact, so shadows compare bit for bit."""
     n = 1

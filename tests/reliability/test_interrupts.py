@@ -38,7 +38,7 @@ import flatpool
 from flatpool import FlatPool, Slice
 from flatpool.ownership import transaction
 
-from .scenarios import World, batch_world, ints, values_of
+from .scenarios import World, batch_world, ints, sharded_world, values_of
 from .state import Snapshot, check_layout
 from .test_faults import OPERATIONS, _check_after_success
 
@@ -96,6 +96,7 @@ def _adopt_targets(w: World) -> Callable[[], Any]:
 
 OPS: Ops = {
     "adopt-plain": (_plain_world, _adopt_targets),
+    "adopt-sharded": (sharded_world, _adopt_targets),  # the sharded lean path
     **OPERATIONS,
 }
 
@@ -187,7 +188,7 @@ def _done(op: str, w: World, before: dict[str, torch.Tensor]) -> None:
     if op in ALLOC_OPS:
         _alloc_done(op, w)
         return
-    if op.startswith("adopt-plain"):
+    if op.startswith("adopt-plain") or op == "adopt-sharded":
         pool = w.pool
         check_layout(pool)
         assert pool.is_valid()

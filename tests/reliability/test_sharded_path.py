@@ -1,0 +1,177 @@
+"""The lean path for sharded parameters (:mod:`flatpool.ownership.sharded`) against the general one.
+
+Members are built the way FSDP2 lays them out after lazy init (:class:`.scenarios.ShardedMember`,
+on a real 1-rank gloo mesh). Each spec is what ``adopt_group`` passes: the shard, the parameter
+as its view, the member's attribute as its holder. (Every line of the path is interrupted in
+``test_interrupts.py``, op ``adopt-sharded``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import flatpool.ownership.adopt as adopt_mod
+from flatpool import AdoptSpec, FlatPool, PinnedStorageError
+from flatpool import torch_compat as tc
+from flatpool.ownership.sharded import is_sharded_batch
+from flatpool.testing import FailAt, set_fault_hook
+
+from .scenarios import ShardedMember as Member
+
+SHAPES = [(3, 3, 4), (5, 6, 2), (0, 2, 7), (4, 4, 1)]  # (rows, padded rows, cols); one empty
+
+
+def _members(mesh: Any) -> list[Member]:
+    return [Member(r, p, c, start=100.0 * i, mesh=mesh) for i, (r, p, c) in enumerate(SHAPES)]
+
+
+def _state(m: Member) -> tuple[Any, ...]:
+    d, w = m._sharded_param_data, m.sharded_param
+    local = w._local_tensor
+    return (tc.storage_address(d), d.storage_offset(), tuple(d.shape), d.stride(), d._version,
+            d._base is None, tc.storage_address(local), local.storage_offset(),
+            tuple(local.shape), local.stride(), local._version, local._base is None,
+            d.clone(), local.clone())
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    members = _members(single_rank_mesh)
+    specs = [m.spec() for m in members]
+    assert is_sharded_batch(specs)
+    calls: list[str] = []
+    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: calls.append("general"))
+    pool = FlatPool(alignment=1)
+    report = pool.adopt(specs)
+    assert calls == [] and report.all_released and pool.is_valid()
+    for m in members:
+        assert pool.owns(m._sharded_param_data) and pool.owns(m.sharded_param._local_tensor)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "into-planned-slices"])
+@pytest.mark.parametrize("alignment", [1, 64])
+def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch,
+                                         alignment: int, given: bool) -> None:
+    def run(members: list[Member]) -> tuple[FlatPool, Any]:
+        pool = FlatPool(alignment=alignment)
+        specs = [m.spec() for m in members]
+        if given:
+            slices = pool.allocate_many([(tuple(m._sharded_param_data.shape), torch.float32)
+                                         for m in members])
+            specs = [AdoptSpec(s.tensor, views=s.views, holders=s.holders, slice=slc)
+                     for s, slc in zip(specs, slices)]
+        return pool, pool.adopt(specs)
+
+    lean, general = _members(single_rank_mesh), _members(single_rank_mesh)
+    p1, r1 = run(lean)
+    with monkeypatch.context() as mp:
+        mp.setattr(adopt_mod, "sharded_specs", lambda targets: None)  # the general path
+        p2, r2 = run(general)
+    assert p1.describe().splitlines()[1:] == p2.describe().splitlines()[1:]
+    assert [(i.slice.offset, i.original_nbytes, i.released, i.rebound, i.pinned_by)
+            for i in r1.items] == [(i.slice.offset, i.original_nbytes, i.released, i.rebound,
+                                    i.pinned_by) for i in r2.items]
+    assert [i.rebound for i in r1.items] == [2] * len(SHAPES)
+    assert torch.equal(p1.flat(torch.uint8), p2.flat(torch.uint8)) or all(
+        torch.equal(a.bytes(), b.bytes()) for a, b in zip(p1.slices(), p2.slices()))
+    for a, b in zip(lean, general):
+        sa, sb = _state(a), _state(b)
+        assert _same(sa[1:6] + sa[7:], sb[1:6] + sb[7:])  # all but the pools' addresses
+        assert a.sharded_param.requires_grad and b.sharded_param.requires_grad
+    for s1, s2 in zip(p1.slices(), p2.slices()):
+        recs1, recs2 = p1.registry.records(s1.slice_id), p2.registry.records(s2.slice_id)
+        assert [r[1:5] + r[6:] for r in recs1] == [r[1:5] + r[6:] for r in recs2]
+    which = [[(r[0]() is m._sharded_param_data, r[0]() is m.sharded_param._local_tensor,
+               r[5]() is m or r[5]() is m.sharded_param)
+              for r in p.registry.records(s.slice_id)]
+             for p, ms in ((p1, lean), (p2, general)) for s, m in zip(p.slices(), ms)]
+    assert which[:len(SHAPES)] == which[len(SHAPES):]
+    assert p1.is_valid() and p2.is_valid()
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "into-planned-slices"])
+def test_a_fault_at_every_checkpoint_rolls_back(single_rank_mesh: Any, given: bool,
+                                                exc_type: type[BaseException]) -> None:
+    k = 0
+    while True:
+        members = _members(single_rank_mesh)
+        pool = FlatPool(alignment=1)
+        specs = [m.spec() for m in members]
+        if given:
+            slices = pool.allocate_many([(tuple(m._sharded_param_data.shape), torch.float32)
+                                         for m in members])
+            specs = [AdoptSpec(s.tensor, views=s.views, holders=s.holders, slice=slc)
+                     for s, slc in zip(specs, slices)]
+        locals_ = [m.sharded_param._local_tensor for m in members]
+        before = [_state(m) for m in members]
+        live = len(pool.slices())
+        hook = FailAt(k, exc_type)
+        set_fault_hook(hook)
+        try:
+            report = pool.adopt(specs)
+        except exc_type as exc:
+            assert str(exc).startswith("injected"), exc
+        else:
+            set_fault_hook(None)
+            assert report.all_released and pool.is_valid()
+            break
+        finally:
+            set_fault_hook(None)
+        for m, local, st in zip(members, locals_, before):
+            assert m.sharded_param._local_tensor is local
+            assert _same(_state(m), st), (k, hook.steps[-1])
+        assert not pool.is_materialized and len(pool.slices()) == live
+        assert all(not pool.registry.holds(s.slice_id) for s in pool.slices())
+        report = pool.adopt(specs)  # the same adoption succeeds after the rollback
+        assert report.all_released and pool.is_valid()
+        k += 1
+    assert k >= 4, hook.steps
+
+
+def test_a_pinned_shard_rolls_back_naming_its_holder(single_rank_mesh: Any) -> None:
+    members = _members(single_rank_mesh)
+    held = members[1]._sharded_param_data._base  # what a user might keep: the padded tensor
+    before = [_state(m) for m in members]
+    pool = FlatPool(alignment=1)
+    with pytest.raises(PinnedStorageError, match=r"#1 Tensor"):
+        pool.adopt([m.spec() for m in members])
+    assert all(_same(_state(m), st) for m, st in zip(members, before))
+    with pytest.warns(Warning, match="still referenced"):
+        report = pool.adopt([m.spec() for m in members], on_pinned="warn")
+    assert [bool(i.pinned_by) for i in report.items] == [False, True, False, False]
+    assert pool.is_valid() and held is not None
+
+
+def test_real_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``adopt_group`` on FSDP2's own members after lazy init (1-rank mesh: the layout FSDP2
+    makes, its DTensor parameters) never reaches the general path; every shard is released."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from flatpool.integrations.hsdp import adopt_group, is_valid
+    from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, lazy_init
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    fully_shard(model, mesh=single_rank_mesh)
+    lazy_init(model)
+    params = next(iter(fsdp_param_groups(model))).fsdp_params
+    before = [p._sharded_param_data.clone() for p in params]
+    calls: list[str] = []
+    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: calls.append("general"))
+    buffers = adopt_group(params)
+    assert calls == [] and buffers.adopted and is_valid(buffers, params)
+    assert len(buffers.buckets) == 1 and buffers.freed_bytes == sum(b.nbytes for b in before)
+    for p, b in zip(params, before):
+        assert torch.equal(p._sharded_param_data, b)
+        assert p._sharded_param_data.untyped_storage().data_ptr() == \
+            p.sharded_param._local_tensor.untyped_storage().data_ptr()
