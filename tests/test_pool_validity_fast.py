@@ -186,3 +186,38 @@ def test_parameters_their_model_dropped_go_to_the_full_check() -> None:
     m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
     assert still_in_place(pool) is None
     assert not pool.is_valid()
+
+
+@pytest.mark.parametrize("view", (False, True), ids=("alone", "a view shares the impl"))
+def test_parameters_liveness_read_at_once_matches_their_references(
+        reads: str, view: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vectorized read decides every unheld parameter's liveness from reference counts,
+    exactly as its ``ParamRef`` would (torch's preserved reference counted while a view shares
+    the impl): a parameter its model still holds stays on the fast path, with no reference
+    called; one its model dropped is never answered for, and the full check drops it."""
+    from flatpool.registry import ParamRef
+
+    models = [nn.Linear(3, 2) for _ in range(3)]
+    pool = FlatPool("cpu")
+    pool.adopt([p for m in models for p in m.parameters()])
+    views = [p.view(-1) for m in models for p in m.parameters()] if view else []
+    assert all((tc.tensor_impl_users(p) > 1) == view for m in models for p in m.parameters())
+    assert pool.is_valid()
+    calls: list[int] = []
+    called = ParamRef.__call__
+
+    def counting(self: ParamRef) -> torch.Tensor | None:
+        calls.append(1)
+        return called(self)
+
+    monkeypatch.setattr(ParamRef, "__call__", counting)
+    assert still_in_place(pool) is True
+    assert (not calls) if reads == "vectorized" else calls  # no call per parameter
+    dropped = models[1].weight
+    del dropped
+    models[1].weight = nn.Parameter(torch.randn(2, 3))  # the model lets its weight go
+    calls.clear()
+    assert still_in_place(pool) is None
+    assert (not calls) if reads == "vectorized" else calls  # the counts said it is dropped
+    assert not pool.is_valid()
+    del views
