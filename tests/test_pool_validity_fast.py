@@ -221,3 +221,25 @@ def test_parameters_liveness_read_at_once_matches_their_references(
     assert (not calls) if reads == "vectorized" else calls  # the counts said it is dropped
     assert not pool.is_valid()
     del views
+
+
+def test_a_change_of_the_live_slices_is_rechecked() -> None:
+    """The lists key on the pool's live-slices version (one compare, not one per slice): any
+    change of the live handles, even one no binding needed, sends one check to the full rules,
+    which remember again; freeing a bound slice's handle away is never answered from them."""
+    pool, ts, _ = _plain()
+    pool.grow(pool.capacity + 4096)  # (room for a spare slice)
+    assert pool.is_valid() and still_in_place(pool) is True
+    spare = pool.allocate((8,), torch.float32)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+    pool.free(spare)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+    snap = pool.capture()
+    victim = pool.slice_of(ts[0])
+    assert victim is not None
+    pool.disown(victim)
+    pool.free(victim)
+    assert still_in_place(pool) is None
+    pool.restore(snap)
+    pool.forget(snap)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True

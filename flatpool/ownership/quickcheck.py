@@ -17,9 +17,9 @@ nothing but the pool) to every parameter bound without a holder, from the Python
 reference counts, instead of a Python call per reference; one that reads dead, or counts that
 cannot be read, send the check to the references' calls and the full rules (which drop it).
 
-The lists are trusted only for the registry version (bumped before every change), the storage
-and the live slices they were made for; any difference, a binding gone or no longer readable
-answers ``None``, and the full check decides (and remembers again). Bindings whose object is
+The lists are trusted only for the registry version and the pool's live-slices version (each
+bumped before every change) and the storage they were made for; any difference, a binding gone
+or no longer readable answers ``None``, and the full check decides (and remembers again). Bindings whose object is
 gone for good (a dead weak reference) are left out; a holder that may hold a tensor again later
 (its owner alive, the place empty) keeps every check on the full path.
 """
@@ -52,6 +52,9 @@ class PoolReads:
     attribute, then through an item."""
 
     version: int
+    live: int
+    """The pool's :attr:`~flatpool.state.PoolState.live_version` then: equal now, every slice
+    read is still the live handle of its id (one compare, not one per slice)."""
     key: int
     base: int
     slice_ids: list[int]
@@ -86,7 +89,7 @@ def _gone_for_good(ref: Ref) -> bool:
 def remember(pool: PoolState) -> None:
     """Keep what the full check read; call under ``pool.lock`` right after it found nothing
     moved."""
-    key, base = pool.storage_key, pool.base_address
+    key, base, live = pool.storage_key, pool.base_address, pool.live_version
     _kept.pop(pool, None)
     if key is None or base is None:
         return
@@ -129,7 +132,7 @@ def remember(pool: PoolState) -> None:
         ptrs = list(map(tc.impl_data_ptr, every))
         on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
         _kept[pool] = PoolReads(
-            version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
+            version=pool.registry.version, live=live, key=key, base=base, slice_ids=ids, slices=slices,
             refs=refs, params=params, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
@@ -157,7 +160,7 @@ def still_in_place(pool: PoolState) -> bool | None:
         return None
     with pool.lock:
         if (pool.registry.version != r.version or pool.storage_key != r.key
-                or pool.base_address != r.base or not pool.all_live(r.slice_ids, r.slices)):
+                or pool.base_address != r.base or pool.live_version != r.live):
             return None
         with tc.no_torch_function():
             try:
