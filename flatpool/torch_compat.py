@@ -937,7 +937,7 @@ def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool,
         impl = word[ids + layout.py_impl, 0]
         if not impl.all():
             return None
-        rows = _rows(int(cols.max()) + 1)[(impl >> 3) - 1][:, cols]
+        rows = _rows(1)[:, 0].take(((impl >> 3) - 1)[:, None] + cols)  # (only the words used)
         a, b = counted
         if b > a:
             assert USE_COUNT_WORD is not None
