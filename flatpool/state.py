@@ -214,8 +214,8 @@ class PoolState:
         self._slice_ids = itertools.count()
         self._live: dict[int, Slice] = {}
         self.live_version = 0
-        """Bumped *before* every change of the live handles (:meth:`all_live` in one compare:
-        what the fast validity check keys on)."""
+        """Bumped *before* every change of the live handles: what ``FlatPool.is_valid()``'s
+        fast path keys on (one compare, not :meth:`all_live`'s look at every slice)."""
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
