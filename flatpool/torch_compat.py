@@ -892,6 +892,12 @@ USE_COUNT_WORD: int | None = _probe_count_words() if RAW_LAYOUT is not None else
 parameters at once, or ``None`` (the caller calls the references)."""
 
 
+def counts_readable() -> bool:
+    """:func:`impl_unchanged` can read reference counts now (``held_once``): the probe found
+    the words, and no Python 3.10 trace function keeps copies of locals in ``f_locals``."""
+    return USE_COUNT_WORD is not None and not (_TRACERS_FILL_LOCALS and sys.gettrace() is not None)
+
+
 def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool,
               counted: tuple[int, int] = (0, 0)) -> Any:
     """Per object of the iterable ``objects`` (``n`` of them), its TensorImpl pointer and a
@@ -1008,7 +1014,7 @@ def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot,
     ``ParamRef``'s rule, a Python reference beyond the slot's and the read's own (beyond
     torch's preserved one too while its impl has other owners). ``None`` where counts cannot
     be read (Python 3.10 under a trace function keeps stale copies in ``f_locals``)."""
-    if held_once[1] > held_once[0] and _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
+    if held_once[1] > held_once[0] and not counts_readable():
         return None
     read = impl_rows(objects, n, snap.types, snap.dims, snap.strides, held_once)
     if read is None:
@@ -1021,4 +1027,4 @@ def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot,
 
 
 __all__ += ["ImplLayout", "ImplSnapshot", "RAW_LAYOUT", "VECTORIZED_MIN", "impl_rows", "impl_snapshot",
-            "impl_unchanged", "sole_thread", "USE_COUNT_WORD"]
+            "impl_unchanged", "sole_thread", "USE_COUNT_WORD", "counts_readable"]

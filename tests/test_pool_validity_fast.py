@@ -220,7 +220,30 @@ def test_parameters_liveness_read_at_once_matches_their_references(
     assert still_in_place(pool) is None
     assert (not calls) if reads == "vectorized" else calls  # the counts said it is dropped
     assert not pool.is_valid()
+    assert still_in_place(pool) is None  # (its reference let go: the slot reads empty now)
     del views
+
+
+def test_without_count_words_the_vectorized_read_calls_the_references(
+        reads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch or Python whose count words the probe did not find: the parameters' references
+    are called (and still decide) while the impl words are read as before."""
+    monkeypatch.setattr(tc, "USE_COUNT_WORD", None)
+    answers: list[bool | None] = []
+    unchanged = tc.impl_unchanged
+
+    def spying(*args: Any) -> bool | None:
+        answers.append(unchanged(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(tc, "impl_unchanged", spying)
+    m = nn.Linear(3, 2)
+    pool = FlatPool("cpu")
+    pool.adopt(list(m.parameters()))
+    assert pool.is_valid() and still_in_place(pool) is True
+    assert answers == ([True] if reads == "vectorized" else [])  # the impl words still read
+    m.weight = nn.Parameter(torch.randn(2, 3))
+    assert still_in_place(pool) is None and not pool.is_valid()
 
 
 def test_a_change_of_the_live_slices_is_rechecked() -> None:

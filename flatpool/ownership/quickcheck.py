@@ -165,9 +165,9 @@ def still_in_place(pool: PoolState) -> bool | None:
         with tc.no_torch_function():
             try:
                 if r.raw is not None:  # one vectorized read, when it can run now
-                    a = len(r.refs)
-                    fast = tc.impl_unchanged(_each(r, False), len(r.ptrs), r.raw,
-                                             (a, a + len(r.params)))
+                    a, counts = len(r.refs), tc.counts_readable()  # (else: call the refs)
+                    fast = tc.impl_unchanged(_each(r, not counts), len(r.ptrs), r.raw,
+                                             (a, a + len(r.params)) if counts else (0, 0))
                     if fast is not None:
                         return True if fast else None
                 objs = _objects(r)
