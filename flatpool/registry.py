@@ -60,6 +60,11 @@ class ParamRef:
         return obj
 
 
+held_param: Callable[[ParamRef], torch.Tensor | None] = attrgetter("_obj")
+"""What a :class:`ParamRef` holds, its rule not applied (C level): for a reader that applies
+the rule to many at once (:func:`flatpool.torch_compat.impl_unchanged`)."""
+
+
 def tensor_ref(t: torch.Tensor) -> Ref:
     """How a record refers to ``t``: a Python weak reference, a :class:`ParamRef` for a
     parameter (which ``nn.Module._apply`` may have to swap)."""
@@ -301,5 +306,5 @@ class AdoptionRegistry:
         self._records, self._runs, self._dead = dict(snap), list(runs), set(dead)
 
 
-__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "Record", "current",
+__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "Record", "current", "held_param",
            "make_record", "plain_ref", "record_holder", "tensor_ref"]

@@ -213,6 +213,9 @@ class PoolState:
         self._buffer_key: int | None = None
         self._slice_ids = itertools.count()
         self._live: dict[int, Slice] = {}
+        self.live_version = 0
+        """Bumped *before* every change of the live handles: what ``FlatPool.is_valid()``'s
+        fast path keys on (one compare, not :meth:`all_live`'s look at every slice)."""
         self._offsets: list[int] = []  # sorted starts of live slices
         self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
@@ -365,6 +368,7 @@ class PoolState:
                 ids = self._slice_ids
                 out = [Slice(self._public, next(ids), start, dims, dt)
                        for (dims, dt), start in zip(requests, starts)]
+                self.live_version += 1
                 self._live.update((s.slice_id, s) for s in out)
                 self._at_offset.update(zip(starts, out))
                 self._offsets.extend(starts)  # past every existing slice, already sorted
@@ -398,6 +402,7 @@ class PoolState:
             if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
                 ids = list(itertools.islice(self._slice_ids, len(starts)))
                 out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
+                self.live_version += 1
                 self._live.update(zip(ids, out))
                 self._at_offset.update(zip(starts, out))
                 self._offsets.extend(starts)  # past every existing slice, already sorted
@@ -499,11 +504,13 @@ class PoolState:
         return Slice(self._public, next(self._slice_ids), offset, shape, dtype)
 
     def _insert(self, slc: Slice) -> None:
+        self.live_version += 1
         self._live[slc.slice_id] = slc
         bisect.insort(self._offsets, slc.offset)
         self._at_offset[slc.offset] = slc
 
     def _remove(self, slc: Slice) -> None:
+        self.live_version += 1
         del self._live[slc.slice_id]
         i = bisect.bisect_left(self._offsets, slc.offset)
         del self._offsets[i]
@@ -511,6 +518,7 @@ class PoolState:
 
     def _unindex(self, slc: Slice) -> None:
         """Undo :meth:`_insert` however far it got (absolute: each entry removed if there)."""
+        self.live_version += 1
         if self._live.get(slc.slice_id) is slc:
             del self._live[slc.slice_id]
         if self._at_offset.get(slc.offset) is slc:
@@ -522,6 +530,7 @@ class PoolState:
 
     def _reindex(self, slc: Slice) -> None:
         """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
+        self.live_version += 1
         self._live[slc.slice_id] = slc
         self._at_offset[slc.offset] = slc
         i = bisect.bisect_left(self._offsets, slc.offset)
@@ -665,6 +674,7 @@ class PoolState:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
         with self._lock:
             self._alloc.restore(snap.alloc)
+            self.live_version += 1
             self._live = dict(snap.live)
             self._offsets = list(snap.offsets)
             self._at_offset = dict(snap.at_offset)
@@ -686,6 +696,7 @@ class PoolState:
             old = self._buffer_key
             self._buffer, self._buffer_key, self._alloc = buffer, key, allocator
             _index_storage(self, old if old != key else None, key)
+            self.live_version += 1
             self._live, self._offsets, self._at_offset = {}, [], {}
             for s in sorted(slices, key=lambda s: s.offset):
                 self._insert(s)

@@ -859,7 +859,47 @@ def _rows(width: int) -> Any:
     return view
 
 
-def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any:
+def _probe_count_words() -> int | None:
+    """The TensorImpl word whose low 32 bits are its use count (:func:`tensor_impl_users`),
+    found on one tensor whose count is raised step by step, if exactly one word tracks it and a
+    Python object's word 0 is its reference count; else ``None`` (counts are not read)."""
+    try:
+        with outside_inference():
+            t = torch.zeros(6)
+            seen: list[list[int]] = []
+            keep: list[torch.Tensor] = []
+            for _ in range(4):
+                py = _words_at(id(t), 1)[0]
+                if py != sys.getrefcount(t) - 1:
+                    return None
+                seen.append([w & 0xFFFFFFFF for w in _words_at(int(t._cdata))])
+                seen[-1].append(tensor_impl_users(t))
+                keep.append(t.view(6))  # a view's autograd base link owns t's impl
+            found = [i for i in range(1, _WORD_SPAN)
+                     if all(row[i] == row[-1] for row in seen)]
+            if len(found) != 1 or len({row[-1] for row in seen}) != len(seen):
+                return None
+            other = torch.ones(3)
+            if _words_at(int(other._cdata))[found[0]] & 0xFFFFFFFF != tensor_impl_users(other):
+                return None
+            return found[0]
+    except Exception:  # noqa: BLE001 - an unknown build: counts are not read
+        return None
+
+
+USE_COUNT_WORD: int | None = _probe_count_words() if RAW_LAYOUT is not None else None
+"""Where :func:`impl_unchanged` reads a parameter's liveness (``ParamRef``'s rule) for all
+parameters at once, or ``None`` (the caller calls the references)."""
+
+
+def counts_readable() -> bool:
+    """:func:`impl_unchanged` can read reference counts now (``held_once``): the probe found
+    the words, and no Python 3.10 trace function keeps copies of locals in ``f_locals``."""
+    return USE_COUNT_WORD is not None and not (_TRACERS_FILL_LOCALS and sys.gettrace() is not None)
+
+
+def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool,
+              counted: tuple[int, int] = (0, 0)) -> Any:
     """Per object of the iterable ``objects`` (``n`` of them), its TensorImpl pointer and a
     row of int64 words: the impl's vtable, storage key, storage offset, dimension count, the
     first ``dims`` sizes (and strides), the dtype word. ``None`` when the reads are off,
@@ -868,9 +908,15 @@ def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any
 
     Only sizes up to :attr:`ImplLayout.inline` dimensions are inline: a caller compares the
     dimension count before trusting them (a longer tensor keeps them elsewhere).
+
+    For the objects at positions ``counted`` (``[a, b)``), a third and fourth array: their
+    Python reference counts, read while the call holds them (its own reference included), and
+    their impls' use counts (``None`` where :data:`USE_COUNT_WORD` is unknown).
     """
     layout = RAW_LAYOUT
     if layout is None or dims > layout.inline or not sole_thread():
+        return None
+    if counted[1] > counted[0] and USE_COUNT_WORD is None:
         return None
     import numpy as np
 
@@ -897,13 +943,18 @@ def impl_rows(objects: Any, n: int, types: Any, dims: int, strides: bool) -> Any
         impl = word[ids + layout.py_impl, 0]
         if not impl.all():
             return None
-        rows = _rows(int(cols.max()) + 1)[(impl >> 3) - 1][:, cols]
+        rows = _rows(1)[:, 0].take(((impl >> 3) - 1)[:, None] + cols)  # (only the words used)
+        a, b = counted
+        if b > a:
+            assert USE_COUNT_WORD is not None
+            refs = word[ids[a:b], 0]  # (held: the array's reference is in the count)
+            users = word[((impl[a:b] >> 3) - 1) + USE_COUNT_WORD, 0] & 0xFFFFFFFF
     except IndexError:
         return None
     del held
     if not sole_thread():  # a thread came up meanwhile: what was read is not trusted
         return None
-    return impl, rows
+    return (impl, rows, refs, users) if b > a else (impl, rows)
 
 
 VECTORIZED_MIN = 128
@@ -951,18 +1002,29 @@ def impl_snapshot(tensors: Sequence[torch.Tensor], *, geometry: int | None = Non
     return ImplSnapshot(types, dims, strides, read[0], read[1])
 
 
-def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot) -> bool | None:
+def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot,
+                   held_once: tuple[int, int] = (0, 0)) -> bool | None:
     """The ``n`` objects of ``objects`` read word for word as ``snap``: the same types, impls,
     storages, storage offsets, dimension counts, sizes (strides) and dtypes. ``None`` when the
     vectorized read cannot run now, or an object is not of its remembered type (the caller
-    then reads per field)."""
-    read = impl_rows(objects, n, snap.types, snap.dims, snap.strides)
+    then reads per field).
+
+    ``held_once``: positions ``[a, b)`` of parameters the caller's ``ParamRef`` slots hold, one
+    slot each (the snapshot's objects are distinct): ``False`` unless each also reads alive by
+    ``ParamRef``'s rule, a Python reference beyond the slot's and the read's own (beyond
+    torch's preserved one too while its impl has other owners). ``None`` where counts cannot
+    be read (Python 3.10 under a trace function keeps stale copies in ``f_locals``)."""
+    if held_once[1] > held_once[0] and not counts_readable():
+        return None
+    read = impl_rows(objects, n, snap.types, snap.dims, snap.strides, held_once)
     if read is None:
         return None
-    import numpy as np
-
-    return bool((read[0] == snap.impls).all() and (read[1] == snap.rows).all())
+    if not ((read[0] == snap.impls).all() and (read[1] == snap.rows).all()):
+        return False
+    if len(read) == 4:  # the slot and the read's array, and torch's while C++ shares the impl
+        return bool((read[2] > 2 + PRESERVED_TENSOR_REF * (read[3] > 1)).all())
+    return True
 
 
 __all__ += ["ImplLayout", "ImplSnapshot", "RAW_LAYOUT", "VECTORIZED_MIN", "impl_rows", "impl_snapshot",
-            "impl_unchanged", "sole_thread"]
+            "impl_unchanged", "sole_thread", "USE_COUNT_WORD", "counts_readable"]

@@ -186,3 +186,83 @@ def test_parameters_their_model_dropped_go_to_the_full_check() -> None:
     m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
     assert still_in_place(pool) is None
     assert not pool.is_valid()
+
+
+@pytest.mark.parametrize("view", (False, True), ids=("alone", "a view shares the impl"))
+def test_parameters_liveness_read_at_once_matches_their_references(
+        reads: str, view: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vectorized read decides every unheld parameter's liveness from reference counts,
+    exactly as its ``ParamRef`` would (torch's preserved reference counted while a view shares
+    the impl): a parameter its model still holds stays on the fast path, with no reference
+    called; one its model dropped is never answered for, and the full check drops it."""
+    from flatpool.registry import ParamRef
+
+    models = [nn.Linear(3, 2) for _ in range(3)]
+    pool = FlatPool("cpu")
+    pool.adopt([p for m in models for p in m.parameters()])
+    views = [p.view(-1) for m in models for p in m.parameters()] if view else []
+    assert all((tc.tensor_impl_users(p) > 1) == view for m in models for p in m.parameters())
+    assert pool.is_valid()
+    calls: list[int] = []
+    called = ParamRef.__call__
+
+    def counting(self: ParamRef) -> torch.Tensor | None:
+        calls.append(1)
+        return called(self)
+
+    monkeypatch.setattr(ParamRef, "__call__", counting)
+    assert still_in_place(pool) is True
+    assert (not calls) if reads == "vectorized" else calls  # no call per parameter
+    dropped = models[1].weight
+    del dropped
+    models[1].weight = nn.Parameter(torch.randn(2, 3))  # the model lets its weight go
+    calls.clear()
+    assert still_in_place(pool) is None
+    assert (not calls) if reads == "vectorized" else calls  # the counts said it is dropped
+    assert not pool.is_valid()
+    assert still_in_place(pool) is None  # (its reference let go: the slot reads empty now)
+    del views
+
+
+def test_without_count_words_the_vectorized_read_calls_the_references(
+        reads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch or Python whose count words the probe did not find: the parameters' references
+    are called (and still decide) while the impl words are read as before."""
+    monkeypatch.setattr(tc, "USE_COUNT_WORD", None)
+    answers: list[bool | None] = []
+    unchanged = tc.impl_unchanged
+
+    def spying(*args: Any) -> bool | None:
+        answers.append(unchanged(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(tc, "impl_unchanged", spying)
+    m = nn.Linear(3, 2)
+    pool = FlatPool("cpu")
+    pool.adopt(list(m.parameters()))
+    assert pool.is_valid() and still_in_place(pool) is True
+    assert answers == ([True] if reads == "vectorized" else [])  # the impl words still read
+    m.weight = nn.Parameter(torch.randn(2, 3))
+    assert still_in_place(pool) is None and not pool.is_valid()
+
+
+def test_a_change_of_the_live_slices_is_rechecked() -> None:
+    """The lists key on the pool's live-slices version (one compare, not one per slice): any
+    change of the live handles, even one no binding needed, sends one check to the full rules,
+    which remember again; freeing a bound slice's handle away is never answered from them."""
+    pool, ts, _ = _plain()
+    pool.grow(pool.capacity + 4096)  # (room for a spare slice)
+    assert pool.is_valid() and still_in_place(pool) is True
+    spare = pool.allocate((8,), torch.float32)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+    pool.free(spare)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+    snap = pool.capture()
+    victim = pool.slice_of(ts[0])
+    assert victim is not None
+    pool.disown(victim)
+    pool.free(victim)
+    assert still_in_place(pool) is None
+    pool.restore(snap)
+    pool.forget(snap)
+    assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True

@@ -12,11 +12,14 @@ live storage no other allocation owns an address, and a tensor there aliases its
 
 Where it can run, one vectorized read of every bound object's TensorImpl (storage key,
 offset, sizes, strides, dtype word: :func:`flatpool.torch_compat.impl_unchanged`) replaces the
-four passes.
+four passes. The same read applies :class:`~flatpool.registry.ParamRef`'s rule (held by
+nothing but the pool) to every parameter bound without a holder, from the Python and impl
+reference counts, instead of a Python call per reference; one that reads dead, or counts that
+cannot be read, send the check to the references' calls and the full rules (which drop it).
 
-The lists are trusted only for the registry version (bumped before every change), the storage
-and the live slices they were made for; any difference, a binding gone or no longer readable
-answers ``None``, and the full check decides (and remembers again). Bindings whose object is
+The lists are trusted only for the registry version and the pool's live-slices version (each
+bumped before every change) and the storage they were made for; any difference, a binding gone
+or no longer readable answers ``None``, and the full check decides (and remembers again). Bindings whose object is
 gone for good (a dead weak reference) are left out; a holder that may hold a tensor again later
 (its owner alive, the place empty) keeps every check on the full path.
 """
@@ -33,7 +36,7 @@ import torch
 from attrs import define
 
 from .. import torch_compat as tc
-from ..registry import ParamRef, Ref, current
+from ..registry import ParamRef, Ref, current, held_param
 from ..slices import Slice
 from ..state import PoolState
 
@@ -45,16 +48,22 @@ _UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
 @define(frozen=True, eq=False)
 class PoolReads:
     """What the full check read of every binding of one pool, as lists in one order: the
-    unheld bindings (``refs``), then those found through an attribute, then through an item."""
+    unheld bindings (``refs``, then the parameters' ``params``), then those found through an
+    attribute, then through an item."""
 
     version: int
+    live: int
+    """The pool's :attr:`~flatpool.state.PoolState.live_version` then: equal now, every slice
+    read is still the live handle of its id (one compare, not one per slice)."""
     key: int
     base: int
     slice_ids: list[int]
     slices: list[Slice]
     refs: list[Ref]
-    """Called each check: a parameter's reference (:class:`~flatpool.registry.ParamRef`, a
-    Python call) answers ``None`` once its model dropped it, which the full check judges."""
+    params: list[ParamRef]
+    """A parameter's reference answers ``None`` once its model dropped it, which the full check
+    judges: called in the per-field passes, its rule read from reference counts in the
+    vectorized one."""
     attr_owners: list[Ref]
     attr_keys: list[Any]
     item_owners: list[Ref]
@@ -80,17 +89,18 @@ def _gone_for_good(ref: Ref) -> bool:
 def remember(pool: PoolState) -> None:
     """Keep what the full check read; call under ``pool.lock`` right after it found nothing
     moved."""
-    key, base = pool.storage_key, pool.base_address
+    key, base, live = pool.storage_key, pool.base_address, pool.live_version
     _kept.pop(pool, None)
     if key is None or base is None:
         return
     ids: list[int] = []
     slices: list[Slice] = []
     refs: list[Ref] = []
+    params: list[ParamRef] = []
     attrs: tuple[list[Ref], list[Any]] = ([], [])
     items: tuple[list[Ref], list[Any]] = ([], [])
-    objs: tuple[list[torch.Tensor], ...] = ([], [], [])
-    at: tuple[list[int], ...] = ([], [], [])
+    objs: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    at: tuple[list[int], ...] = ([], [], [], [])
     for slice_id, records in pool.registry.items():
         slc = pool.live_slice(slice_id)
         if slc is None:
@@ -105,30 +115,35 @@ def remember(pool: PoolState) -> None:
                     continue
                 return  # a place that is empty now may hold a tensor again: full checks only
             kind = 0 if rec[5] is None else (2 if rec[7] else 1)
-            if kind == 0:
+            if kind == 0 and isinstance(ref, ParamRef):
+                kind = 3
+                params.append(ref)
+            elif kind == 0:
                 refs.append(ref)
             else:
                 (items if kind == 2 else attrs)[0].append(ref)
                 (items if kind == 2 else attrs)[1].append(rec[6])
             objs[kind].append(obj)
             at[kind].append(slc.offset + rec[1])
-    every = objs[0] + objs[1] + objs[2]
-    where = at[0] + at[1] + at[2]
+    every = objs[0] + objs[3] + objs[1] + objs[2]
+    where = at[0] + at[3] + at[1] + at[2]
+    distinct = len(set(map(id, every))) == len(every)  # (one slot per parameter: counts exact)
     with tc.no_torch_function():
         ptrs = list(map(tc.impl_data_ptr, every))
         on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
         _kept[pool] = PoolReads(
-            version=pool.registry.version, key=key, base=base, slice_ids=ids, slices=slices,
-            refs=refs, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
+            version=pool.registry.version, live=live, key=key, base=base, slice_ids=ids, slices=slices,
+            refs=refs, params=params, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
             empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
-            raw=tc.impl_snapshot(every, strides=True) if on_pool else None)
+            raw=tc.impl_snapshot(every, strides=True) if on_pool and distinct else None)
 
 
-def _each(r: PoolReads) -> Any:
-    """The bound objects now, in the lists' order, lazily (a C-level chain of maps)."""
-    return chain(map(_call, r.refs),
+def _each(r: PoolReads, call_params: bool = True) -> Any:
+    """The bound objects now, in the lists' order, lazily (a C-level chain of maps); the
+    parameters as their references hold them unless ``call_params``."""
+    return chain(map(_call, r.refs), map(_call if call_params else held_param, r.params),
                  map(getattr, map(_call, r.attr_owners), r.attr_keys),
                  map(operator.getitem, map(_call, r.item_owners), r.item_keys))
 
@@ -145,12 +160,14 @@ def still_in_place(pool: PoolState) -> bool | None:
         return None
     with pool.lock:
         if (pool.registry.version != r.version or pool.storage_key != r.key
-                or pool.base_address != r.base or not pool.all_live(r.slice_ids, r.slices)):
+                or pool.base_address != r.base or pool.live_version != r.live):
             return None
         with tc.no_torch_function():
             try:
                 if r.raw is not None:  # one vectorized read, when it can run now
-                    fast = tc.impl_unchanged(_each(r), len(r.ptrs), r.raw)
+                    a, counts = len(r.refs), tc.counts_readable()  # (else: call the refs)
+                    fast = tc.impl_unchanged(_each(r, not counts), len(r.ptrs), r.raw,
+                                             (a, a + len(r.params)) if counts else (0, 0))
                     if fast is not None:
                         return True if fast else None
                 objs = _objects(r)
