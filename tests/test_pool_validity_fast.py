@@ -16,16 +16,12 @@ from torch import nn
 from flatpool import AdoptSpec, FlatPool, Holder
 from flatpool import torch_compat as tc
 from flatpool.ownership.quickcheck import still_in_place
-from vectorized_reads import use_vectorized_reads
+from vectorized_reads import READS, choose_reads
 
 
-@pytest.fixture(params=("vectorized", "per field"), autouse=True)
+@pytest.fixture(params=READS, autouse=True)
 def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "per field":
-        monkeypatch.setattr(tc, "RAW_LAYOUT", None)
-    else:
-        use_vectorized_reads(monkeypatch)
-    return str(request.param)
+    return choose_reads(request.param, monkeypatch)
 
 
 def _set(t: torch.Tensor, storage: torch.UntypedStorage, offset: int,

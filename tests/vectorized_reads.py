@@ -16,6 +16,20 @@ import pytest
 from flatpool import torch_compat as tc
 
 
+READS = ("vectorized", "per field")
+"""The two readers every fast-path test runs on (the fixtures' parameters)."""
+
+
+def choose_reads(reads: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Switch this test to one reader: ``"per field"`` turns the vectorized read off,
+    ``"vectorized"`` makes sure it is in use (:func:`use_vectorized_reads`)."""
+    if reads == "per field":
+        monkeypatch.setattr(tc, "RAW_LAYOUT", None)
+    else:
+        use_vectorized_reads(monkeypatch)
+    return reads
+
+
 def use_vectorized_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tc.RAW_LAYOUT is not None, "the probe found no layout"
     present = threading.active_count()

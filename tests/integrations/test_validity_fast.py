@@ -24,21 +24,16 @@ from flatpool import torch_compat as tc
 from flatpool.integrations.hsdp import adopt_group, is_valid, problems
 from flatpool.integrations.hsdp.members import local_of
 from flatpool.integrations.hsdp.quickcheck import still_valid
-from vectorized_reads import use_vectorized_reads
+from vectorized_reads import READS, choose_reads
 
 BROKEN = {"hp meta wrapper, materialized"}
-READS = ("vectorized", "per field")
+"""Kinds adoption refuses on this branch (not this module's concern): checked when they adopt."""
 
 
 @pytest.fixture(params=READS, autouse=True)
 def reads(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run each test on both readers; the vectorized one must really be in use."""
-    if request.param == "per field":
-        monkeypatch.setattr(tc, "RAW_LAYOUT", None)
-    else:
-        use_vectorized_reads(monkeypatch)
-    return str(request.param)
-"""Kinds adoption refuses on this branch (not this module's concern): checked when they adopt."""
+    return choose_reads(request.param, monkeypatch)
 
 
 @pytest.fixture(scope="module")

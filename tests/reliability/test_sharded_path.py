@@ -55,19 +55,24 @@ def test_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
         assert pool.owns(m._sharded_param_data) and pool.owns(m.sharded_param._local_tensor)
 
 
+def _specs(pool: FlatPool, members: list[Member], given: bool) -> list[AdoptSpec]:
+    """The members' specs; ``given``: each into a slice planned beforehand."""
+    specs = [m.spec() for m in members]
+    if not given:
+        return specs
+    slices = pool.allocate_many([(tuple(m._sharded_param_data.shape), torch.float32)
+                                 for m in members])
+    return [AdoptSpec(s.tensor, views=s.views, holders=s.holders, slice=slc)
+            for s, slc in zip(specs, slices)]
+
+
 @pytest.mark.parametrize("given", [False, True], ids=["allocated", "into-planned-slices"])
 @pytest.mark.parametrize("alignment", [1, 64])
 def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch,
                                          alignment: int, given: bool) -> None:
     def run(members: list[Member]) -> tuple[FlatPool, Any]:
         pool = FlatPool(alignment=alignment)
-        specs = [m.spec() for m in members]
-        if given:
-            slices = pool.allocate_many([(tuple(m._sharded_param_data.shape), torch.float32)
-                                         for m in members])
-            specs = [AdoptSpec(s.tensor, views=s.views, holders=s.holders, slice=slc)
-                     for s, slc in zip(specs, slices)]
-        return pool, pool.adopt(specs)
+        return pool, pool.adopt(_specs(pool, members, given))
 
     lean, general = _members(single_rank_mesh), _members(single_rank_mesh)
     p1, r1 = run(lean)
@@ -104,12 +109,7 @@ def test_a_fault_at_every_checkpoint_rolls_back(single_rank_mesh: Any, given: bo
     while True:
         members = _members(single_rank_mesh)
         pool = FlatPool(alignment=1)
-        specs = [m.spec() for m in members]
-        if given:
-            slices = pool.allocate_many([(tuple(m._sharded_param_data.shape), torch.float32)
-                                         for m in members])
-            specs = [AdoptSpec(s.tensor, views=s.views, holders=s.holders, slice=slc)
-                     for s, slc in zip(specs, slices)]
+        specs = _specs(pool, members, given)
         locals_ = [m.sharded_param._local_tensor for m in members]
         before = [_state(m) for m in members]
         live = len(pool.slices())
