@@ -13,9 +13,8 @@ interrupted step happened, half happened or not at all. O(log n) per step, nothi
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Union
+from collections.abc import Sequence
+from typing import Any, Literal, Union
 
 Undo = Union[tuple[str, int, int], tuple[str, bool, int]]
 """``("add", start, end)``, ``("del", start, end)`` or ``("extent", growable, extent)``."""
@@ -60,23 +59,14 @@ class RangeAllocator:
         return max(0, end - align_up(start, self.alignment))
 
     # -- all-or-nothing changes --------------------------------------------------------
-    @contextmanager
-    def journaled(self) -> Iterator[list[Undo]]:
+    def journaled(self) -> _Journaled:
         """Make the changes inside the block all-or-nothing: an exception (an interrupt at any
         bytecode included) undoes every step already taken, then propagates. The journal is
-        yielded so a caller can undo later (:meth:`undo`) when its own later step fails."""
-        if self._undo is not None:  # nested: the outer block undoes everything
-            yield self._undo
-            return
-        journal: list[Undo] = []
-        self._undo = journal
-        try:
-            yield journal
-        except BaseException:
-            self.undo(journal)
-            raise
-        finally:
-            self._undo = None
+        the block's value, so a caller can undo later (:meth:`undo`) when its own later step
+        fails. A class, not a generator: an interrupt landing in a generator context manager's
+        exit (contextlib's frames) skips the generator's cleanup and would leave the journal
+        marked in progress, so the next block took itself for a nested one and undid nothing."""
+        return _Journaled(self)
 
     def undo(self, journal: list[Undo]) -> None:
         """Undo ``journal``'s steps, newest first; absolute, so running it twice is harmless."""
@@ -249,7 +239,39 @@ class RangeAllocator:
         return (self.growable, self.extent, list(self._starts), list(self._ends))
 
     def restore(self, snap: tuple[bool, int, list[int], list[int]]) -> None:
+        self._undo = None  # a restore ends whatever change was in progress
         self.growable, self.extent, starts, ends = snap
         self._starts, self._ends = list(starts), list(ends)
         self._by_size = sorted((e - s, s) for s, e in zip(self._starts, self._ends))
         self._by_usable = sorted((self._usable(s, e), s) for s, e in zip(self._starts, self._ends))
+
+
+class _Journaled:
+    """:meth:`RangeAllocator.journaled`'s block. The outermost block owns the journal; a nested
+    one (a change made by a change) leaves undoing to it."""
+
+    __slots__ = ("_alloc", "_journal", "_outer")
+
+    def __init__(self, alloc: RangeAllocator) -> None:
+        self._alloc = alloc
+        self._journal: list[Undo] = []
+        self._outer = False
+
+    def __enter__(self) -> list[Undo]:
+        alloc = self._alloc
+        if alloc._undo is not None:  # nested: the outer block undoes everything
+            return alloc._undo
+        self._outer = True
+        alloc._undo = self._journal
+        return self._journal
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: Any) -> Literal[False]:
+        if self._outer:
+            alloc = self._alloc
+            if alloc._undo is self._journal:
+                alloc._undo = None
+            if exc_type is not None:
+                alloc.undo(self._journal)
+        return False
+
