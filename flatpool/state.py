@@ -19,8 +19,8 @@ import math
 import operator
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -41,6 +41,8 @@ from .registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .pool import FlatPool
@@ -350,14 +352,7 @@ class PoolState:
         """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
         planned from scratch (a batch adoption), else one by one; all or none (a failure puts
         the layout back as it was, whichever step it interrupted)."""
-        with self._lock:
-            before = PoolSnapshot(self)
-            try:
-                return self._allocate_many(requests)
-            except BaseException:
-                self.restore(before)
-                del before  # a kept traceback must not pin the pool's storage
-                raise
+        return self._all_or_nothing(self._allocate_many, requests)
 
     def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
@@ -365,14 +360,7 @@ class PoolState:
             before = self._alloc.snapshot()
             starts = self._alloc.append_many(sizes)
             if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
-                ids = self._slice_ids
-                out = [Slice(self._public, next(ids), start, dims, dt)
-                       for (dims, dt), start in zip(requests, starts)]
-                self.live_version += 1
-                self._live.update((s.slice_id, s) for s in out)
-                self._at_offset.update(zip(starts, out))
-                self._offsets.extend(starts)  # past every existing slice, already sorted
-                return out
+                return self._index_run(starts, [d for d, _ in requests], [t for _, t in requests])
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
@@ -383,14 +371,7 @@ class PoolState:
     ) -> tuple[list[Slice], list[int]]:
         """:meth:`allocate_many` for a lean batch: slices of ``spans`` bytes (each > 0, its
         ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts."""
-        with self._lock:
-            before = PoolSnapshot(self)
-            try:
-                return self._allocate_spans(spans, shapes, dtypes)
-            except BaseException:
-                self.restore(before)
-                del before  # a kept traceback must not pin the pool's storage
-                raise
+        return self._all_or_nothing(self._allocate_spans, spans, shapes, dtypes)
 
     def _allocate_spans(
         self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
@@ -400,17 +381,33 @@ class PoolState:
             before = self._alloc.snapshot()
             starts = self._alloc.append_run(spans)
             if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
-                ids = list(itertools.islice(self._slice_ids, len(starts)))
-                out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
-                self.live_version += 1
-                self._live.update(zip(ids, out))
-                self._at_offset.update(zip(starts, out))
-                self._offsets.extend(starts)  # past every existing slice, already sorted
-                return out, starts
+                return self._index_run(starts, shapes, dtypes), starts
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         out = [self.allocate_checked(d, t) for d, t in zip(shapes, dtypes)]
         return out, [s.offset for s in out]
+
+    def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
+        with self._lock:
+            before = PoolSnapshot(self)
+            try:
+                return fn(*args)
+            except BaseException:
+                self.restore(before)
+                del before  # a kept traceback must not pin the pool's storage
+                raise
+
+    def _index_run(self, starts: list[int], shapes: Sequence[tuple[int, ...]],
+                   dtypes: Sequence[torch.dtype]) -> list[Slice]:
+        """Handles for a run the allocator just appended past every existing slice."""
+        ids = list(itertools.islice(self._slice_ids, len(starts)))
+        out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
+        self.live_version += 1
+        self._live.update(zip(ids, out))
+        self._at_offset.update(zip(starts, out))
+        self._offsets.extend(starts)  # past every existing slice, already sorted
+        return out
 
     def allocate_checked(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
         """:meth:`allocate` for a shape and dtype already validated."""
