@@ -35,9 +35,11 @@ FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
 def main(target: int, max_rounds: int, seed: int, ops: Ops = OPS) -> dict[str, object]:
     rng = random.Random(seed)
     landed: list[str] = []
+    stacks: list[str] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
         landed.append(frame.f_code.co_filename if frame is not None else "?")
+        stacks.append("".join(traceback.format_stack(frame, limit=12)) if frame is not None else "?")
         raise Interrupt("SIGALRM")
 
     signal.signal(signal.SIGALRM, handler)
@@ -60,6 +62,7 @@ def main(target: int, max_rounds: int, seed: int, ops: Ops = OPS) -> dict[str, o
         snap = Snapshot(w.pools, w.tensors, w.places)
         gc_threshold = gc.get_threshold()
         landed.clear()
+        stacks.clear()
         delay = max(1e-6, rng.uniform(0.0, 1.2 * durations[op]))
         try:
             signal.setitimer(signal.ITIMER_REAL, delay)
@@ -84,7 +87,7 @@ def main(target: int, max_rounds: int, seed: int, ops: Ops = OPS) -> dict[str, o
             assert signal.getsignal(signal.SIGALRM) is handler, "a handler was left installed"
             settled(op, w, before, snap)
         except AssertionError as err:
-            bad.append(f"{op} (landed in {landed[0]}): {err}")
+            bad.append(f"{op} (landed in {landed[0]}): {err}\nwhere the signal landed:\n{stacks[0]}")
     return {"rounds": rounds, "inside": inside, "outside": outside, "inconsistent": bad,
             "where": dict(where.most_common())}
 
