@@ -280,3 +280,24 @@ def test_a_change_of_the_live_slices_is_rechecked() -> None:
     pool.restore(snap)
     pool.forget(snap)
     assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+
+
+def test_the_slot_probe_finds_the_parameter_reference_word(reads: str) -> None:
+    """The word the vectorized read follows to each unheld parameter is the one its
+    ``ParamRef`` keeps it in (read back on a live reference); a class without that slot, or a
+    name that is no slot, gives none (the read then calls the references), as do reads off."""
+    from flatpool.ownership.quickcheck import _SLOT
+    from flatpool.registry import ParamRef
+
+    if reads == "per field":
+        assert tc.slot_word(ParamRef, "_obj") is None
+        return
+    assert _SLOT is not None and tc.slot_word(ParamRef, "_obj") == _SLOT
+    p = nn.Parameter(torch.randn(3))
+    ref = ParamRef(p)
+    assert tc._words_at(id(ref), _SLOT + 1)[_SLOT] == id(p)
+
+    class Plain:
+        pass
+
+    assert tc.slot_word(Plain, "x") is None and tc.slot_word(ParamRef, "other") is None

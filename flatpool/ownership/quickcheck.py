@@ -16,6 +16,10 @@ four passes. The same read applies :class:`~flatpool.registry.ParamRef`'s rule (
 nothing but the pool) to every parameter bound without a holder, from the Python and impl
 reference counts, instead of a Python call per reference; one that reads dead, or counts that
 cannot be read, send the check to the references' calls and the full rules (which drop it).
+Those parameters are found without a Python call each: every reference's slot word is read at
+once (:func:`flatpool.torch_compat.slot_unchanged`; the references are kept alive by these
+lists), their counts are then exact, and the impl words' gather indices are computed once here,
+read only after the impls compared equal.
 
 The lists are trusted only for the registry version and the pool's live-slices version (each
 bumped before every change) and the storage they were made for; any difference, a binding gone
@@ -145,7 +149,8 @@ def remember(pool: PoolState) -> None:
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
             empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
-            raw=raw, slotted=None if raw is None or _SLOT is None or not params
+            raw=raw, slotted=None if raw is None or _SLOT is None or not params or not all(
+                map(_is, map(type, params), repeat(ParamRef)))  # (the class the slot was probed on)
             else tc.slot_snapshot(raw, params, _SLOT))
 
 
