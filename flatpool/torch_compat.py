@@ -1100,16 +1100,16 @@ def slot_unchanged(objects: Any, n: int, s: SlotSnapshot) -> bool | None:
         held = np.fromiter(objects, dtype=object, count=n)  # strong references for the call
     except ValueError:  # fewer than n
         return None
-    word = _rows(1)[:, 0]
+    word = _rows(1)[:, 0]  # (element i: the word at 8 * (i + 1); an object's word k: at i + k - 1)
     try:  # (as in impl_rows: each read only after what it follows was checked)
-        ids = np.concatenate(((np.asarray(_Span(held.__array_interface__["data"][0], n)) >> 3)
-                              - 1, (word.take(s.slots) >> 3) - 1))
-        if not (word.take(ids + 1) == snap.types).all():
+        at = np.concatenate((np.asarray(_Span(held.__array_interface__["data"][0], n)) >> 3,
+                             word.take(s.slots) >> 3))
+        if not (word.take(at) == snap.types).all():
             return None
-        if not ((word.take(ids + layout.py_impl) == snap.impls).all()
+        if not ((word.take(at + (layout.py_impl - 1)) == snap.impls).all()
                 and (word.take(s.at) == s.words).all()):
             return False
-        refs = word.take(ids[n:])
+        refs = word.take(at[n:] - 1)
         users = word.take(s.users) & 0xFFFFFFFF
     except IndexError:
         return None
