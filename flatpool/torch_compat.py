@@ -1028,3 +1028,95 @@ def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot,
 
 __all__ += ["ImplLayout", "ImplSnapshot", "RAW_LAYOUT", "VECTORIZED_MIN", "impl_rows", "impl_snapshot",
             "impl_unchanged", "sole_thread", "USE_COUNT_WORD", "counts_readable"]
+
+
+# -- The same read, with some objects found through their holders' ``__slots__`` word ----------
+# A per-step check that calls a holder (``ParamRef``) per parameter pays a Python-level call per
+# parameter. A holder with a slot keeps a strong reference in a fixed word of itself: reading
+# that word for every holder at once (holders kept alive by the snapshot) finds the objects
+# without Python, and their reference counts are then exact (no array of ours holds them).
+def slot_word(cls: type, name: str) -> int | None:
+    """The word of a ``cls`` instance that holds its ``__slots__`` member ``name``, found on a
+    probe instance given two values in turn; ``None`` when the reads are off or it is not
+    exactly one word."""
+    if RAW_LAYOUT is None:
+        return None
+    try:
+        probe: object = object.__new__(cls)
+        values = (object(), object())
+        span = cls.__basicsize__ // 8
+        seen: list[list[int]] = []
+        for v in values:
+            setattr(probe, name, v)
+            seen.append(_words_at(id(probe), span))
+        found = [i for i in range(2, span) if all(w[i] == id(v) for w, v in zip(seen, values))]
+        return found[0] if len(found) == 1 else None
+    except Exception:  # noqa: BLE001 - not a slotted class, or an unknown build
+        return None
+
+
+@define(frozen=True, eq=False)
+class SlotSnapshot:
+    """An :class:`ImplSnapshot` whose last ``len(holders)`` objects are read through the
+    holders' slot word, with every gather index precomputed (the impls are compared first)."""
+
+    snap: ImplSnapshot
+    holders: list[object]
+    """Kept alive here: their addresses are in ``slots``."""
+    slots: Any
+    at: Any
+    """Flat word indices of the remembered impls' words, row by row (``snap.rows`` order)."""
+    words: Any
+    users: Any
+    """Word indices of the slotted objects' impl use counts."""
+
+
+def slot_snapshot(snap: ImplSnapshot, holders: Sequence[object], slot: int) -> SlotSnapshot | None:
+    """For :func:`slot_unchanged`: ``snap``'s last ``len(holders)`` objects are what each
+    holder's word ``slot`` (:func:`slot_word`) holds. ``None`` where counts are not read."""
+    if USE_COUNT_WORD is None or RAW_LAYOUT is None:
+        return None
+    import numpy as np
+
+    cols = _COLS[(snap.dims, snap.strides)]
+    impls = (snap.impls >> 3) - 1
+    slots = np.fromiter((id(h) // 8 - 1 + slot for h in holders), dtype=np.int64,
+                        count=len(holders))
+    return SlotSnapshot(snap, list(holders), slots, (impls[:, None] + cols).ravel(),
+                        snap.rows.ravel().copy(), impls[len(impls) - len(holders):] + USE_COUNT_WORD)
+
+
+def slot_unchanged(objects: Any, n: int, s: SlotSnapshot) -> bool | None:
+    """Like :func:`impl_unchanged` with every slotted object in ``held_once`` (``ParamRef``'s
+    rule, a Python reference beyond the slot's, read from the counts), for the ``n`` objects
+    of ``objects`` followed by what the holders' slots hold now. ``None`` where it cannot run
+    now or a type differs (a slot emptied holds ``None``)."""
+    layout, snap = RAW_LAYOUT, s.snap
+    if layout is None or not counts_readable() or not sole_thread():
+        return None
+    import numpy as np
+
+    try:
+        held = np.fromiter(objects, dtype=object, count=n)  # strong references for the call
+    except ValueError:  # fewer than n
+        return None
+    word = _rows(1)[:, 0]  # (element i: the word at 8 * (i + 1); an object's word k: at i + k - 1)
+    try:  # (as in impl_rows: each read only after what it follows was checked)
+        at = np.concatenate((np.asarray(_Span(held.__array_interface__["data"][0], n)) >> 3,
+                             word.take(s.slots) >> 3))
+        if not (word.take(at) == snap.types).all():
+            return None
+        if not ((word.take(at + (layout.py_impl - 1)) == snap.impls).all()
+                and (word.take(s.at) == s.words).all()):
+            return False
+        refs = word.take(at[n:] - 1)
+        users = word.take(s.users) & 0xFFFFFFFF
+    except IndexError:
+        return None
+    del held
+    if not sole_thread():
+        return None
+    return bool((refs > 1 + PRESERVED_TENSOR_REF * (users > 1)).all())
+
+
+__all__ += ["SlotSnapshot", "slot_snapshot", "slot_unchanged", "slot_word"]

@@ -6,6 +6,7 @@ vectorized impl read and with it off (what a torch whose layout the probe does n
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +49,21 @@ def _module() -> tuple[FlatPool, list[torch.Tensor], Any]:
     return pool, [*model.parameters(), box["k"]], model
 
 
+def _unheld() -> tuple[FlatPool, list[torch.Tensor], Any]:
+    """Parameters adopted without holders (``ParamRef`` bindings: the vectorized read finds
+    them through the references' slot word, not by calling them)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    pool = FlatPool("cpu")
+    pool.adopt(list(model.parameters()))
+    _UNHELD.add(model)
+    return pool, list(model.parameters()), model
+
+
+_UNHELD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 SETUPS: dict[str, Callable[[], tuple[FlatPool, list[torch.Tensor], Any]]] = {
-    "plain tensors": _plain, "module parameters": _module}
+    "plain tensors": _plain, "module parameters": _module, "unheld parameters": _unheld}
 
 
 def _moved_elsewhere(ts: list[torch.Tensor], model: Any) -> None:
@@ -74,7 +88,8 @@ def _transposed(ts: list[torch.Tensor], model: Any) -> None:
 
 
 def _other_dtype(ts: list[torch.Tensor], model: Any) -> None:
-    t = ts[-1]  # (a parameter's data must stay floating point)
+    t = ts[-1]  # (a parameter's data must stay floating point while it requires grad)
+    t.requires_grad_(False)
     with torch.no_grad():
         t.data = t.data.view(torch.int32)  # same bytes, pointer, shape and stride
 
@@ -82,6 +97,8 @@ def _other_dtype(ts: list[torch.Tensor], model: Any) -> None:
 def _replaced_in_holder(ts: list[torch.Tensor], model: Any) -> None:
     if model is None:
         pytest.skip("plain tensors have no holder")
+    if model in _UNHELD:
+        pytest.skip("unheld: the old parameter stays in place (test_parameters_their_model_dropped)")
     model[0].weight = nn.Parameter(model[0].weight.detach().clone())
 
 
@@ -121,8 +138,9 @@ def test_a_healthy_pool_is_answered_from_the_arrays(setup: str, reads: str) -> N
     assert pool.is_valid()
     assert still_in_place(pool) is True
     from flatpool.ownership.quickcheck import _kept
-    assert (_kept[pool._state if hasattr(pool, "_state") else pool].raw is not None) == (
-        reads == "vectorized")
+    kept = _kept[pool._state if hasattr(pool, "_state") else pool]
+    assert (kept.raw is not None) == (reads == "vectorized")
+    assert (kept.slotted is not None) == (reads == "vectorized" and setup == "unheld parameters")
     with torch.no_grad():
         for t in ts:
             t.add_(1)  # values change in place: still valid, still fast
@@ -262,3 +280,24 @@ def test_a_change_of_the_live_slices_is_rechecked() -> None:
     pool.restore(snap)
     pool.forget(snap)
     assert still_in_place(pool) is None and pool.is_valid() and still_in_place(pool) is True
+
+
+def test_the_slot_probe_finds_the_parameter_reference_word(reads: str) -> None:
+    """The word the vectorized read follows to each unheld parameter is the one its
+    ``ParamRef`` keeps it in (read back on a live reference); a class without that slot, or a
+    name that is no slot, gives none (the read then calls the references), as do reads off."""
+    from flatpool.ownership.quickcheck import _SLOT
+    from flatpool.registry import ParamRef
+
+    if reads == "per field":
+        assert tc.slot_word(ParamRef, "_obj") is None
+        return
+    assert _SLOT is not None and tc.slot_word(ParamRef, "_obj") == _SLOT
+    p = nn.Parameter(torch.randn(3))
+    ref = ParamRef(p)
+    assert tc._words_at(id(ref), _SLOT + 1)[_SLOT] == id(p)
+
+    class Plain:
+        pass
+
+    assert tc.slot_word(Plain, "x") is None and tc.slot_word(ParamRef, "other") is None

@@ -16,6 +16,10 @@ four passes. The same read applies :class:`~flatpool.registry.ParamRef`'s rule (
 nothing but the pool) to every parameter bound without a holder, from the Python and impl
 reference counts, instead of a Python call per reference; one that reads dead, or counts that
 cannot be read, send the check to the references' calls and the full rules (which drop it).
+Those parameters are found without a Python call each: every reference's slot word is read at
+once (:func:`flatpool.torch_compat.slot_unchanged`; the references are kept alive by these
+lists), their counts are then exact, and the impl words' gather indices are computed once here,
+read only after the impls compared equal.
 
 The lists are trusted only for the registry version and the pool's live-slices version (each
 bumped before every change) and the storage they were made for; any difference, a binding gone
@@ -48,8 +52,8 @@ _UNREADABLE = (AttributeError, TypeError, IndexError, KeyError, RuntimeError)
 @define(frozen=True, eq=False)
 class PoolReads:
     """What the full check read of every binding of one pool, as lists in one order: the
-    unheld bindings (``refs``, then the parameters' ``params``), then those found through an
-    attribute, then through an item."""
+    unheld bindings (``refs``), those found through an attribute, through an item, then the
+    parameters' (``params``: last, so that a read through their slots can append them)."""
 
     version: int
     live: int
@@ -77,7 +81,14 @@ class PoolReads:
     raw: tc.ImplSnapshot | None = None
     """The same objects' impl words (storage key, offset, sizes, strides, dtype), compared in
     one vectorized read when it can run (:func:`flatpool.torch_compat.impl_unchanged`)."""
+    slotted: tc.SlotSnapshot | None = None
+    """``raw`` with the parameters read through their ``ParamRef`` slots and every gather
+    index precomputed (:func:`flatpool.torch_compat.slot_unchanged`): no Python call per
+    parameter, no index arithmetic per call."""
 
+
+_SLOT = tc.slot_word(ParamRef, "_obj")
+"""The word of a :class:`ParamRef` holding its parameter, or ``None`` (slot reads off)."""
 
 _kept: weakref.WeakKeyDictionary[PoolState, PoolReads] = weakref.WeakKeyDictionary()
 
@@ -125,27 +136,32 @@ def remember(pool: PoolState) -> None:
                 (items if kind == 2 else attrs)[1].append(rec[6])
             objs[kind].append(obj)
             at[kind].append(slc.offset + rec[1])
-    every = objs[0] + objs[3] + objs[1] + objs[2]
-    where = at[0] + at[3] + at[1] + at[2]
+    every = objs[0] + objs[1] + objs[2] + objs[3]
+    where = at[0] + at[1] + at[2] + at[3]
     distinct = len(set(map(id, every))) == len(every)  # (one slot per parameter: counts exact)
     with tc.no_torch_function():
         ptrs = list(map(tc.impl_data_ptr, every))
         on_pool = all(map(operator.eq, map(tc.storage_address, every), repeat(key)))
+        raw = tc.impl_snapshot(every, strides=True) if on_pool and distinct else None
         _kept[pool] = PoolReads(
             version=pool.registry.version, live=live, key=key, base=base, slice_ids=ids, slices=slices,
             refs=refs, params=params, attr_owners=attrs[0], attr_keys=attrs[1], item_owners=items[0],
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
             empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
-            raw=tc.impl_snapshot(every, strides=True) if on_pool and distinct else None)
+            raw=raw, slotted=None if raw is None or _SLOT is None or not params or not all(
+                map(_is, map(type, params), repeat(ParamRef)))  # (the class the slot was probed on)
+            else tc.slot_snapshot(raw, params, _SLOT))
 
 
-def _each(r: PoolReads, call_params: bool = True) -> Any:
+def _each(r: PoolReads, call_params: bool | None = True) -> Any:
     """The bound objects now, in the lists' order, lazily (a C-level chain of maps); the
-    parameters as their references hold them unless ``call_params``."""
-    return chain(map(_call, r.refs), map(_call if call_params else held_param, r.params),
-                 map(getattr, map(_call, r.attr_owners), r.attr_keys),
-                 map(operator.getitem, map(_call, r.item_owners), r.item_keys))
+    parameters as their references hold them unless ``call_params``, none if ``None``."""
+    held = (map(_call, r.refs), map(getattr, map(_call, r.attr_owners), r.attr_keys),
+            map(operator.getitem, map(_call, r.item_owners), r.item_keys))
+    if call_params is None:
+        return chain(*held)
+    return chain(*held, map(_call if call_params else held_param, r.params))
 
 
 def _objects(r: PoolReads) -> list[torch.Tensor]:
@@ -164,12 +180,16 @@ def still_in_place(pool: PoolState) -> bool | None:
             return None
         with tc.no_torch_function():
             try:
-                if r.raw is not None:  # one vectorized read, when it can run now
-                    a, counts = len(r.refs), tc.counts_readable()  # (else: call the refs)
+                fast = None
+                if r.slotted is not None:  # the parameters through their slots
+                    n = len(r.ptrs) - len(r.params)
+                    fast = tc.slot_unchanged(_each(r, None), n, r.slotted)
+                if fast is None and r.raw is not None:  # one vectorized read, when it can run
+                    a, counts = len(r.ptrs) - len(r.params), tc.counts_readable()  # (else: call)
                     fast = tc.impl_unchanged(_each(r, not counts), len(r.ptrs), r.raw,
-                                             (a, a + len(r.params)) if counts else (0, 0))
-                    if fast is not None:
-                        return True if fast else None
+                                             (a, len(r.ptrs)) if counts else (0, 0))
+                if fast is not None:
+                    return True if fast else None
                 objs = _objects(r)
                 if len(objs) != len(r.ptrs):
                     return None
