@@ -26,6 +26,7 @@ from ..errors import InvalidTypeError
 from ..slices import Slice
 from ..state import PoolState, live_pools
 from .gcpause import gc_paused
+from .interrupts import guarded_call
 
 _LEGIT_ROLES = ("grad", "optimizer state")
 
@@ -137,8 +138,9 @@ def census(*roots: Any, pools: Iterable[PoolState] | None = None) -> Census:
         for p in pool_list:
             if not isinstance(p, PoolState):
                 raise InvalidTypeError(f"census(pools=...) takes pools, got {type(p).__name__}")
-    with gc_paused(), all_locked({id(p): p for p in live_pools() + (pool_list or [])}.values()):
-        return _census(roots, pool_list)
+    locked = all_locked({id(p): p for p in live_pools() + (pool_list or [])}.values())
+    # pause and locks taken and let go with signals deferred: an interrupt cannot leave either
+    return guarded_call(lambda: _census(roots, pool_list), gc_paused(), locked)
 
 
 LOCK_RETRY = 0.05

@@ -10,7 +10,10 @@ itself) the signal is recorded, and it is delivered to the original handler once
 has finished. Outside unwinding the original handler runs at once, as if nothing was installed.
 
 Only the main thread can install handlers, and only it receives them; in other threads this is
-a no-op. Nested operations share the outermost guard. A process forked by another thread while
+a no-op. A guard inside another (an operation run inside an operation, or inside a batch that
+guards its own gc pause) shares the outermost one's dispatcher and pending signals but keeps its
+own state: a signal waits while *any* open guard is entering or finishing, so the inner
+operation's lock and gc pause are taken and let go as safely as the outer one's. A process forked by another thread while
 the main thread is inside a guard gets the user's handlers back (:func:`after_fork_in_child`):
 the guard's thread does not exist in the child, and its dispatcher would defer signals there
 forever.
@@ -22,9 +25,9 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..errors import FlatPoolError
 
@@ -34,17 +37,20 @@ _ASYNC_SIGNALS = tuple(
                  "SIGUSR1", "SIGUSR2")
     if hasattr(signal, name)
 )
-class _Depth(threading.local):
-    active = False
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.guards: list[Guard] = []
 
 
-_depth = _Depth()
+_stack = _Stack()
+"""The current thread's open guards, outermost first (only the main thread's are real)."""
 
 _installed: list[tuple[int, dict[int, Any], list[bool]]] = []
 """The guard whose dispatcher is installed (at most one, the main thread's): its thread, the
 user's handlers it replaced and its "ended" flag."""
 
 Handler = Callable[[int, "FrameType | None"], Any]
+_T = TypeVar("_T")
 
 
 class RollbackError(FlatPoolError, RuntimeError):
@@ -62,37 +68,55 @@ class Guard:
     meanwhile and lets later signals land in the body; :meth:`finishing`, once the work is done,
     defers them again through the epilogue (letting go of the lock and the gc pause)."""
 
-    def __init__(self) -> None:
+    def __init__(self, outer: Guard | None = None) -> None:
         self.deferring: bool = True
-        self.pending: list[tuple[int, FrameType | None]] = []
-        self.deliver: Callable[[int, FrameType | None], None] = lambda signum, frame: None
+        self.pending: list[tuple[int, FrameType | None]] = [] if outer is None else outer.pending
+        self.deliver: Callable[[int, FrameType | None], None] = (
+            (lambda signum, frame: None) if outer is None else outer.deliver)
+        self.entry: BaseException | None = None if outer is None else outer.entry
 
     def open(self) -> None:
+        """Let signals land from here; deliver what came meanwhile, unless an enclosing
+        operation is itself entering or finishing (it delivers them when it opens or ends)."""
         self.deferring = False
-        deliver_all(self.pending, self.deliver)
+        if not _deferred(self.entry):
+            deliver_all(self.pending, self.deliver)
 
     def finishing(self) -> None:
         self.deferring = True
 
 
+def _deferred(entry: BaseException | None) -> bool:
+    """A signal arriving now waits: some open guard is entering or finishing, or the thread is
+    unwinding (handling another exception than the one current at the outermost entry)."""
+    return sys.exc_info()[1] is not entry or any(g.deferring for g in _stack.guards)
+
+
 @contextmanager
 def signals_guarded() -> Iterator[Guard]:
-    """Defer Python-level signal handlers while the current thread unwinds, or after
-    :meth:`Guard.finishing` (see module doc)."""
-    guard = Guard()
-    if threading.current_thread() is not threading.main_thread() or _depth.active:
+    """Defer Python-level signal handlers while the current thread unwinds, or while any
+    guard it is inside has not opened or is finishing (see module doc). A guard inside
+    another (an operation run by an operation) shares the outer one's dispatcher and
+    pending signals, so the inner operation's entry and exit are covered too."""
+    if threading.current_thread() is not threading.main_thread():
+        guard = Guard()
         guard.deferring = False
         yield guard
         return
-    entry = sys.exc_info()[1]
+    if _stack.guards:
+        yield from _nested(_stack.guards[0])
+        return
+    guard = Guard()
+    guard.entry = entry = sys.exc_info()[1]
     pending = guard.pending
     originals: dict[int, Handler] = {}
+    ending: list[bool] = []  # the guard is putting everything back: signals wait
     done: list[bool] = []
 
     def dispatch(signum: int, frame: FrameType | None) -> None:
         if done:  # the guard ended but could not put this handler back: do it now
             signal.signal(signum, originals[signum])
-        elif guard.deferring or sys.exc_info()[1] is not entry:
+        elif ending or _deferred(entry):
             pending.append((signum, frame))  # entering, unwinding or finishing: later
             return
         originals[signum](signum, frame)
@@ -101,7 +125,7 @@ def signals_guarded() -> Iterator[Guard]:
 
     installed = (threading.get_ident(), originals, done)
     try:
-        _depth.active = True
+        _stack.guards = [guard]
         _installed.append(installed)
         for sig in _ASYNC_SIGNALS:
             handler = signal.getsignal(sig)
@@ -110,14 +134,34 @@ def signals_guarded() -> Iterator[Guard]:
                 signal.signal(sig, dispatch)
         yield guard
     finally:
-        done.append(True)
-        _depth.active = False
+        # Every step of the ending is deferred (``ending``): a handler raising half-way would
+        # leave other signals routed here and the guard stack set, and every later operation
+        # would take itself for a nested one, unguarded.
+        ending.append(True)
+        _stack.guards = []
         if installed in _installed:
             _installed.remove(installed)
         for sig, handler in originals.items():
             signal.signal(sig, handler)
+        done.append(True)
         # delivered now, after the rollback finished
         deliver_all(pending, lambda signum, frame: originals[signum](signum, frame))
+
+
+def _nested(outer: Guard) -> Iterator[Guard]:
+    """A guard inside ``outer``'s: deferring until it opens and once it finishes. At its end,
+    what it held back lands in the enclosing operation's body, if that is open; otherwise the
+    enclosing guard delivers it when it opens or ends."""
+    guard = Guard(outer)
+    guards = _stack.guards
+    guards.append(guard)
+    try:
+        yield guard
+    finally:
+        if guard in guards:
+            guards.remove(guard)
+    if not _deferred(outer.entry):
+        deliver_all(outer.pending, outer.deliver)
 
 
 def deliver_all(pending: list[tuple[int, FrameType | None]],
@@ -159,6 +203,20 @@ def after_fork_in_child() -> None:
     _installed[:] = [entry for entry in _installed if entry[0] == me]
 
 
+def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> _T:
+    """``fn()`` inside the context managers ``around`` (entered in order), which are entered and
+    exited with signals deferred, so an interrupt cannot leave a gc pause or a lock behind;
+    ``fn`` itself stays interruptible (an operation it runs guards itself)."""
+    with signals_guarded() as guard, ExitStack() as stack:
+        for cm in around:
+            stack.enter_context(cm)
+        guard.open()
+        try:
+            return fn()
+        finally:
+            guard.finishing()
+
+
 def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     """Run an idempotent ``undo`` to the end even if exceptions land inside it.
 
@@ -177,4 +235,5 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["Guard", "RollbackError", "after_fork_in_child", "run_undo", "signals_guarded"]
+__all__ = ["Guard", "RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
+           "signals_guarded"]

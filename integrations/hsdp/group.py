@@ -24,6 +24,7 @@ from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned,
 from flatpool import torch_compat as tc
 from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
+from flatpool.ownership.interrupts import guarded_call
 from flatpool.ownership.moves import fresh_on, place_many
 from flatpool.pool import contiguous_strides
 
@@ -197,8 +198,11 @@ def adopt_group(
         kept: the tracker to record into (a re-planned group keeps its old one).
     """
     params = list(params)
-    with gc_paused():  # thousands of small objects: no cycle collection passes meanwhile
-        return _adopt_group(params, device, world_size, alignment, name, on_pinned, kept)
+    # thousands of small objects: no cycle collection passes meanwhile; the pause is taken and
+    # let go with signals deferred (a Ctrl-C there would leave the process's gc paused)
+    return guarded_call(
+        lambda: _adopt_group(params, device, world_size, alignment, name, on_pinned, kept),
+        gc_paused())
 
 
 def _adopt_group(

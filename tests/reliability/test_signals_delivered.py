@@ -7,7 +7,9 @@ Ctrl-C) used to end the delivery loop: the SIGTERM and SIGUSR1 behind it never r
 
 from __future__ import annotations
 
+import inspect
 import signal
+import sys
 from collections.abc import Iterator
 from types import FrameType
 
@@ -121,3 +123,58 @@ def test_signals_taken_while_entering_are_all_delivered_at_open(calls: list[int]
         with pytest.raises(KeyboardInterrupt):
             guard.open()
         assert calls == list(SIGNALS)
+
+
+
+def test_a_guard_inside_an_open_one_defers_its_own_entry_and_exit(calls: list[int]) -> None:
+    """An operation run inside another (an adoption inside a batch that guards its own gc
+    pause): the inner guard's entry and finishing defer signals although the outer body is
+    open; what the inner one held back lands in the outer body as it ends. (The inner guard
+    used to be a no-op there, so its lock and gc pause were taken and let go unguarded.)"""
+    term = signal.SIGTERM  # its handler records and returns
+    with signals_guarded() as outer:
+        outer.open()
+        with signals_guarded() as inner:
+            signal.raise_signal(term)  # the inner operation is entering: waits
+            assert calls == []
+            inner.open()  # ... and lands as its body starts
+            assert calls == [term]
+            inner.finishing()
+            signal.raise_signal(term)  # the inner operation is finishing: waits for its end
+            assert calls == [term]
+        assert calls == [term, term]  # delivered in the outer body as the inner guard ended
+        signal.raise_signal(term)  # the outer body is open: at once
+        assert calls == [term, term, term]
+        outer.finishing()
+
+
+def test_a_signal_while_the_guard_ends_leaves_no_later_operation_unguarded(
+        calls: list[int]) -> None:
+    """A raising handler that ran in the middle of the guard's own ending (the SIGALRM fuzz's
+    rare case) used to stop the ending there: the guard stayed marked active, so every later
+    operation took itself for a nested one and ran with no deferral at all."""
+    guarded = signals_guarded.__wrapped__  # type: ignore[attr-defined]
+    lines, first = inspect.getsourcelines(guarded)
+    final = first + next(i for i, text in enumerate(lines) if text.strip() == "finally:")
+    seen: list[int] = []
+
+    def local(frame: FrameType, event: str, arg: object) -> object:
+        if event == "line" and frame.f_lineno > final:
+            seen.append(frame.f_lineno)
+            if len(seen) == 2:  # the second statement of the guard's ending
+                signal.raise_signal(signal.SIGINT)
+        return local
+
+    sys.settrace(lambda f, e, a: local if f.f_code is guarded.__code__ else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_guarded() as guard:
+                guard.open()
+                guard.finishing()
+    finally:
+        sys.settrace(None)
+    assert calls == [signal.SIGINT]
+    with signals_guarded():  # a later operation's entry is deferred again
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == [signal.SIGINT], "the later guard did not defer: it ran unguarded"
+    assert calls == [signal.SIGINT, signal.SIGTERM]
