@@ -2,7 +2,7 @@
 
 The full rules (:func:`.validity.is_valid`'s member loop) run a few microseconds of Python
 bytecode per member. Once they pass, :func:`remember` keeps per bucket, as flat lists, what
-they read: each member's slice, the data pointer and shape of its padded data and of its local
+they read: the pool's live-slices version, the data pointer and shape of its padded data and of its local
 tensor, its wrapper's type, and for a wrapper with memory of its own its storage key, element
 offset and shape; for a storage-less wrapper (torch's DTensor) its identity, impl and
 placeholder storage key (the verdict :class:`.wrappers.WrapperKinds` remembers).
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from attrs import define
 
-from flatpool import Slice
 from flatpool import torch_compat as tc
 
 from .group import GroupBuffers
@@ -71,8 +70,10 @@ class BucketReads:
     indices: list[int]
     span: tuple[int, int] | None
     """``params[a:b]`` are the members, when they are consecutive."""
-    slice_ids: list[int]
-    slices: list[Slice]
+    live: int
+    """The pool's :attr:`~flatpool.state.PoolState.live_version` then (bumped before every
+    change of its live slices): equal now, every member's slice is still the live handle of its
+    id, read in one compare instead of a look at every slice."""
     data: Reads
     types: list[type]
     own_local: bool
@@ -118,7 +119,7 @@ def _members(params: Sequence[ShardedParam], r: BucketReads) -> list[Any]:
 def _bucket(b: Bucket, params: Sequence[ShardedParam]) -> BucketReads | None:
     """What the full rules read of bucket ``b`` (which they just passed), or ``None`` when its
     members are of mixed kinds (plain and wrapped: the full rules serve those)."""
-    key, base = b.pool.storage_key, b.pool.base_address
+    key, base, live = b.pool.storage_key, b.pool.base_address, b.pool.live_version
     members = [m for m in b.members if m.slice is not None]
     if key is None or base is None or not members:
         return None
@@ -145,8 +146,7 @@ def _bucket(b: Bucket, params: Sequence[ShardedParam]) -> BucketReads | None:
     less = [i for i, k in enumerate(keys) if k != key]
     return BucketReads(
         bucket=b, key=key, base=base, indices=indices, span=span,
-        slice_ids=[m.slice.slice_id for m in members if m.slice is not None],
-        slices=[m.slice for m in members if m.slice is not None],
+        live=live,
         data=_reads(data, at), types=types, own_local=own_local,
         local=_reads(locals_, at), wrapper_keys=keys, with_memory=with_memory,
         at=[at[i] for i in with_memory],
@@ -180,8 +180,8 @@ def _same(ts: list[torch.Tensor], r: Reads, key: int) -> bool:
 
 def _bucket_same(r: BucketReads, params: Sequence[ShardedParam]) -> bool:
     pool = r.bucket.pool
-    if (pool.storage_key != r.key or pool.base_address != r.base
-            or not pool.all_live(r.slice_ids, r.slices)):
+    if (pool.live_version != r.live or pool.storage_key != r.key
+            or pool.base_address != r.base):
         return False
     ps = _members(params, r)
     n = len(ps)

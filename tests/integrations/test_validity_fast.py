@@ -137,6 +137,23 @@ def test_a_freed_slice_is_caught(mesh: Any) -> None:
     assert still_valid(buffers, ps) is None and not is_valid(buffers, ps)
 
 
+def test_a_reallocated_slice_is_caught(mesh: Any) -> None:
+    """A slice freed and allocated again at the same place: every tensor reads as before (same
+    storage, offset, shape), only the pool's live handles changed; the member's slice is no
+    longer its own (another owner's now), so the fast path must not answer."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    m = buffers.buckets[0].members[1]
+    pool = buffers.buckets[0].pool
+    assert m.slice is not None
+    pool.disown(m.slice)
+    pool.free(m.slice)
+    again = pool.allocate(m.slice.shape, m.slice.dtype)
+    assert again.offset == m.slice.offset and again is not m.slice  # the same bytes, reused
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
 def test_a_replaced_parameter_object_is_judged_by_the_full_rules(mesh: Any) -> None:
     """``load_state_dict(assign=True)`` installs a new wrapper: a torch DTensor's verdict is
     remembered per object, so a new one (even in the same place) goes to the full rules."""
