@@ -11,9 +11,13 @@ with ``all(map(eq, ...))``: the loop runs in C and builds no list of results (10
 ``torch.Size`` objects alive at once would cost a garbage-collector pass every 700).
 
 Where it can run, the data, local tensors and wrappers of a bucket are instead read in one
-vectorized pass over their TensorImpls (:func:`flatpool.torch_compat.impl_unchanged`: impl
+vectorized pass over their TensorImpls (:func:`flatpool.torch_compat.impl_same`: impl
 pointer, storage key, element offset, sizes and dtype word, compared word for word with what
-was read when the rules passed); the lists above serve when it cannot (no layout found at
+was read when the rules passed, a word at a time over all members; for wrapped members the
+objects' addresses too, so the storage-less wrappers are the ones remembered). The members'
+tensors are taken in one attribute pass (wrapped members: data, local tensor and wrapper,
+member after member). The slices are judged by the pool's live-slices version (one compare:
+a slice freed, or freed and allocated again, bumps it). The lists above serve when it cannot (no layout found at
 import, another thread alive, a tensor type with a sizes policy of its own). Equal words say
 more than the rules ask: the same storage (the live pool's: no other can have its address),
 the same element offset and dtype (so the same data pointer), the same shape.
