@@ -169,6 +169,26 @@ def test_a_replaced_parameter_object_is_judged_by_the_full_rules(mesh: Any) -> N
     assert still_valid(buffers, ps) is True  # and the new object is remembered
 
 
+def test_a_storage_less_wrappers_impl_in_another_object_is_judged_by_the_full_rules(
+        mesh: Any) -> None:
+    """The remembered impl (same words, same address) now behind another wrapper object
+    (``swap_tensors`` moves impls between objects): the verdict is per object, so only the
+    objects' identity tells, and the fast path must leave it to the full rules."""
+    buffers, ps = _group(mesh, "torch DTensor padded")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    old = ps[1].sharded_param
+    other = nn.Parameter(old.detach().clone())
+    with tc.no_torch_function():
+        impl = tc.impl_address(old)
+    torch.utils.swap_tensors(old, other)  # ``other`` is now what ``old`` was, impl included
+    with tc.no_torch_function():
+        assert tc.impl_address(other) == impl
+    ps[1].sharded_param = other
+    assert still_valid(buffers, ps) is None
+    assert is_valid(buffers, ps) and not problems(buffers, ps)  # the same local, same place
+    assert still_valid(buffers, ps) is True  # and the new object is remembered
+
+
 def test_a_relocated_pool_is_caught(mesh: Any) -> None:
     """A pool moved to a new storage (``grow``) changes every pointer: the arrays are stale,
     the full rules run (and pass, the registry having moved every member), and are kept again."""
