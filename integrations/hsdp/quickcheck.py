@@ -2,9 +2,9 @@
 
 The full rules (:func:`.validity.is_valid`'s member loop) run a few microseconds of Python
 bytecode per member. Once they pass, :func:`remember` keeps per bucket, as flat lists, what
-they read: the pool's live-slices version, the data pointer and shape of its padded data and of its local
-tensor, its wrapper's type, and for a wrapper with memory of its own its storage key, element
-offset and shape; for a storage-less wrapper (torch's DTensor) its identity, impl and
+they read: the pool's live-slices version, each member's data pointer and shape of its padded
+data and of its local tensor, its wrapper's type, and for a wrapper with memory of its own its
+storage key, element offset and shape; for a storage-less wrapper (torch's DTensor) its identity, impl and
 placeholder storage key (the verdict :class:`.wrappers.WrapperKinds` remembers).
 :func:`still_valid` reads the same things again, each read one ``map`` over the members checked
 with ``all(map(eq, ...))``: the loop runs in C and builds no list of results (10,000
@@ -17,10 +17,11 @@ was read when the rules passed, a word at a time over all members; for wrapped m
 objects' addresses too, so the storage-less wrappers are the ones remembered). The members'
 tensors are taken in one attribute pass (wrapped members: data, local tensor and wrapper,
 member after member). The slices are judged by the pool's live-slices version (one compare:
-a slice freed, or freed and allocated again, bumps it). The lists above serve when it cannot (no layout found at
-import, another thread alive, a tensor type with a sizes policy of its own). Equal words say
-more than the rules ask: the same storage (the live pool's: no other can have its address),
-the same element offset and dtype (so the same data pointer), the same shape.
+a slice freed, or freed and allocated again, bumps it). The lists above serve when the read
+cannot run (no layout found at import, another thread alive, a tensor type with a sizes policy
+of its own). Equal words say more than the rules ask: the same storage (the live pool's: no
+other can have its address), the same element offset and dtype (so the same data pointer), the
+same shape.
 
 Equal reads are the full rules' verdict again, the empty-shard and wrapper rules included: a
 non-empty tensor is judged by its data pointer (inside the live pool's storage no other
