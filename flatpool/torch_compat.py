@@ -845,7 +845,7 @@ def sole_thread() -> bool:
 _ROWS: dict[int, Any] = {}
 """Per row width, a read-only view of the address space from 8 on whose row ``i`` is the
 ``width`` words from address ``8 * (i + 1)``: one index per object reads its words."""
-_COLS: dict[tuple[int, bool], Any] = {}
+_COLS: dict[tuple[Any, ...], Any] = {}
 
 
 def _rows(width: int) -> Any:
@@ -1026,6 +1026,78 @@ def impl_unchanged(objects: Any, n: int, snap: ImplSnapshot,
     return True
 
 
+def impl_snapshot_by_column(tensors: Sequence[torch.Tensor],
+                            geometry: Sequence[torch.Tensor] = ()) -> ImplSnapshot | None:
+    """:func:`impl_snapshot` of ``tensors`` in any order, with the rows kept column by column
+    in memory (the layout :func:`impl_same` compares); ``None`` also when one of ``geometry``
+    (those among them whose geometry the caller relies on) is not a ``Tensor``/``Parameter``."""
+    if not all(type(t) in _GEOMETRY_TYPES for t in geometry):
+        return None
+    snap = impl_snapshot(tensors, geometry=0)
+    if snap is None:
+        return None
+    import numpy as np
+
+    return ImplSnapshot(snap.types, snap.dims, snap.strides, snap.impls,
+                        np.ascontiguousarray(snap.rows.T).T)
+
+
+def object_addresses(objects: Sequence[object]) -> Any:
+    """The addresses of ``objects`` as an int64 array (for :func:`impl_same`)."""
+    import numpy as np
+
+    return np.fromiter(map(id, objects), dtype=np.int64, count=len(objects))
+
+
+def impl_same(objects: Any, n: int, snap: ImplSnapshot, addresses: Any = None) -> bool | None:
+    """:func:`impl_unchanged` (no reference counts) read a column at a time: each word is one
+    gather over all ``n`` objects, compared with a snapshot from :func:`impl_snapshot_by_column`
+    without a per-object inner loop (a row-wise index of a few words an object costs several
+    times the gather). With ``addresses`` (an int64 array), ``False`` also unless the objects
+    are those at these addresses; the caller must hold them strongly, so that equal addresses
+    mean the same objects. ``None`` as :func:`impl_unchanged`: the caller reads per field."""
+    layout = RAW_LAYOUT
+    if layout is None or not sole_thread() or len(snap.types) != n:
+        return None
+    import numpy as np
+
+    try:
+        held = np.fromiter(objects, dtype=object, count=n)  # strong references for the call
+    except ValueError:  # fewer than n
+        return None
+    if len(held) != n:
+        return None
+    cols = _COLS.get((snap.dims, snap.strides, "by column"))
+    if cols is None:
+        words = [0, layout.storage, layout.offset, layout.dim]
+        words += [layout.dim + 1 + i for i in range(snap.dims)]
+        if snap.strides:
+            words += [layout.dim + 1 + layout.inline + i for i in range(snap.dims)]
+        cols = np.array(words + [layout.flags])[:, None]
+        _COLS[(snap.dims, snap.strides, "by column")] = cols
+    word = _rows(1)[:, 0]  # word[i] is the word at address 8 * (i + 1)
+    at = np.asarray(_Span(held.__array_interface__["data"][0], n))  # the objects' addresses
+    if addresses is not None and not (at == addresses).all():
+        return False
+    ids = (at >> 3) - 1
+    try:  # (same order of reads, and same guards, as impl_rows)
+        if not (word.take(ids + 1) == snap.types).all():
+            return None
+        impl = word.take(ids + layout.py_impl)
+        if not impl.all():
+            return None
+        if not (impl == snap.impls).all():
+            return False
+        same = bool((word.take(cols + ((impl >> 3) - 1)) == snap.rows.T).all())
+    except IndexError:
+        return None
+    del held
+    if not sole_thread():  # a thread came up meanwhile: what was read is not trusted
+        return None
+    return same
+
+
+__all__ += ["impl_same", "impl_snapshot_by_column", "object_addresses"]
 __all__ += ["ImplLayout", "ImplSnapshot", "RAW_LAYOUT", "VECTORIZED_MIN", "impl_rows", "impl_snapshot",
             "impl_unchanged", "sole_thread", "USE_COUNT_WORD", "counts_readable"]
 

@@ -62,6 +62,9 @@ def test_healthy_group_is_answered_from_the_arrays(mesh: Any, kind: str, reads: 
     assert buffers.wrapper_kinds.fast is not None
     assert all((r.raw is not None) == (reads == "vectorized") for r in buffers.wrapper_kinds.fast)
     assert still_valid(buffers, ps) is True
+    for r in buffers.wrapper_kinds.fast:  # answered by the one read, not the per-field lists
+        assert (reads == "per field" or tc.impl_same(r.tensors(ps), (
+            3 if r.own_local else 2) * len(ps), r.raw, r.addresses) is True)
     with torch.no_grad():  # an optimizer step writes values in place: still valid, still fast
         for p in ps:
             local_of(p.sharded_param).add_(1.0)
@@ -137,6 +140,23 @@ def test_a_freed_slice_is_caught(mesh: Any) -> None:
     assert still_valid(buffers, ps) is None and not is_valid(buffers, ps)
 
 
+def test_a_reallocated_slice_is_caught(mesh: Any) -> None:
+    """A slice freed and allocated again at the same place: every tensor reads as before (same
+    storage, offset, shape), only the pool's live handles changed; the member's slice is no
+    longer its own (another owner's now), so the fast path must not answer."""
+    buffers, ps = _group(mesh, "plain parameter")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    m = buffers.buckets[0].members[1]
+    pool = buffers.buckets[0].pool
+    assert m.slice is not None
+    pool.disown(m.slice)
+    pool.free(m.slice)
+    again = pool.allocate(m.slice.shape, m.slice.dtype)
+    assert again.offset == m.slice.offset and again is not m.slice  # the same bytes, reused
+    assert still_valid(buffers, ps) is None
+    assert not is_valid(buffers, ps) and list(problems(buffers, ps)) == [1]
+
+
 def test_a_replaced_parameter_object_is_judged_by_the_full_rules(mesh: Any) -> None:
     """``load_state_dict(assign=True)`` installs a new wrapper: a torch DTensor's verdict is
     remembered per object, so a new one (even in the same place) goes to the full rules."""
@@ -146,6 +166,26 @@ def test_a_replaced_parameter_object_is_judged_by_the_full_rules(mesh: Any) -> N
     ps[1].sharded_param = nn.Parameter(old.detach())  # a new DTensor over the same local tensor
     assert still_valid(buffers, ps) is None
     assert is_valid(buffers, ps) and not problems(buffers, ps)  # same local, same place
+    assert still_valid(buffers, ps) is True  # and the new object is remembered
+
+
+def test_a_storage_less_wrappers_impl_in_another_object_is_judged_by_the_full_rules(
+        mesh: Any) -> None:
+    """The remembered impl (same words, same address) now behind another wrapper object
+    (``swap_tensors`` moves impls between objects): the verdict is per object, so only the
+    objects' identity tells, and the fast path must leave it to the full rules."""
+    buffers, ps = _group(mesh, "torch DTensor padded")
+    assert is_valid(buffers, ps) and still_valid(buffers, ps)
+    old = ps[1].sharded_param
+    other = nn.Parameter(old.detach().clone())
+    with tc.no_torch_function():
+        impl = tc.impl_address(old)
+    torch.utils.swap_tensors(old, other)  # ``other`` is now what ``old`` was, impl included
+    with tc.no_torch_function():
+        assert tc.impl_address(other) == impl
+    ps[1].sharded_param = other
+    assert still_valid(buffers, ps) is None
+    assert is_valid(buffers, ps) and not problems(buffers, ps)  # the same local, same place
     assert still_valid(buffers, ps) is True  # and the new object is remembered
 
 
@@ -246,14 +286,14 @@ def test_another_thread_turns_the_vectorized_read_off(mesh: Any, reads: str) -> 
         return chain((p._sharded_param_data for p in ps), (p.sharded_param for p in ps))
 
     if reads == "vectorized":
-        assert r.raw is not None and tc.impl_unchanged(tensors(), 2 * len(ps), r.raw) is True
+        assert r.raw is not None and tc.impl_same(tensors(), 2 * len(ps), r.raw) is True
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
         assert not tc.sole_thread()
         if reads == "vectorized":
-            assert tc.impl_unchanged(tensors(), 2 * len(ps), r.raw) is None
+            assert tc.impl_same(tensors(), 2 * len(ps), r.raw) is None
         assert still_valid(buffers, ps) is True
         _reshape_data(ps[1])
         assert still_valid(buffers, ps) is None and not is_valid(buffers, ps)
