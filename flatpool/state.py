@@ -27,7 +27,7 @@ import torch
 from . import torch_compat as tc
 from .aliasing import check_strided, extent_of, local_tensor
 from ._table import table
-from .allocator import RangeAllocator, align_up
+from .allocator import AllocSnapshot, RangeAllocator, align_up
 from .devices import DeviceLike, resolve_device
 from .errors import (
     ForeignSliceError,
@@ -147,7 +147,7 @@ class PoolSnapshot:
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
                  "traces", "freed", "__weakref__")
-    alloc: tuple[bool, int, list[int], list[int]]
+    alloc: AllocSnapshot
     live: dict[int, Slice]
     offsets: list[int]
     at_offset: dict[int, Slice]
