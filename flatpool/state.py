@@ -39,7 +39,7 @@ from .errors import (
 )
 from .registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slices import Slice
+from .slices import Slice, slice_run
 from .unreleased import Trace, UnreleasedOriginal
 
 _T = TypeVar("_T")
@@ -402,7 +402,7 @@ class PoolState:
                    dtypes: Sequence[torch.dtype]) -> list[Slice]:
         """Handles for a run the allocator just appended past every existing slice."""
         ids = list(itertools.islice(self._slice_ids, len(starts)))
-        out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
+        out = slice_run(self._public, ids, starts, shapes, dtypes)
         self.live_version += 1
         self._live.update(zip(ids, out))
         self._at_offset.update(zip(starts, out))
