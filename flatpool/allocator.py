@@ -8,13 +8,24 @@ Every change can be made all-or-nothing under an interrupt landing at any byteco
 :meth:`RangeAllocator.journaled` each primitive logs its inverse *before* it acts, and undoing
 is absolute (remove a range if present, put one back if absent), so it is right whether the
 interrupted step happened, half happened or not at all. O(log n) per step, nothing copied.
+
+Memory: a batch of n slices at the pool's alignment leaves up to n padding gaps (a slice's end
+up to the next aligned start). The free list keeps their bounds in two ``array('q')`` columns
+(16 B a range, not two Python ints), and the two best-fit indexes leave out every range with
+no usable byte at the allocator's alignment: no request (each at a multiple of that alignment)
+can ever be placed in one, so they are kept only to coalesce with the ranges beside them.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Literal, Union
+
+AllocSnapshot = tuple[bool, int, "array[int]", "array[int]"]
+"""``(growable, extent, starts, ends)``: what :meth:`RangeAllocator.snapshot` gives."""
 
 Undo = Union[tuple[str, int, int], tuple[str, bool, int]]
 """``("add", start, end)``, ``("del", start, end)`` or ``("extent", growable, extent)``."""
@@ -43,13 +54,14 @@ class RangeAllocator:
         self.growable: bool = capacity is None
         self.extent: int = 0 if capacity is None else capacity
         self.alignment = alignment
-        self._starts: list[int] = []  # free range starts, sorted
-        self._ends: list[int] = []  # matching ends
-        # (size, start) of every free range, sorted: best fit without scanning every gap.
+        self._starts: array[int] = array("q")  # free range starts, sorted
+        self._ends: array[int] = array("q")  # matching ends
+        # (size, start) of every free range with a usable byte (:meth:`_indexed`), sorted: best
+        # fit without scanning every gap.
         self._by_size: list[tuple[int, int]] = []
-        # (usable size at ``alignment``, start): the exact index for requests at the pool's own
-        # alignment (the common case). Padding gaps (a slice's end up to the next aligned start)
-        # have usable size 0 there, so they never cost a request a scan.
+        # (usable size at ``alignment``, start) of the same ranges: the exact index for requests
+        # at the pool's own alignment (the common case). Padding gaps (a slice's end up to the
+        # next aligned start) have usable size 0, are in neither index and never cost a scan.
         self._by_usable: list[tuple[int, int]] = []
         self._undo: list[Undo] | None = None  # the journal of the change in progress
         if capacity:
@@ -57,6 +69,11 @@ class RangeAllocator:
 
     def _usable(self, start: int, end: int) -> int:
         return max(0, end - align_up(start, self.alignment))
+
+    def _indexed(self, start: int, end: int) -> bool:
+        """The range is in the best-fit indexes: it has a usable byte at the allocator's
+        alignment. Every request's alignment is a multiple of it, so one without fits nothing."""
+        return end > align_up(start, self.alignment)
 
     # -- all-or-nothing changes --------------------------------------------------------
     def journaled(self) -> _Journaled:
@@ -76,10 +93,9 @@ class RangeAllocator:
             if kind == "extent":
                 self.growable, self.extent = bool(a), b
                 continue
-            rows: list[tuple[list[Any], Any]] = [
-                (starts, a), (ends, b), (self._by_size, (b - a, a)),
-                (self._by_usable, (self._usable(a, b), a)),
-            ]
+            rows: list[tuple[Any, Any]] = [(starts, a), (ends, b)]
+            if self._indexed(a, b):
+                rows += [(self._by_size, (b - a, a)), (self._by_usable, (self._usable(a, b), a))]
             for values, value in rows:
                 (_drop_sorted if kind == "add" else _put_sorted)(values, value)
         journal.clear()
@@ -93,13 +109,16 @@ class RangeAllocator:
         self._log(("add", start, end))
         self._starts.insert(i, start)
         self._ends.insert(i, end)
-        bisect.insort(self._by_size, (end - start, start))
-        bisect.insort(self._by_usable, (self._usable(start, end), start))
+        if self._indexed(start, end):
+            bisect.insort(self._by_size, (end - start, start))
+            bisect.insort(self._by_usable, (self._usable(start, end), start))
 
     def _delete(self, i: int) -> None:
         start, end = self._starts[i], self._ends[i]
         self._log(("del", start, end))
         del self._starts[i], self._ends[i]
+        if not self._indexed(start, end):
+            return
         j = bisect.bisect_left(self._by_size, (end - start, start))
         del self._by_size[j]
         j = bisect.bisect_left(self._by_usable, (self._usable(start, end), start))
@@ -168,26 +187,25 @@ class RangeAllocator:
         if not self.growable or self._starts:
             return None
         starts: list[int] = []
-        gaps: list[tuple[int, int]] = []
-        push, gap = starts.append, gaps.append
+        gap_starts: array[int] = array("q")
+        gap_ends: array[int] = array("q")
+        push, gap, gap_end = starts.append, gap_starts.append, gap_ends.append
         self._log(("extent", self.growable, self.extent))
         pos = self.extent
         a = self.alignment
         for nbytes in sizes:
             start = -(-pos // a) * a
             if start > pos:
-                gap((pos, start))
+                gap(pos)
+                gap_end(start)
             push(start)
             pos = start + nbytes
-        for s, e in gaps:  # logged first: an interrupt below leaves nothing an undo misses
-            self._log(("add", s, e))
+        if self._undo is not None:  # logged first: an interrupt below leaves nothing undone
+            self._undo.extend(zip(repeat("add"), gap_starts, gap_ends))
         self.extent = pos
-        self._starts = [g[0] for g in gaps]
-        self._ends = [g[1] for g in gaps]
-        self._by_size = sorted((e - s, s) for s, e in gaps)
-        # Each gap ends at an aligned start, so none has a usable byte at this alignment; in
-        # start order already.
-        self._by_usable = [(0, s) for s, _ in gaps]
+        self._starts, self._ends = gap_starts, gap_ends
+        # Each gap ends at an aligned start: none has a usable byte, so both indexes stay empty.
+        self._by_size, self._by_usable = [], []
         return starts
 
     def take(self, start: int, nbytes: int) -> None:
@@ -235,15 +253,16 @@ class RangeAllocator:
         self.extent = capacity
         self.growable = False
 
-    def snapshot(self) -> tuple[bool, int, list[int], list[int]]:
-        return (self.growable, self.extent, list(self._starts), list(self._ends))
+    def snapshot(self) -> AllocSnapshot:
+        return (self.growable, self.extent, array("q", self._starts), array("q", self._ends))
 
-    def restore(self, snap: tuple[bool, int, list[int], list[int]]) -> None:
+    def restore(self, snap: AllocSnapshot) -> None:
         self._undo = None  # a restore ends whatever change was in progress
         self.growable, self.extent, starts, ends = snap
-        self._starts, self._ends = list(starts), list(ends)
-        self._by_size = sorted((e - s, s) for s, e in zip(self._starts, self._ends))
-        self._by_usable = sorted((self._usable(s, e), s) for s, e in zip(self._starts, self._ends))
+        self._starts, self._ends = array("q", starts), array("q", ends)
+        kept = [(s, e) for s, e in zip(starts, ends) if self._indexed(s, e)]
+        self._by_size = sorted((e - s, s) for s, e in kept)
+        self._by_usable = sorted((self._usable(s, e), s) for s, e in kept)
 
 
 class _Journaled:

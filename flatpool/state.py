@@ -27,7 +27,7 @@ import torch
 from . import torch_compat as tc
 from .aliasing import check_strided, extent_of, local_tensor
 from ._table import table
-from .allocator import RangeAllocator, align_up
+from .allocator import AllocSnapshot, RangeAllocator, align_up
 from .devices import DeviceLike, resolve_device
 from .errors import (
     ForeignSliceError,
@@ -39,7 +39,7 @@ from .errors import (
 )
 from .registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slices import Slice
+from .slices import Slice, slice_run
 from .unreleased import Trace, UnreleasedOriginal
 
 _T = TypeVar("_T")
@@ -147,7 +147,7 @@ class PoolSnapshot:
 
     __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
                  "traces", "freed", "__weakref__")
-    alloc: tuple[bool, int, list[int], list[int]]
+    alloc: AllocSnapshot
     live: dict[int, Slice]
     offsets: list[int]
     at_offset: dict[int, Slice]
@@ -402,7 +402,7 @@ class PoolState:
                    dtypes: Sequence[torch.dtype]) -> list[Slice]:
         """Handles for a run the allocator just appended past every existing slice."""
         ids = list(itertools.islice(self._slice_ids, len(starts)))
-        out = list(map(Slice, itertools.repeat(self._public), ids, starts, shapes, dtypes))
+        out = slice_run(self._public, ids, starts, shapes, dtypes)
         self.live_version += 1
         self._live.update(zip(ids, out))
         self._at_offset.update(zip(starts, out))

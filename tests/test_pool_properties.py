@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flatpool import FlatPool, FreedSliceError, PoolExhaustedError, Slice
+from tests.reliability.state import check_layout
 
 DTYPES = [
     torch.uint8,
@@ -234,3 +235,51 @@ def test_batch_placement_equals_one_by_one(
     assert many.describe() == one.describe().replace(one.name, many.name)
     assert many._alloc.free_ranges() == one._alloc.free_ranges()
     assert many.used_bytes + many.free_bytes == many.capacity
+
+
+@given(
+    alignment=st.sampled_from(ALIGNMENTS),
+    requests=st.lists(st.tuples(st.sampled_from(DTYPES), shapes), min_size=1, max_size=30),
+    later=st.lists(st.tuples(st.integers(0, 1 << 16), st.sampled_from(DTYPES), shapes),
+                   max_size=20),
+)
+def test_after_a_batch_frees_and_reuse_match_one_by_one(
+    alignment: int, requests: list[tuple[torch.dtype, tuple[int, ...]]],
+    later: list[tuple[int, torch.dtype, tuple[int, ...]]],
+) -> None:
+    """The padding gaps a batch leaves are in neither best-fit index (they fit no request):
+    freeing slices beside them must still coalesce, and later requests land, exactly as after
+    one-by-one placement."""
+    one, many = FlatPool(alignment=alignment), FlatPool(alignment=alignment)
+    batch = [(shape, dt) for dt, shape in requests]
+    singles = [one.allocate(shape, dt) for shape, dt in batch]
+    placed = many.allocate_many(batch)
+    for pick, dt, shape in later:
+        if singles and pick % 2:
+            i = pick % len(singles)
+            one.free(singles.pop(i))
+            many.free(placed.pop(i))
+        else:
+            a, b = one.allocate(shape, dt), many.allocate(shape, dt)
+            assert (a.offset, a.nbytes) == (b.offset, b.nbytes)
+            singles.append(a)
+            placed.append(b)
+        assert many._alloc.free_ranges() == one._alloc.free_ranges()
+        assert many._alloc._by_usable == one._alloc._by_usable
+        assert many._alloc._by_size == one._alloc._by_size
+    check_layout(many)
+
+
+def test_a_batch_s_padding_gaps_are_kept_as_two_int64_columns() -> None:
+    """Issue 20's heap budget: a batch of n odd-sized slices leaves n - 1 padding gaps. They
+    are kept as ``array('q')`` bounds (16 B a gap), not Python tuples in the best-fit indexes
+    (about 225 B a gap before)."""
+    pool = FlatPool(alignment=512)
+    pool.allocate_many([((100,), torch.float32)] * 1000)  # 400 B each, 112 B padding after
+    alloc = pool._alloc
+    assert len(alloc.free_ranges()) == 999
+    assert alloc._by_size == [] and alloc._by_usable == []
+    assert alloc._starts.itemsize == alloc._ends.itemsize == 8
+    pool.free(pool.slices()[1])  # coalesces with its padding and the previous slice's
+    assert (400, 1024) in alloc.free_ranges()
+    assert alloc._by_usable == [(512, 400)]

@@ -33,7 +33,7 @@ from ..slices import Slice
 from ..state import PoolState, pool_index, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import SetMove, place_many
+from .moves import SetMoves, place_many
 from .proof import held_outside_python
 from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -219,8 +219,9 @@ def _adopt(
         checkpoint("rebind")
         sizes, strides = b.sizes[first:last], b.strides[first:last]
         places = list(map(floordiv, starts[first:last], map(_itemsize, b.dtypes[first:last])))
-        journal.extend(map(SetMove, chunk, keys[first:last], b.offsets[first:last], sizes,
-                           strides, b.versions[first:last]))
+        # write-ahead, as columns over the batch's own lists: no record object per tensor
+        journal.append(SetMoves(tensors, keys, b.offsets, b.sizes, b.strides, b.versions,
+                                first, last))
         place_many(zip(chunk, repeat(target), places, sizes, strides))  # element offsets
         _check_moved(pool, key, chunk, places, sizes, strides, slices[first:last])
         checkpoint("copy")

@@ -19,7 +19,7 @@ Two kinds of move keep the object's identity:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Union
 
 import torch
@@ -47,6 +47,40 @@ class SetMove:
     ) -> None:
         self.obj, self.key, self.offset, self.size, self.stride, self.version = (
             obj, key, offset, size, stride, version)
+
+
+class SetMoves:
+    """:class:`SetMove` records of a batch as columns: ``objs[i]`` came from storage
+    ``keys[i]`` at ``(offsets[i], sizes[i], strides[i])`` with counter ``versions[i]``, for
+    ``lo <= i < hi``. The columns are the batch's own lists (no object per tensor: issue 20's
+    heap budget); the batch must not change them while a journal holds this. One append to the
+    journal, before the moves, so the write-ahead rule holds for the whole chunk."""
+
+    __slots__ = ("objs", "keys", "offsets", "sizes", "strides", "versions", "lo", "hi")
+
+    def __init__(
+        self, objs: Sequence[torch.Tensor], keys: Sequence[int], offsets: Sequence[int],
+        sizes: Sequence[tuple[int, ...]], strides: Sequence[tuple[int, ...]],
+        versions: Sequence[int], lo: int, hi: int,
+    ) -> None:
+        self.objs, self.keys, self.offsets, self.sizes, self.strides, self.versions = (
+            objs, keys, offsets, sizes, strides, versions)
+        self.lo, self.hi = lo, min(hi, len(objs))
+
+    def records(self) -> Iterator[SetMove]:
+        """The moves one by one, in order (built on demand: rollback and rare readers)."""
+        for i in range(self.lo, self.hi):
+            yield SetMove(self.objs[i], self.keys[i], self.offsets[i], self.sizes[i],
+                          self.strides[i], self.versions[i])
+
+
+def set_moves(records: Iterable[Record]) -> Iterator[SetMove]:
+    """Every :class:`SetMove` of ``records``, those of :class:`SetMoves` columns included."""
+    for rec in records:
+        if isinstance(rec, SetMove):
+            yield rec
+        elif isinstance(rec, SetMoves):
+            yield from rec.records()
 
 
 class ImplSwap:
@@ -103,7 +137,7 @@ class SlotSet:
         self.obj, self.name, self.old = obj, name, old
 
 
-Record = Union[SetMove, ImplSwap, SlotSet]
+Record = Union[SetMove, SetMoves, ImplSwap, SlotSet]
 Place = tuple[torch.Tensor, torch.UntypedStorage, int, Sequence[int], Sequence[int]]
 """``(tensor object, storage, element offset, size, stride)``."""
 
@@ -195,6 +229,10 @@ def undo(
         if isinstance(rec, SetMove):
             back.append((rec.obj, originals[rec.key], rec.offset, rec.size, rec.stride))
             versions.append((rec.obj, rec.version))
+        elif isinstance(rec, SetMoves):
+            for m in reversed(list(rec.records())):
+                back.append((m.obj, originals[m.key], m.offset, m.size, m.stride))
+                versions.append((m.obj, m.version))
         elif isinstance(rec, ImplSwap):
             other = rec.old_impl_holder()
             if tc.impl_address(rec.obj) != rec.impl and other is not None:
@@ -214,6 +252,6 @@ def undo(
 
 
 __all__ = [
-    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SlotSet", "counter_group", "fresh_like", "fresh_on",
-    "geometry_of", "place_many", "swap_many", "undo",
+    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SetMoves", "SlotSet", "counter_group", "fresh_like", "fresh_on",
+    "geometry_of", "place_many", "set_moves", "swap_many", "undo",
 ]

@@ -23,7 +23,7 @@ from ..errors import InvalidRequestError
 from ..state import PoolSnapshot, PoolState
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, Record, SetMove, fresh_like, undo
+from .moves import ImplSwap, Record, fresh_like, set_moves, undo
 
 T = TypeVar("T")
 
@@ -191,8 +191,8 @@ class Transaction:
 
     def _refill(self, key: int, fresh: torch.UntypedStorage) -> None:
         """Copy an original's bytes back from where its tensors sit in the pool now."""
-        for rec in self.journal:
-            if isinstance(rec, SetMove) and rec.key == key:
+        for rec in set_moves(self.journal):
+            if rec.key == key:
                 obj = rec.obj
                 with tc.no_torch_function():
                     item = tc.impl_element_size(obj)

@@ -230,8 +230,11 @@ def check_layout(pool: FlatPool) -> None:
             assert pool.storage.nbytes() == cap
         # The indexes every later allocate()/free() relies on agree with the layout.
         alloc = pool._alloc
-        assert alloc._starts == sorted(alloc._starts) and len(alloc._starts) == len(alloc._ends)
-        assert sorted(alloc._by_size) == alloc._by_size == sorted((e - s, s) for s, e in free)
-        assert alloc._by_usable == sorted((alloc._usable(s, e), s) for s, e in free)
+        assert list(alloc._starts) == sorted(alloc._starts) and len(alloc._starts) == len(alloc._ends)
+        # The best-fit indexes hold every free range with a usable byte at the pool's
+        # alignment, and no other: a padding gap (none) fits no request, it only coalesces.
+        usable = [(s, e) for s, e in free if alloc._usable(s, e) > 0]
+        assert sorted(alloc._by_size) == alloc._by_size == sorted((e - s, s) for s, e in usable)
+        assert alloc._by_usable == sorted((alloc._usable(s, e), s) for s, e in usable)
         assert pool._offsets == [s.offset for s in slices] == sorted(pool._at_offset)
         assert set(pool._live.values()) == set(slices)
