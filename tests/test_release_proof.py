@@ -395,15 +395,28 @@ def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.Mo
             waits.append(seconds)
 
     monkeypatch.setattr(proof, "time", _Clock)
+    monkeypatch.setattr(proof, "load_factor", lambda: 3.0)  # a machine loaded 3 threads a CPU
     key = tc.storage_key(storage_of(t))
     with pytest.raises(PinnedStorageError, match="held"):
         FlatPool(capacity=1024).adopt(t)
     assert tc.storage_key(storage_of(t)) == key  # nothing moved
     assert waits == proof.settle_delays()
-    assert abs(sum(waits) - proof.cxx_holder_wait()) < 1e-9  # the whole bounded wait, no more
+    # the whole bounded wait stretched by the load, no more
+    assert abs(sum(waits) - 3.0 * proof.cxx_holder_wait()) < 1e-9
     assert waits[1:4] == [0.0005, 0.001, 0.002] and max(waits) <= 0.032  # doubling, capped
     loss.backward()  # the graph still works on the original
     assert torch.equal(t.grad, 2 * t.detach())
+
+
+def test_the_cpp_holder_wait_stretches_with_the_load_per_cpu() -> None:
+    import flatpool.ownership.proof as proof
+
+    assert proof.load_factor(0.3, 2) == 1.0  # an idle machine: the configured wait
+    assert proof.load_factor(6.0, 2) == 3.0  # 3 runnable threads a CPU: 3 times as long
+    assert proof.load_factor(500.0, 2) == proof.LOAD_SCALE_MAX  # bounded
+    assert 1.0 <= proof.load_factor() <= proof.LOAD_SCALE_MAX  # this machine, now
+    waited = proof.effective_cxx_holder_wait() / proof.cxx_holder_wait()
+    assert 1.0 <= waited <= proof.LOAD_SCALE_MAX
 
 
 def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -416,7 +429,7 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
     previous = proof.set_cxx_holder_wait(1.5)
     try:
         assert previous == 0.25 and proof.cxx_holder_wait() == 1.5
-        assert abs(sum(proof.settle_delays()) - 1.5) < 1e-9
+        assert abs(sum(proof.settle_delays(proof.cxx_holder_wait())) - 1.5) < 1e-9
         assert proof.settle_delays(0) == [0.0]
         for bad, error in [(-1, InvalidRequestError), (float("nan"), InvalidRequestError),
                            ("1", InvalidTypeError), (True, InvalidTypeError)]:

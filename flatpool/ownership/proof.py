@@ -136,10 +136,36 @@ def set_cxx_holder_wait(seconds: float) -> float:
     return previous
 
 
+LOAD_SCALE_MAX = 8.0
+"""The most a loaded machine stretches the wait by (2 s at the default 0.25 s)."""
+
+
+def load_factor(load: float | None = None, cpus: int | None = None) -> float:
+    """How many times longer to wait on a loaded machine: the 1-minute load average per CPU
+    this process may run on, between 1 and :data:`LOAD_SCALE_MAX` (1 where the load is
+    unknown). The holder is usually a thread that only needs a time slice (gloo's worker
+    dropping a finished collective's tensor); with N runnable threads per CPU it waits about N
+    times longer for one."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):  # not on this platform
+            return 1.0
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return min(LOAD_SCALE_MAX, max(1.0, load / max(cpus, 1)))
+
+
+def effective_cxx_holder_wait() -> float:
+    """What one wait lasts now: :func:`cxx_holder_wait` times :func:`load_factor`."""
+    return cxx_holder_wait() * load_factor()
+
+
 def settle_delays(limit: float | None = None) -> list[float]:
     """The sleeps of one wait: a bare yield, then 0.5 ms doubling up to 32 ms a sleep, until
-    they add up to ``limit`` (default :func:`cxx_holder_wait`)."""
-    total = cxx_holder_wait() if limit is None else limit
+    they add up to ``limit`` (default :func:`effective_cxx_holder_wait`)."""
+    total = effective_cxx_holder_wait() if limit is None else limit
     out = [0.0]
     left, delay = total, _FIRST_DELAY_S
     while left > 1e-9:
@@ -160,7 +186,8 @@ def held_outside_python(
     Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator, after which
     the two can no longer be told apart. An extra owner must still be there after looking again
     with a doubling back-off for :func:`cxx_holder_wait` seconds in all (default 0.25 s; only
-    a tensor that has such an owner pays it).
+    a tensor that has such an owner pays it), stretched on a loaded machine by
+    :func:`load_factor` (up to 8x).
     """
     children: dict[int, int] = {}
     with tc.no_torch_function():
@@ -208,5 +235,6 @@ def _accumulator_holds(t: torch.Tensor) -> bool:
 
 
 __all__ = ["CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "cxx_holder_wait",
-           "held_outside_python", "old_impls", "set_cxx_holder_wait", "settle_delays",
+           "effective_cxx_holder_wait", "held_outside_python", "load_factor", "old_impls",
+           "set_cxx_holder_wait", "settle_delays",
            "storage_pinned"]
