@@ -69,7 +69,8 @@ _registry_lock = threading.Lock()  # listing while another thread adds raises Ru
 def live_pools() -> list[FlatPool]:
     """Every pool object still alive in this process."""
     with _registry_lock:
-        return list(_all_pools)
+        result = list(_all_pools)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def pool_of_storage(key: int) -> PoolState | None:
@@ -261,7 +262,8 @@ class PoolState:
     def used_bytes(self) -> int:
         """Bytes inside live slices (alignment padding counts as free)."""
         with self._lock:
-            return sum(s.nbytes for s in self._live.values())
+            result = sum(s.nbytes for s in self._live.values())
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
     def free_bytes(self) -> int:
@@ -271,12 +273,14 @@ class PoolState:
     @property
     def largest_free_bytes(self) -> int:
         with self._lock:
-            return self._alloc.largest_free()
+            result = self._alloc.largest_free()
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def slices(self) -> tuple[Slice, ...]:
         """Live slices, in storage order."""
         with self._lock:
-            return tuple(self._at_offset[o] for o in self._offsets)
+            result = tuple(self._at_offset[o] for o in self._offsets)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def is_live(self, slc: Slice) -> bool:
         """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
@@ -286,20 +290,23 @@ class PoolState:
 
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
-            return self._live.get(slice_id)
+            result = self._live.get(slice_id)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
         """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
         pass under one lock (per-step validity checks ask this of thousands of slices)."""
         with self._lock:
-            return all(map(operator.is_, map(self._live.get, slice_ids), slices))
+            result = all(map(operator.is_, map(self._live.get, slice_ids), slices))
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
     def storage(self) -> torch.UntypedStorage:
         """The pool's storage (materializes the pool). Holding it pins it: a later
         relocation then fails, or keeps it alive with ``on_pinned="warn"``."""
         with self._lock:
-            return self.byte_buffer().untyped_storage()
+            result = self.byte_buffer().untyped_storage()
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
     def storage_key(self) -> int | None:
@@ -392,7 +399,8 @@ class PoolState:
         with self._lock:
             before = PoolSnapshot(self)
             try:
-                return fn(*args)
+                result = fn(*args)
+                return result  # not `return f()`: see flatpool.ownership.interrupts
             except BaseException:
                 self.restore(before)
                 del before  # a kept traceback must not pin the pool's storage
@@ -560,7 +568,8 @@ class PoolState:
         """A fresh tensor of ``slc``'s shape and dtype on the pool's storage."""
         with self._lock:
             self.check_live(slc)
-            return self.view_at(slc.offset, slc.shape, slc.dtype)
+            result = self.view_at(slc.offset, slc.shape, slc.dtype)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def view_at(
         self,
@@ -586,7 +595,8 @@ class PoolState:
         freed range may already belong to another slice)."""
         with self._lock:
             self.check_live(slc)
-            return self.view_bytes(slc.offset, slc.nbytes)
+            result = self.view_bytes(slc.offset, slc.nbytes)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole buffer as one 1-D tensor, for fused collectives.
@@ -613,7 +623,8 @@ class PoolState:
                     raise InvalidRequestError(
                         f"capacity {self.capacity} is not a multiple of {dtype}'s size"
                     )
-            return self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
+            result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     # -- aliasing --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
@@ -727,7 +738,8 @@ class PoolState:
         or kept by the pool because something outside Python may still read them."""
         self.release_kept()
         with self._lock:
-            return tuple(t.info for t in self._traces if t.alive())
+            result = tuple(t.info for t in self._traces if t.alive())
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def release_kept(self) -> int:
         """Drop the originals this pool kept whose outside holders are gone; returns how many."""
@@ -769,7 +781,8 @@ class PoolState:
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"
             )
-            return "\n".join(lines)
+            result = "\n".join(lines)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 __all__ = [

@@ -154,8 +154,9 @@ def _pool_entry(p: FlatPool, names: dict[tuple[int, int], list[str]]) -> PoolEnt
             for s in p.slices()
         )
         storage = p.storage
-        return PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
-                         p.alignment, slices)
+        result = PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
+                           p.alignment, slices)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def _watch_list(watch: Watches) -> list[StorageWatch]:

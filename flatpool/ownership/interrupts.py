@@ -9,6 +9,13 @@ being handled, which covers the ``except`` clause that starts the rollback and t
 itself) the signal is recorded, and it is delivered to the original handler once the operation
 has finished. Outside unwinding the original handler runs at once, as if nothing was installed.
 
+A ``with lock:`` block that ends in ``return f()`` leaves a window no guard can close outside an
+operation: CPython checks for signals right after the call returns, and that instruction is
+already outside the block's protected range, so an interrupt there skips ``__exit__`` and the
+lock stays held for good (every other thread then waits on it). Such blocks assign first
+(``result = f()``, still inside the block) and return the name; the signal-points test
+(``tests/reliability/test_signal_points.py``) checks every pool lock is free after each point.
+
 Only the main thread can install handlers, and only it receives them; in other threads this is
 a no-op. A guard inside another (an operation run inside an operation, or inside a batch that
 guards its own gc pause) shares the outermost one's dispatcher and pending signals but keeps its

@@ -53,7 +53,8 @@ def compact(pool: PoolState, *, on_pinned: OnPinned = "raise") -> dict[int, Slic
             layout[s.slice_id] = start
             pos = start + s.nbytes
         capacity = align_up(pos, pool.alignment)
-        return relocate(pool, capacity, layout, on_pinned)
+        result = relocate(pool, capacity, layout, on_pinned)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def relocate(

@@ -83,6 +83,11 @@ class SignalPoints:
         return self.local
 
 
+def _unlocked(pool: flatpool.FlatPool) -> bool:
+    """Nobody holds the pool's lock (an RLock: its owner shows in its repr)."""
+    return "owner=0 " in repr(pool.lock)
+
+
 def _users_handler(signum: int, frame: types.FrameType | None) -> None:
     raise Interrupt("SIGALRM")
 
@@ -120,6 +125,8 @@ def _walk(op: str, k: int | None) -> tuple[str, SignalPoints]:
         f"{op} at {tracer.where}: a handler was left installed")
     assert [signal.getsignal(s) for s in interrupts._ASYNC_SIGNALS] == handlers, (
         f"{op} at {tracer.where}: another signal's handler was left routed to the guard")
+    assert all(_unlocked(p) for p in w.pools), (
+        f"{op} at {tracer.where}: a pool's lock was left held (every other thread would wait)")
     assert not interrupts._stack.guards and not interrupts._installed, (
         f"{op} at {tracer.where}: the guard did not end (later operations would run unguarded)")
     if not interrupted:

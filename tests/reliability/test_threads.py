@@ -37,14 +37,27 @@ def _run(workers: list[Callable[[], None]]) -> list[BaseException]:
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: races show up within a few loops
     try:
-        threads = [threading.Thread(target=wrap(fn)) for fn in workers]
+        # daemon threads: a worker stuck for good fails the test below instead of keeping the
+        # interpreter from exiting (a suite that printed its summary and never returned)
+        threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in workers]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
     finally:
         sys.setswitchinterval(old)
+    stuck = [t for t in threads if t.is_alive()]
+    if stuck:
+        errors.append(AssertionError(
+            f"{len(stuck)} worker(s) still running after 120 s; pool locks held now (owner = "
+            f"thread ident; main is {threading.main_thread().ident}): {_held_locks()}"))
     return errors
+
+
+def _held_locks() -> list[str]:
+    from flatpool import live_pools
+
+    return [f"{p.name}: {p.lock!r}" for p in live_pools() if "owner=0 " not in repr(p.lock)]
 
 
 def _worker(pools: list[FlatPool], me: int, rounds: int) -> Callable[[], None]:
