@@ -118,7 +118,8 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     check_strided(inner)
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
-        return tc.impl_untyped_storage(inner)
+        result = tc.impl_untyped_storage(inner)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def extent_of(t: torch.Tensor) -> ByteRange:
@@ -142,7 +143,8 @@ def byte_range(t: torch.Tensor) -> ByteRange:
     check_strided(inner)
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
-        return extent_of(inner)
+        result = extent_of(inner)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -135,7 +135,8 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
     """
     try:
         with tc.outside_inference():
-            return torch.empty(capacity, dtype=torch.uint8, device=device)
+            result = torch.empty(capacity, dtype=torch.uint8, device=device)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         raise PoolExhaustedError(
             f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
@@ -353,7 +354,8 @@ class PoolState:
         inner = local_tensor(t)
         check_strided(inner, f"allocate_like()'s {type(t).__name__}")  # no single dense shape
         with tc.no_torch_function():
-            return self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
+            result = self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is

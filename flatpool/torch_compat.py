@@ -522,7 +522,8 @@ def impl_address(t: torch.Tensor) -> int:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return int(t._cdata)
     with torch._C.DisableTorchFunctionSubclass():
-        return int(t._cdata)
+        result = int(t._cdata)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:

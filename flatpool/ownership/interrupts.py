@@ -219,7 +219,8 @@ def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> 
             stack.enter_context(cm)
         guard.open()
         try:
-            return fn()
+            result = fn()
+            return result  # not `return f()`: see flatpool.ownership.interrupts
         finally:
             guard.finishing()
 

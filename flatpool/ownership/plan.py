@@ -90,8 +90,9 @@ def _member(obj: torch.Tensor, holder: Holder | None, primary: bool, key: int) -
         base = tc.impl_base(obj)
         kind = SWAP if base is not None and _on_key(base, key) else SET
         item = tc.impl_element_size(obj)
-        return Member(obj, holder, primary, kind, tc.impl_storage_offset(obj) * item,
-                      tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
+        result = Member(obj, holder, primary, kind, tc.impl_storage_offset(obj) * item,
+                        tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:

@@ -78,9 +78,10 @@ def check_plain_torch() -> None:
 def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` bytes of ``storage`` from ``start`` as a new uint8 tensor."""
     with tc.outside_inference():
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
             storage, start, (nbytes,), (1,)
         )
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 class Transaction:

@@ -48,28 +48,33 @@ def local_of(wrapper: torch.Tensor) -> torch.Tensor:
 
 def is_meta(t: torch.Tensor) -> bool:
     with tc.no_torch_function():
-        return tc.impl_is_meta(t)
+        result = tc.impl_is_meta(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def impl_size(t: torch.Tensor) -> torch.Size:
     """The TensorImpl's (local) size, not a subclass's global ``shape``."""
     with tc.no_torch_function():
-        return tc.impl_size(t)
+        result = tc.impl_size(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def impl_dtype(t: torch.Tensor) -> torch.dtype:
     with tc.no_torch_function():
-        return tc.impl_dtype(t)
+        result = tc.impl_dtype(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def impl_device(t: torch.Tensor) -> torch.device:
     with tc.no_torch_function():
-        return tc.impl_device(t)
+        result = tc.impl_device(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def impl_requires_grad(t: torch.Tensor) -> bool:
     with tc.no_torch_function():
-        return tc.impl_requires_grad(t)
+        result = tc.impl_requires_grad(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def padded_size(p: ShardedParam, index: int) -> torch.Size:

@@ -319,7 +319,8 @@ class _Flatten:
                 raise LayoutInferError(f"Operator {func} dose not contain parallel layout infer func.")
             return func(*[_to_local(a) for a in args], **kwargs)
         with tc.no_torch_function(), tc.no_torch_dispatch():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @classmethod
     def storage_less(cls, local: torch.Tensor, layout: ShardLayout) -> Any:
@@ -366,13 +367,15 @@ def wrapper_storage_key(t: torch.Tensor) -> int | None:
     with tc.no_torch_function():
         if tc.impl_is_meta(t):
             return None
-        return tc.storage_address(t)
+        result = tc.storage_address(t)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def wrapper_own_values(t: torch.Tensor) -> torch.Tensor:
     """What the wrapper's own TensorImpl reads (a plain copy), bypassing every override."""
     with tc.no_torch_function(), tc.no_torch_dispatch():
-        return torch.Tensor.clone(t).as_subclass(torch.Tensor)
+        result = torch.Tensor.clone(t).as_subclass(torch.Tensor)
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def wrapper_local_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
