@@ -140,3 +140,43 @@ def test_the_demo_prints_no_future_warning(client: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, report
     assert "BUG (as reported)" in proc.stdout, report
     assert "FutureWarning" not in proc.stderr and "DeprecationWarning" not in proc.stderr, report
+
+
+_CALLISH = (ast.Call, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _returns_a_call_inside_with(tree: ast.AST) -> list[int]:
+    """Lines of ``return <call>`` statements directly inside a ``with`` block (not inside a
+    function defined there)."""
+    found: list[int] = []
+
+    def walk(node: ast.AST, in_with: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                walk(child, False)
+            elif isinstance(child, (ast.With, ast.AsyncWith)):
+                walk(child, True)
+            else:
+                if in_with and isinstance(child, ast.Return) and isinstance(child.value, _CALLISH):
+                    found.append(child.lineno)
+                walk(child, in_with)
+
+    walk(tree, False)
+    return found
+
+
+def test_no_with_block_returns_a_call_directly() -> None:
+    """``with cm: return f()`` lets a Ctrl-C that lands as ``f`` returns skip ``cm.__exit__``:
+    CPython checks for signals right after the call, at an instruction already outside the
+    block's protected range. A pool's lock then stays held for good, or grad, inference or
+    torch-function mode stays switched (the signal-points walk found the lock case). Assign
+    inside the block and return the name."""
+    root = Path(flatpool.__file__).parent.parent
+    bad = []
+    for folder in ("flatpool", "integrations"):
+        for path in sorted((root / folder).rglob("*.py")):
+            lines = _returns_a_call_inside_with(ast.parse(path.read_text()))
+            bad += [f"{path.relative_to(root)}:{n}" for n in lines]
+    assert not bad, "return a name, not a call, inside a with block: " + ", ".join(bad)
+    sample = ast.parse("def f(lock):\n    with lock:\n        return g()\n")
+    assert _returns_a_call_inside_with(sample) == [3]  # the rule itself catches the pattern
