@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any, Callable, Union
 
@@ -60,6 +60,18 @@ class ParamRef:
         return obj
 
 
+class TensorRef(ParamRef):
+    """:class:`ParamRef` for a plain tensor (not a parameter): the same rule and layout; only
+    a dropped *parameter* makes its slice orphaned (:func:`flatpool.ownership.readopt.orphaned`),
+    so the two are told apart by class."""
+
+    __slots__ = ()
+
+
+REF_CLASSES = frozenset({ParamRef, TensorRef})
+"""The classes whose slot word the fast validity read reads (the same layout)."""
+
+
 held_param: Callable[[ParamRef], torch.Tensor | None] = attrgetter("_obj")
 """What a :class:`ParamRef` holds, its rule not applied (C level): for a reader that applies
 the rule to many at once (:func:`flatpool.torch_compat.impl_unchanged`)."""
@@ -73,9 +85,11 @@ def tensor_ref(t: torch.Tensor) -> Ref:
     return weakref.ref(t)
 
 
-def plain_ref(t: torch.Tensor) -> Ref:
-    """:func:`tensor_ref` for an exact ``torch.Tensor`` or ``nn.Parameter`` (no class check)."""
-    return weakref.ref(t) if type(t) is torch.Tensor else ParamRef(t)
+def plain_ref(t: torch.Tensor) -> ParamRef:
+    """How a lean batch's record refers to an exact ``torch.Tensor`` or ``nn.Parameter``: a
+    :class:`ParamRef`, or a :class:`TensorRef` for a tensor (40 B, not a weak reference's 80;
+    and ``swap_tensors`` works on the tensor afterwards)."""
+    return ParamRef(t) if type(t) is nn.Parameter else TensorRef(t)
 
 
 def _ref(obj: Any) -> Ref:
@@ -161,34 +175,55 @@ RUN_MIN = 64
 
 class _Run:
     """The bindings of a lean batch (one tensor per slice, ids ``first ..``), as columns: a
-    record is built only when someone asks for it, then kept (readers may key on its id)."""
+    record is built only when someone asks for it, then kept (readers may key on its id).
 
-    __slots__ = ("first", "refs", "sizes", "strides", "dtypes", "made")
+    The column holds the tensors themselves (8 B a tensor). Making a record moves its tensor
+    into a :class:`ParamRef`, which from then on is its only holder here, so the rule "held by
+    nothing but the pool reads as dead" counts exactly as for any other record; a tensor in the
+    column is never read for liveness (every reader goes through a record)."""
+
+    __slots__ = ("first", "objs", "sizes", "strides", "dtypes", "made")
 
     def __init__(
-        self, first: int, refs: list[Ref], sizes: list[tuple[int, ...]],
+        self, first: int, objs: list[torch.Tensor | None], sizes: list[tuple[int, ...]],
         strides: list[tuple[int, ...]], dtypes: list[torch.dtype],
     ) -> None:
-        self.first, self.refs, self.sizes, self.strides, self.dtypes = (
-            first, refs, sizes, strides, dtypes)
+        self.first, self.objs, self.sizes, self.strides, self.dtypes = (
+            first, objs, sizes, strides, dtypes)
         self.made: list[Record | None] | None = None
 
+    def __len__(self) -> int:
+        return len(self.objs)
+
     def __contains__(self, slice_id: int) -> bool:
-        return 0 <= slice_id - self.first < len(self.refs)
+        return 0 <= slice_id - self.first < len(self.objs)
 
     def record(self, slice_id: int) -> Record:
         i = slice_id - self.first
         made = self.made
         if made is None:
-            made = self.made = [None] * len(self.refs)
+            made = self.made = [None] * len(self.objs)
         rec = made[i]
         if rec is None:
-            rec = made[i] = (self.refs[i], 0, self.sizes[i], self.strides[i], self.dtypes[i],
+            obj = self.objs[i]
+            ref: Ref = _dead if obj is None else plain_ref(obj)
+            rec = made[i] = (ref, 0, self.sizes[i], self.strides[i], self.dtypes[i],
                              None, None, False, True)
+            del obj
+            self.objs[i] = None  # (an interrupt before this line only keeps one alive longer)
         return rec
 
 
+def _dead() -> None:
+    """The reference of a record whose tensor was let go before the record was made."""
+    return None
+
+
 _first_id = attrgetter("first")
+
+
+def _call(ref: weakref.ref[RegistrySnapshot]) -> RegistrySnapshot | None:
+    return ref()
 
 
 class RegistrySnapshot(dict[int, list[Record]]):
@@ -210,6 +245,9 @@ class AdoptionRegistry:
         self._records: dict[int, list[Record]] = {}
         self._runs: list[_Run] = []
         self._dead: set[int] = set()
+        self._snaps: list[weakref.ref[RegistrySnapshot]] = []
+        """Snapshots that may still be restored: a run they share is copied before an entry of
+        it is cleared (copy on write), so a restore finds the run as it was."""
         self.version = 0
         """Bumped *before* every change (an interrupt in between costs a recheck, never a
         stale answer): what the fast validity check (:mod:`.ownership.quickcheck`) keys on."""
@@ -240,8 +278,26 @@ class AdoptionRegistry:
     def bind(self, slice_id: int, records: list[Record]) -> None:
         self.version += 1
         self._records[slice_id] = records
-        if self._runs and self._run_of(slice_id) is not None:
+        run = self._run_of(slice_id) if self._runs else None
+        if run is not None:
             self._dead.add(slice_id)
+            self._let_go(run, slice_id)
+
+    def _let_go(self, run: _Run, slice_id: int) -> None:
+        """The run stops holding the tensor of ``slice_id`` (taken out of it): a strong hold
+        left in its cache would pin the tensor (and, through it, a storage a relocation must
+        prove dead) and make the rule of the record that replaced it count one holder too
+        many. A run a snapshot shares is copied first, so a rollback finds it unchanged."""
+        if any(snap is not None and any(r is run for r in snap.runs)
+               for snap in map(_call, self._snaps)):
+            copy = _Run(run.first, list(run.objs), run.sizes, run.strides, run.dtypes)
+            copy.made = None if run.made is None else list(run.made)
+            self._runs = [copy if r is run else r for r in self._runs]  # one assignment
+            run = copy
+        i = slice_id - run.first
+        run.objs[i] = None
+        if run.made is not None:
+            run.made[i] = None
 
     def bind_many(self, pairs: Iterable[tuple[int, list[Record]]]) -> None:
         self.version += 1
@@ -252,22 +308,24 @@ class AdoptionRegistry:
             self.bind(slice_id, records)
 
     def bind_run(
-        self, slice_ids: list[int], refs: list[Ref], sizes: list[tuple[int, ...]],
-        strides: list[tuple[int, ...]], dtypes: list[torch.dtype],
+        self, slice_ids: Sequence[int], tensors: list[torch.Tensor],
+        sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]], dtypes: list[torch.dtype],
     ) -> None:
-        """Bind one tensor (``refs[i]``, primary, at byte 0) to each of ``slice_ids``: fresh ids
-        of consecutive numbers (a lean batch's), else plain records."""
+        """Bind one exact tensor or parameter (``tensors[i]``, primary, at byte 0) to each of
+        ``slice_ids``: fresh ids of consecutive numbers (a lean batch's) as one column, else
+        plain records (with :func:`plain_ref`)."""
         if not slice_ids:
             return
         first = slice_ids[0]
         last = self._runs[-1] if self._runs else None
-        if (len(slice_ids) < RUN_MIN or (last is not None and first < last.first + len(last.refs))
-                or any(i - 1 != j for i, j in zip(slice_ids[1:], slice_ids))):
+        if (len(slice_ids) < RUN_MIN or (last is not None and first < last.first + len(last))
+                or (not (isinstance(slice_ids, range) and slice_ids.step == 1)
+                    and any(i - 1 != j for i, j in zip(slice_ids[1:], slice_ids)))):
             self.bind_many(
-                (i, [(r, 0, sz, st, dt, None, None, False, True)])
-                for i, r, sz, st, dt in zip(slice_ids, refs, sizes, strides, dtypes))
+                (i, [(plain_ref(t), 0, sz, st, dt, None, None, False, True)])
+                for i, t, sz, st, dt in zip(slice_ids, tensors, sizes, strides, dtypes))
             return
-        run = _Run(first, refs, sizes, strides, dtypes)
+        run = _Run(first, list(tensors), sizes, strides, dtypes)
         self.version += 1
         self._runs = [*self._runs, run]  # one assignment: all or nothing
 
@@ -275,9 +333,10 @@ class AdoptionRegistry:
         self.version += 1
         recs = self._records.pop(slice_id, None)
         run = self._run_of(slice_id) if self._runs else None
-        if run is not None:
+        if run is not None and slice_id not in self._dead:
             rec = run.record(slice_id)
             self._dead.add(slice_id)
+            self._let_go(run, slice_id)
             if recs is None:
                 return [rec]
         return [] if recs is None else recs
@@ -286,16 +345,18 @@ class AdoptionRegistry:
         out = list(self._records.items())
         dead = self._dead
         for run in self._runs:
-            out += [(i, [run.record(i)]) for i in range(run.first, run.first + len(run.refs))
+            out += [(i, [run.record(i)]) for i in range(run.first, run.first + len(run))
                     if i not in dead]
         return iter(out)
 
     def __len__(self) -> int:
-        return len(self._records) + sum(len(r.refs) for r in self._runs) - len(self._dead)
+        return len(self._records) + sum(len(r) for r in self._runs) - len(self._dead)
 
     def snapshot(self) -> RegistrySnapshot:
         snap = RegistrySnapshot(self._records)  # lists are replaced, never mutated in place
         snap.runs, snap.dead = list(self._runs), set(self._dead)
+        # (weakly, by identity: a snapshot compares as a dict; the dead ones are dropped here)
+        self._snaps = [*(r for r in self._snaps if r() is not None), weakref.ref(snap)]
         return snap
 
     def restore(self, snap: dict[int, list[Record]]) -> None:
@@ -306,5 +367,5 @@ class AdoptionRegistry:
         self._records, self._runs, self._dead = dict(snap), list(runs), set(dead)
 
 
-__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "Record", "current", "held_param",
+__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "REF_CLASSES", "Record", "TensorRef", "current", "held_param",
            "make_record", "plain_ref", "record_holder", "tensor_ref"]

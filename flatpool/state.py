@@ -13,7 +13,6 @@ proof, so a query sees the pool before or after it, never half-moved.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import operator
@@ -39,7 +38,8 @@ from .errors import (
 )
 from .registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slices import Slice, slice_run
+from .slice_index import SliceIndex, SliceRun, new_run
+from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
 
 _T = TypeVar("_T")
@@ -147,21 +147,17 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
 class PoolSnapshot:
     """Everything :meth:`PoolState.restore` needs to put a pool back (O(slices) to take)."""
 
-    __slots__ = ("alloc", "live", "offsets", "at_offset", "buffer", "buffer_key", "registry",
-                 "traces", "freed", "__weakref__")
+    __slots__ = ("alloc", "index", "buffer", "buffer_key", "registry", "traces", "freed",
+                 "__weakref__")
     alloc: AllocSnapshot
-    live: dict[int, Slice]
-    offsets: list[int]
-    at_offset: dict[int, Slice]
+    index: SliceIndex
     buffer_key: int | None
     registry: dict[int, list[Record]]
     traces: list[Trace]
 
     def __init__(self, pool: PoolState) -> None:
         self.alloc = pool._alloc.snapshot()
-        self.live = dict(pool._live)
-        self.offsets = list(pool._offsets)
-        self.at_offset = dict(pool._at_offset)
+        self.index = pool._index.copy()
         self.buffer: torch.Tensor | None = pool._buffer
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
@@ -216,12 +212,10 @@ class PoolState:
         self._buffer: torch.Tensor | None = None
         self._buffer_key: int | None = None
         self._slice_ids = itertools.count()
-        self._live: dict[int, Slice] = {}
+        self._index = SliceIndex()
         self.live_version = 0
         """Bumped *before* every change of the live handles: what ``FlatPool.is_valid()``'s
         fast path keys on (one compare, not :meth:`all_live`'s look at every slice)."""
-        self._offsets: list[int] = []  # sorted starts of live slices
-        self._at_offset: dict[int, Slice] = {}
         self._registry = AdoptionRegistry()
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
@@ -263,7 +257,7 @@ class PoolState:
     def used_bytes(self) -> int:
         """Bytes inside live slices (alignment padding counts as free)."""
         with self._lock:
-            result = sum(s.nbytes for s in self._live.values())
+            result = self._index.used_bytes()
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
@@ -280,25 +274,25 @@ class PoolState:
     def slices(self) -> tuple[Slice, ...]:
         """Live slices, in storage order."""
         with self._lock:
-            result = tuple(self._at_offset[o] for o in self._offsets)
+            result = tuple(self._index.ordered())
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def is_live(self, slc: Slice) -> bool:
         """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
         same handle)."""
         with self._lock:  # a relocation rebuilds the index: never look at it half-built
-            return slc.pool is self and self._live.get(slc.slice_id) == slc
+            return slc.pool is self and self._index.get(slc.slice_id) == slc
 
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
-            result = self._live.get(slice_id)
+            result = self._index.get(slice_id)
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
         """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
         pass under one lock (per-step validity checks ask this of thousands of slices)."""
         with self._lock:
-            result = all(map(operator.is_, map(self._live.get, slice_ids), slices))
+            result = all(map(operator.is_, map(self._index.get, slice_ids), slices))
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
@@ -332,7 +326,7 @@ class PoolState:
             state = "materialized" if self.is_materialized else "planned"
             return (
                 f"FlatPool(name={self.name!r}, device={str(self.device)!r}, {state}, "
-                f"capacity={self.capacity}, used={self.used_bytes}, slices={len(self._live)})"
+                f"capacity={self.capacity}, used={self.used_bytes}, slices={len(self._index)})"
             )
 
     # -- allocation ------------------------------------------------------------------------
@@ -369,7 +363,8 @@ class PoolState:
             before = self._alloc.snapshot()
             starts = self._alloc.append_many(sizes)
             if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
-                return self._index_run(starts, [d for d, _ in requests], [t for _, t in requests])
+                return self._index_run(starts, [d for d, _ in requests],
+                                       [t for _, t in requests]).handles()
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
@@ -377,20 +372,23 @@ class PoolState:
     def allocate_spans(
         self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
         dtypes: Sequence[torch.dtype],
-    ) -> tuple[list[Slice], list[int]]:
+    ) -> tuple[Sequence[Slice], Sequence[int]]:
         """:meth:`allocate_many` for a lean batch: slices of ``spans`` bytes (each > 0, its
-        ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts."""
+        ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts. The slices
+        are a :class:`~flatpool.slice_index.SliceRun` when placed in one step (handles made
+        when read)."""
         return self._all_or_nothing(self._allocate_spans, spans, shapes, dtypes)
 
     def _allocate_spans(
         self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
         dtypes: Sequence[torch.dtype],
-    ) -> tuple[list[Slice], list[int]]:
+    ) -> tuple[Sequence[Slice], Sequence[int]]:
         if all(d.itemsize <= self.alignment for d in set(dtypes)):
             before = self._alloc.snapshot()
             starts = self._alloc.append_run(spans)
             if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
-                return self._index_run(starts, shapes, dtypes), starts
+                run = self._index_run(starts, shapes, dtypes)
+                return run, run.starts
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         out = [self.allocate_checked(d, t) for d, t in zip(shapes, dtypes)]
@@ -408,16 +406,17 @@ class PoolState:
                 del before  # a kept traceback must not pin the pool's storage
                 raise
 
-    def _index_run(self, starts: list[int], shapes: Sequence[tuple[int, ...]],
-                   dtypes: Sequence[torch.dtype]) -> list[Slice]:
-        """Handles for a run the allocator just appended past every existing slice."""
-        ids = list(itertools.islice(self._slice_ids, len(starts)))
-        out = slice_run(self._public, ids, starts, shapes, dtypes)
+    def _index_run(self, starts: Sequence[int], shapes: Sequence[tuple[int, ...]],
+                   dtypes: Sequence[torch.dtype]) -> SliceRun:
+        """The run the allocator just appended past every existing slice, indexed as one
+        :class:`~flatpool.slice_index.SliceRun` (its handles made when someone reads them)."""
+        first = next(self._slice_ids)
+        if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
+            self._slice_ids = itertools.count(first + len(starts))
+        run = new_run(self._public, first, starts, shapes, dtypes)
         self.live_version += 1
-        self._live.update(zip(ids, out))
-        self._at_offset.update(zip(starts, out))
-        self._offsets.extend(starts)  # past every existing slice, already sorted
-        return out
+        self._index.add_run(run)
+        return run
 
     def allocate_checked(self, dims: tuple[int, ...], dt: torch.dtype) -> Slice:
         """:meth:`allocate` for a shape and dtype already validated."""
@@ -435,7 +434,7 @@ class PoolState:
                     f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address"
                 )
             if start is None:
-                free = self.capacity - sum(s.nbytes for s in self._live.values())
+                free = self.capacity - self._index.used_bytes()
                 largest = self._alloc.largest_fit(align)
                 raise PoolExhaustedError(
                     f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
@@ -464,7 +463,7 @@ class PoolState:
                 )
             self._drop(slc)
             for snap in list(self._watching):  # an operation's rollback must not bring it back
-                if snap.live.get(slc.slice_id) == slc:
+                if snap.index.get(slc.slice_id) == slc:
                     snap.freed.append(slc)
 
     def _drop(self, slc: Slice) -> None:
@@ -494,7 +493,7 @@ class PoolState:
             raise ForeignSliceError(
                 f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
             )
-        if self._live.get(slc.slice_id) != slc:
+        if self._index.get(slc.slice_id) != slc:
             raise FreedSliceError(
                 f"slice {slc.slice_id} of pool {self.name!r} (offset {slc.offset}, "
                 f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
@@ -512,37 +511,21 @@ class PoolState:
 
     def _insert(self, slc: Slice) -> None:
         self.live_version += 1
-        self._live[slc.slice_id] = slc
-        bisect.insort(self._offsets, slc.offset)
-        self._at_offset[slc.offset] = slc
+        self._index.insert(slc)
 
     def _remove(self, slc: Slice) -> None:
         self.live_version += 1
-        del self._live[slc.slice_id]
-        i = bisect.bisect_left(self._offsets, slc.offset)
-        del self._offsets[i]
-        del self._at_offset[slc.offset]
+        self._index.remove(slc)
 
     def _unindex(self, slc: Slice) -> None:
         """Undo :meth:`_insert` however far it got (absolute: each entry removed if there)."""
         self.live_version += 1
-        if self._live.get(slc.slice_id) is slc:
-            del self._live[slc.slice_id]
-        if self._at_offset.get(slc.offset) is slc:
-            del self._at_offset[slc.offset]
-        if slc.offset not in self._at_offset:
-            i = bisect.bisect_left(self._offsets, slc.offset)
-            if i < len(self._offsets) and self._offsets[i] == slc.offset:
-                del self._offsets[i]
+        self._index.unindex(slc)
 
     def _reindex(self, slc: Slice) -> None:
         """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
         self.live_version += 1
-        self._live[slc.slice_id] = slc
-        self._at_offset[slc.offset] = slc
-        i = bisect.bisect_left(self._offsets, slc.offset)
-        if i == len(self._offsets) or self._offsets[i] != slc.offset:
-            self._offsets.insert(i, slc.offset)
+        self._index.reindex(slc)
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:
@@ -609,7 +592,7 @@ class PoolState:
         """
         with self._lock:
             self.byte_buffer()  # first: materializing may pad the capacity
-            dtypes = {s.dtype for s in self._live.values()}
+            dtypes = self._index.dtypes()
             if dtype is None:
                 dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
                 if self.capacity % dtype.itemsize:
@@ -659,10 +642,9 @@ class PoolState:
             if place is None:
                 return None
             start, end = place
-            i = bisect.bisect_right(self._offsets, start) - 1
-            if i < 0:
+            slc = self._index.floor(start)
+            if slc is None:
                 return None
-            slc = self._at_offset[self._offsets[i]]
             inside = slc.offset <= start < slc.end if start == end else end <= slc.end
             return slc if inside else None
 
@@ -685,16 +667,14 @@ class PoolState:
         with self._lock:
             self._alloc.restore(snap.alloc)
             self.live_version += 1
-            self._live = dict(snap.live)
-            self._offsets = list(snap.offsets)
-            self._at_offset = dict(snap.at_offset)
+            self._index = snap.index.copy()
             old = self._buffer_key
             self._buffer, self._buffer_key = snap.buffer, snap.buffer_key
             _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
             self._traces = list(snap.traces)
             for slc in snap.freed:  # freed by others meanwhile (absolute: skip if gone)
-                if self._live.get(slc.slice_id) == slc:
+                if self._index.get(slc.slice_id) == slc:
                     self._drop(slc)
 
     def install(
@@ -707,7 +687,7 @@ class PoolState:
             self._buffer, self._buffer_key, self._alloc = buffer, key, allocator
             _index_storage(self, old if old != key else None, key)
             self.live_version += 1
-            self._live, self._offsets, self._at_offset = {}, [], {}
+            self._index = SliceIndex()
             for s in sorted(slices, key=lambda s: s.offset):
                 self._insert(s)
 
@@ -722,7 +702,7 @@ class PoolState:
                         f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
                         f"{self.capacity}: a tensor was placed past its end"
                     )
-            if len(self._offsets) != len(self._live) or len(self._at_offset) != len(self._live):
+            if not self._index.consistent():
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
 
     # -- originals left alive --------------------------------------------------------------
@@ -781,7 +761,7 @@ class PoolState:
             lines += table(rows, right=range(len(rows[0])))
             lines.append(
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
-                f"in {len(self._alloc.free_ranges())} range(s), {len(self._live)} slice(s)"
+                f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)"
             )
             result = "\n".join(lines)
             return result  # not `return f()`: see flatpool.ownership.interrupts

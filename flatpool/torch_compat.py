@@ -20,7 +20,8 @@ import operator
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter
@@ -186,6 +187,17 @@ impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
 impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
 impl_untyped_storage: Callable[[torch.Tensor], torch.UntypedStorage] = _Base.untyped_storage
 impl_is_inference: Callable[[torch.Tensor], bool] = _Base.is_inference
+impl_is_conj: Callable[[torch.Tensor], bool] = _Base.is_conj
+impl_detach: Callable[[torch.Tensor], torch.Tensor] = _Base.detach
+impl_is_neg: Callable[[torch.Tensor], bool] = _Base.is_neg
+storage_data_ptr: Callable[[torch.UntypedStorage], int] = torch._C.StorageBase.data_ptr  # type: ignore[attr-defined]
+storage_nbytes: Callable[[torch.UntypedStorage], int] = torch._C.StorageBase.nbytes  # type: ignore[attr-defined]
+storage_resizable: Callable[[torch.UntypedStorage], bool] = torch._C.StorageBase.resizable  # type: ignore[attr-defined]
+storage_is_shared: Callable[[torch.UntypedStorage], bool] = torch._C.StorageBase.is_shared  # type: ignore[attr-defined]
+storage_key_of: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata")
+"""The C-level reads of a batch's facts (``map`` over a chunk, no bytecode per tensor): the
+unbound methods of ``torch._C.TensorBase``/``StorageBase`` themselves, so no subclass override
+or ``__torch_function__`` runs; ``storage_key_of`` is :func:`storage_key` as a C callable."""
 impl_set_: Callable[..., torch.Tensor] = _Base.set_
 impl_key: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
                                               operator.attrgetter("_cdata"))
@@ -225,6 +237,10 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
 
 
 _use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
+
+
+impl_use_count: Callable[[torch.Tensor], int] = _use_count
+""":func:`tensor_impl_users` as a C callable, for ``map`` over a batch."""
 
 
 def tensor_impl_users(t: torch.Tensor) -> int:
@@ -377,6 +393,40 @@ def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
 
 def weak_free(ref: int) -> None:
     _free_weak(ref)
+
+
+# Bulk forms, one C-level pass each (a batch adoption proves 100,000 originals dead at once).
+def weak_storages(storages: Iterable[torch.UntypedStorage]) -> Iterator[int]:
+    """:func:`weak_storage` of each storage, lazily (no list of them at a batch's peak)."""
+    return map(_weak_ref, storages)
+
+
+def weak_expired_each(refs: Iterable[int]) -> Iterator[bool]:
+    """:func:`weak_expired` of each reference, lazily."""
+    return map(_expired, refs)
+
+
+def weak_free_each(refs: Iterable[int]) -> None:
+    """:func:`weak_free` of each reference."""
+    deque(map(_free_weak, refs), maxlen=0)
+
+
+_storage_use_count = cast(Callable[[int], int], getattr(torch._C, "_storage_Use_Count"))
+_cdata_of = cast(Callable[[torch.UntypedStorage], int], operator.attrgetter("_cdata"))
+_ONE_HOLDER = next(map(sys.getrefcount, [object()]))
+"""What ``getrefcount`` reads in a ``map`` pass over a container for an object that container
+alone holds (the pass's own reference included), measured, not assumed."""
+
+
+def storages_held_once(storages: Iterable[torch.UntypedStorage]) -> bool:
+    """Every storage is used by nothing but its one Python object, which nothing but the
+    iterated container holds: two C-level passes. ``False`` means only "look closer" (the
+    per-storage count decides); ``True`` is what that count would say of each."""
+    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
+        return False  # a 3.10 tracer's f_locals copies: only the per-object count sees them
+    kept = list(storages)
+    return (all(map(operator.eq, map(_storage_use_count, map(_cdata_of, kept)), repeat(1)))
+            and all(map(operator.eq, map(sys.getrefcount, kept), repeat(_ONE_HOLDER + 1))))
 
 
 def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:

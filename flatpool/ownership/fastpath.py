@@ -19,21 +19,22 @@ that path raises the precise error for a bad input.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from itertools import repeat
-from operator import attrgetter, eq, floordiv
+from operator import add, attrgetter, eq, floordiv, le, mul
 
 import torch
 
 from .. import torch_compat as tc
 from ..errors import PoolInvariantError
-from ..registry import plain_ref
 from ..requests import check_dtype
+from ..slice_index import SliceRun
 from ..slices import Slice
 from ..state import PoolState, pool_index, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import SetMoves, place_many
+from .moves import SetMoves, place_columns
 from .proof import held_outside_python
 from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -68,8 +69,9 @@ _itemsize = attrgetter("itemsize")
 
 
 class _Batch:
-    """What the lean path knows of a batch: one list per fact, in input order (no object per
-    tensor). Shapes and strides are interned, so equal ones share one tuple."""
+    """What the lean path knows of a batch: one column per fact, in input order (no object per
+    tensor). Shapes and strides are interned, so equal ones share one tuple; the integers are
+    ``array('q')`` columns (8 B a tensor, not a list slot and an int object's 36)."""
 
     __slots__ = ("tensors", "storages", "keys", "offsets", "sizes", "strides", "shapes",
                  "dtypes", "spans", "versions", "nbytes")
@@ -77,27 +79,123 @@ class _Batch:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self.storages: list[torch.UntypedStorage] = []
-        self.keys: list[int] = []
-        self.offsets: list[int] = []  # element offsets on the originals
+        self.keys = array("q")
+        self.offsets = array("q")  # element offsets on the originals
         self.sizes: list[tuple[int, ...]] = []
         self.strides: list[tuple[int, ...]] = []
         self.shapes: list[tuple[int, ...]] = []  # of the slices: a strided one's is flat
         self.dtypes: list[torch.dtype] = []
-        self.spans: list[int] = []  # bytes each needs in the pool
-        self.versions: list[int] = []
-        self.nbytes: list[int] = []  # bytes of each original storage
+        self.spans = array("q")  # bytes each needs in the pool
+        self.versions = array("q")
+        self.nbytes = array("q")  # bytes of each original storage
 
 
-_Geometry = tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]
-"""``(size, stride, span in elements, shape of the slice)``: a function of size and stride
-only, so worked out once per distinct pair of a batch (and the pair's tuples shared)."""
+_is_inference, _is_conj, _is_neg = tc.impl_is_inference, tc.impl_is_conj, tc.impl_is_neg
+_size, _stride, _numel, _contiguous = tc.impl_size, tc.impl_stride, tc.impl_numel, tc.impl_is_contiguous
+_storage_of, _dtype_of = tc.impl_untyped_storage, tc.impl_dtype_of
+_version_of = attrgetter("_version")  # (exact tensors: torch's own descriptor, at C speed)
+_data_ptr, _nbytes, _detach = tc.storage_data_ptr, tc.storage_nbytes, tc.impl_detach
+_resizable, _is_shared, _key_of = tc.storage_resizable, tc.storage_is_shared, tc.storage_key_of
+_PLAIN_FLAGS = (None, torch.strided, False, False)
+"""``(_base, layout, is_nested, is_quantized)`` of a tensor the lean path takes."""
+_UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
+"""What reading a placeholder storage's pointer raises (a C++ functional tensor's)."""
 
 
-def _geometry(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -> _Geometry | None:
-    if 0 in size:
-        return None
-    if t.is_contiguous():
-        return size, stride, t.numel(), size
+class _Interned(dict[tuple[int, ...], tuple[int, ...]]):
+    """Equal sizes and strides of a batch share one plain tuple (``torch.Size`` made a tuple):
+    looked up at C speed with ``map(interned.__getitem__, ...)``."""
+
+    def __missing__(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        value = self[key] = tuple(key)
+        return value
+
+
+def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
+    """Per-tensor facts, or ``None`` when any tensor needs the general path.
+
+    The targets are exact ``torch.Tensor``/``nn.Parameter`` objects (:func:`plain_targets`):
+    their attributes are torch's own, read straight from the TensorImpl (no subclass can
+    override them). Each fact is one C-level ``map`` pass over a chunk of the batch (the chunk's
+    objects stay in cache from one pass to the next; whole-batch passes did not): no bytecode
+    per tensor on the common batch, only for the rare strided or non-resizable one.
+    """
+    b = _Batch(tensors)
+    device = pool.device
+    cpu = device.type == "cpu"
+    flags = attrgetter("is_cpu" if cpu else "device", "_base", "layout", "is_nested",
+                       "is_quantized")
+    plain = {(True if cpu else device, *_PLAIN_FLAGS)}
+    by_storage = pool_index()
+    interned = _Interned()
+    intern = interned.__getitem__
+    dtypes: set[torch.dtype] = set()
+    for first in range(0, len(tensors), COPY_CHUNK):
+        chunk = tensors[first:first + COPY_CHUNK]
+        if set(map(flags, chunk)) != plain:
+            return None  # another device (a meta tensor is on none), a view, sparse, nested...
+        if any(map(_is_inference, chunk)) or any(map(_is_conj, chunk)) or any(map(_is_neg, chunk)):
+            return None  # lazy conj/neg bits: the copy into itself would see them
+        numels = list(map(_numel, chunk))
+        if not all(numels):
+            return None  # empty tensors stay off the pool: the general path says so
+        sizes = list(map(intern, map(_size, chunk)))
+        strides = list(map(intern, map(_stride, chunk)))
+        shapes, spans = sizes, numels  # of the slices, in elements
+        if not all(map(_contiguous, chunk)):
+            shapes, spans = list(sizes), list(numels)
+            for i, t in enumerate(chunk):
+                if not _contiguous(t):
+                    geo = _strided(t, sizes[i], strides[i])
+                    if geo is None:
+                        return None
+                    spans[i], shapes[i] = geo
+        storages = list(map(_storage_of, chunk))
+        try:
+            if not all(map(_data_ptr, storages)):
+                return None  # (no tensor here is empty: a null pointer is a placeholder)
+        except _UNREADABLE_STORAGE:
+            return None  # a C++ functional tensor's placeholder: validate() names it
+        if not all(map(_resizable, storages)) and not all(
+                _resizable(s) or tc.torch_allocated(s) is True for s in storages):
+            return None  # external memory: the general path reports it external
+        if cpu and any(map(_is_shared, storages)):
+            return None  # shared memory: another process may map it
+        keys = list(map(_key_of, storages))
+        if any(map(by_storage.__contains__, keys)) and any(
+                pool_of_storage(k) is not None for k in keys):
+            return None  # a pool's storage
+        chunk_dtypes = list(map(_dtype_of, chunk))
+        items = list(map(_itemsize, chunk_dtypes))
+        offsets = list(map(tc.impl_storage_offset, chunk))
+        nbytes = list(map(_nbytes, storages))
+        if not all(map(le, map(mul, map(add, offsets, spans), items), nbytes)):
+            return None  # reaches past its storage: the general path names it
+        dtypes.update(chunk_dtypes)
+        b.storages += storages
+        b.keys.extend(keys)
+        b.offsets.extend(offsets)
+        b.sizes += sizes
+        b.strides += strides
+        b.shapes += shapes
+        b.dtypes += chunk_dtypes
+        b.spans.extend(map(mul, spans, items))
+        b.versions.extend(map(_version_of, chunk))
+        b.nbytes.extend(nbytes)
+        del storages
+    if len(set(b.keys)) != len(b.keys):
+        return None  # two targets share a storage
+    if b.shapes == b.sizes:  # (every original contiguous: the slices' shapes are its sizes)
+        b.shapes = b.sizes  # one list kept by the pool's index and the registry, not two
+    for dtype in dtypes:
+        check_dtype(dtype)
+    return b
+
+
+def _strided(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...],
+             ) -> tuple[int, tuple[int, ...]] | None:
+    """``(span in elements, shape of the slice)`` of a non-contiguous original (kept with its
+    strides in a flat run), or ``None`` for one the lean path does not take."""
     span = 1
     for sz, st in zip(size, stride):
         if st < 0:
@@ -106,74 +204,7 @@ def _geometry(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]) -
     with tc.no_torch_function():
         if self_overlapping(t):
             return None  # the general path refuses it with the reason
-    return size, stride, span, (span,)  # a strided original keeps its strides in a flat run
-
-
-def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
-    """Per-tensor facts, or ``None`` when any tensor needs the general path.
-
-    The targets are exact ``torch.Tensor``/``nn.Parameter`` objects (:func:`plain_targets`):
-    their attributes are torch's own, read straight from the TensorImpl (no subclass can
-    override them), so the plain attribute reads are the TensorImpl reads, at C speed.
-    """
-    b = _Batch(tensors)
-    device = pool.device
-    cpu = device.type == "cpu"
-    strided = torch.strided
-    storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
-    by_storage = pool_index()
-    storage_offset = tc.impl_storage_offset
-    known: dict[tuple[tuple[int, ...], tuple[int, ...]], _Geometry] = {}
-    add_storage, add_key, add_offset = b.storages.append, b.keys.append, b.offsets.append
-    add_size, add_stride, add_dtype = b.sizes.append, b.strides.append, b.dtypes.append
-    add_shape = b.shapes.append
-    add_span, add_version, add_nbytes = b.spans.append, b.versions.append, b.nbytes.append
-    dtypes: set[torch.dtype] = set()
-    for t in tensors:
-        if (not t.is_cpu if cpu else t.device != device) or t._base is not None:
-            return None  # (a meta tensor is on neither)
-        if t.layout is not strided or t.is_nested or t.is_quantized or t.is_inference():
-            return None
-        if t.is_conj() or t.is_neg():
-            return None  # lazy conj/neg bits: the copy into itself would see them
-        sz, stride = t.size(), t.stride()
-        geo = known.get((sz, stride))
-        if geo is None:
-            geo = _geometry(t, tuple(sz), stride)
-            if geo is None:
-                return None
-            known[geo[0], geo[1]] = geo
-        size, stride, span, shape = geo
-        storage = t.untyped_storage()
-        if not pointer_valid(storage):
-            return None  # a C++ functional tensor's placeholder: validate() names it
-        key = storage_key(storage)
-        if ((not storage.resizable() and tc.torch_allocated(storage) is not True)
-                or (cpu and storage.is_shared())
-                or (key in by_storage and pool_of_storage(key) is not None)):
-            return None  # shared or external memory: the general path reports it external
-        dtype = t.dtype
-        offset = storage_offset(t)
-        nbytes = storage.nbytes()
-        item = dtype.itemsize
-        if (offset + span) * item > nbytes:
-            return None
-        dtypes.add(dtype)
-        add_storage(storage)
-        add_key(key)
-        add_offset(offset)
-        add_size(size)
-        add_stride(stride)
-        add_shape(shape)
-        add_dtype(dtype)
-        add_span(span * item)
-        add_version(t._version)
-        add_nbytes(nbytes)
-    if len(set(b.keys)) != len(b.keys):
-        return None  # two targets share a storage
-    for dtype in dtypes:
-        check_dtype(dtype)
-    return b
+    return span, (span,)
 
 
 def adopt_plain(
@@ -184,8 +215,8 @@ def adopt_plain(
     if batch is None:
         return None
     # Only a tensor whose impl has another owner can be held outside Python (no views here).
-    users = tc.tensor_impl_users
-    maybe = [t for t in tensors if users(t) > 1]
+    users = tc.impl_use_count
+    maybe = [t for t in tensors if users(t) > 1] if max(map(users, tensors)) > 1 else []
     held = held_outside_python(maybe) if maybe else []
     outside: Outside = {}
     if held:
@@ -200,11 +231,11 @@ def _adopt(
 ) -> AdoptionReport:
     keys, tensors = b.keys, b.tensors
     txn.originals.update(zip(keys, b.storages))
-    txn.nbytes.update(zip(keys, b.nbytes))
+    txn.nbytes.add_columns(keys, b.nbytes)
     b.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")
     slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
-    b.spans, b.shapes = [], []  # placed: not kept through the rest of the batch (peak heap)
+    b.shapes = []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
     key = pool.storage_key
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
@@ -215,17 +246,17 @@ def _adopt(
         last = first + COPY_CHUNK
         chunk = tensors[first:last]
         with tc.no_torch_function():
-            srcs = [t.detach() for t in chunk]
+            srcs = list(map(_detach, chunk))
         checkpoint("rebind")
         sizes, strides = b.sizes[first:last], b.strides[first:last]
         places = list(map(floordiv, starts[first:last], map(_itemsize, b.dtypes[first:last])))
         # write-ahead, as columns over the batch's own lists: no record object per tensor
         journal.append(SetMoves(tensors, keys, b.offsets, b.sizes, b.strides, b.versions,
                                 first, last))
-        place_many(zip(chunk, repeat(target), places, sizes, strides))  # element offsets
-        _check_moved(pool, key, chunk, places, sizes, strides, slices[first:last])
+        place_columns(chunk, target, places, sizes, strides)  # element offsets
+        _check_moved(pool, key, chunk, places, sizes, strides, slices, first)
         checkpoint("copy")
-        copy_all(chunk, srcs)
+        copy_all(chunk, srcs, b.spans[first:last])
         del srcs
     tc.set_versions(tensors, b.versions)
 
@@ -242,17 +273,21 @@ def _adopt(
     pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [b, tensors])
     keep_unreleased(pool, txn, name, pins, outside)
     # One run of columns, not a record per tensor: records are built when someone asks.
-    pool.registry.bind_run([s.slice_id for s in slices], list(map(plain_ref, tensors)),
-                           b.sizes, b.strides, b.dtypes)
+    ids = slices.ids if isinstance(slices, SliceRun) else [s.slice_id for s in slices]
+    pool.registry.bind_run(ids, tensors, b.sizes, b.strides, b.dtypes)
     nbytes = b.nbytes
     expired, late = release(txn, name, pins, on_pinned)
     pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
-    return AdoptionReport(ItemTable(slices, nbytes, list(map(expired.__getitem__, keys)), pinned))
+    # The originals were keyed in batch order, so the flags are already in it (no index built).
+    released = expired.in_order() if list(expired.key_list()) == list(keys) else bytes(
+        map(expired.__getitem__, keys))
+    return AdoptionReport(ItemTable(slices, nbytes, released, pinned))
 
 
 def _check_moved(
     pool: PoolState, key: int | None, tensors: list[torch.Tensor], places: list[int],
     sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]], slices: Sequence[Slice],
+    first: int,
 ) -> None:
     """:func:`check_placed` for exact tensors ``set_`` by this path: read back from each
     TensorImpl that it sits on the pool's storage at its place, with its size and stride (which
@@ -263,7 +298,8 @@ def _check_moved(
                 and list(map(tc.impl_storage_offset, tensors)) == places
                 and list(map(tc.impl_size, tensors)) == sizes
                 and list(map(tc.impl_stride, tensors)) == strides):
-            check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, slices)])
+            mine = slices[first:first + len(tensors)]  # (a run's handles made only here)
+            check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, mine)])
             raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
                 f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
                 "nothing was changed")

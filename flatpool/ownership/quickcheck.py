@@ -40,7 +40,7 @@ import torch
 from attrs import define
 
 from .. import torch_compat as tc
-from ..registry import ParamRef, Ref, current, held_param
+from ..registry import REF_CLASSES, ParamRef, Ref, current, held_param
 from ..slices import Slice
 from ..state import PoolState
 
@@ -89,6 +89,8 @@ class PoolReads:
 
 _SLOT = tc.slot_word(ParamRef, "_obj")
 """The word of a :class:`ParamRef` holding its parameter, or ``None`` (slot reads off)."""
+_SLOTTED = frozenset(c for c in REF_CLASSES if _SLOT is not None and tc.slot_word(c, "_obj") == _SLOT)
+"""The reference classes whose held object sits in that same word (``TensorRef`` adds no slot)."""
 
 _kept: weakref.WeakKeyDictionary[PoolState, PoolReads] = weakref.WeakKeyDictionary()
 
@@ -149,8 +151,8 @@ def remember(pool: PoolState) -> None:
             item_keys=items[1], ptrs=ptrs, sizes=list(map(tc.impl_size, every)),
             strides=list(map(tc.impl_stride, every)), dtypes=list(map(tc.impl_dtype_of, every)),
             empty=[(i, w) for i, (p, w) in enumerate(zip(ptrs, where)) if p == 0],
-            raw=raw, slotted=None if raw is None or _SLOT is None or not params or not all(
-                map(_is, map(type, params), repeat(ParamRef)))  # (the class the slot was probed on)
+            raw=raw, slotted=None if raw is None or _SLOT is None or not params or not (
+                set(map(type, params)) <= _SLOTTED)  # (the classes the slot was probed on)
             else tc.slot_snapshot(raw, params, _SLOT))
 
 

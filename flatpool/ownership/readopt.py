@@ -81,7 +81,7 @@ def orphaned(pool: PoolState) -> list[Slice]:
         out = []
         for slice_id, records in pool.registry.items():
             slc = pool.live_slice(slice_id)
-            if (slc is not None and any(isinstance(r[0], ParamRef) for r in records)
+            if (slc is not None and any(type(r[0]) is ParamRef for r in records)  # parameters
                     and all(current(r) is None for r in records)):
                 out.append(slc)
         return out

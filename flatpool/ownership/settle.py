@@ -24,6 +24,7 @@ from .._warn import warn
 from ..errors import OriginalKeptAliveWarning, PinnedStorageError, PoolInvariantError
 from ..state import PoolState
 from ..unreleased import UnreleasedOriginal
+from .columns import KeyedColumn
 from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import ImplSwap
@@ -98,6 +99,8 @@ def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict
     only by an owner outside Python)."""
     olds = old_impls(txn)
     originals, users, refs = txn.originals, tc.storage_users, tc.python_refs
+    if not olds and not outside and tc.storages_held_once(originals.values()):
+        return {}  # the counts below, read for every original in two C-level passes
     out: dict[int, bool] = {}
     for key in keys:
         if key not in olds:  # the common case, inline: only our storage object uses it
@@ -169,7 +172,7 @@ def keep_unreleased(
 
 def release(
     txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned
-) -> tuple[dict[int, bool], Pins]:
+) -> tuple[KeyedColumn[bool], Pins]:
     """Commit, let go of the originals, prove which died; name late survivors.
 
     Under "raise" a late survivor undoes the whole operation (the originals still alive are

@@ -10,6 +10,7 @@ from attrs import define, field
 
 from ..errors import InvalidTypeError
 from ..holder import Holder
+from ..slice_index import SliceRun
 from ..slices import Slice
 
 OnPinned = Literal["raise", "warn", "force"]
@@ -108,10 +109,13 @@ class ItemTable(Sequence[AdoptedItem]):
     __slots__ = ("_slices", "_nbytes", "_released", "_pinned", "_made", "_rebound")
 
     def __init__(
-        self, slices: Sequence[Slice], nbytes: Sequence[int], released: Sequence[bool],
+        self, slices: Sequence[Slice], nbytes: Sequence[int], released: Sequence[bool] | Sequence[int],
         pinned: dict[int, tuple[str, ...]], rebound: int = 1,
     ) -> None:
-        self._slices, self._nbytes, self._released = tuple(slices), tuple(nbytes), tuple(released)
+        # A run of slices stays a run (its handles made when read); nbytes stay as given.
+        self._slices: tuple[Slice, ...] | SliceRun = (
+            slices if isinstance(slices, (tuple, SliceRun)) else tuple(slices))
+        self._nbytes, self._released = nbytes, bytes(released)
         self._pinned = pinned  # index -> holders
         self._made: tuple[AdoptedItem, ...] | None = None
         self._rebound = rebound  # tensor objects moved per item (the same for every item)
@@ -119,9 +123,9 @@ class ItemTable(Sequence[AdoptedItem]):
     def _items(self) -> tuple[AdoptedItem, ...]:
         if self._made is None:
             self._made = tuple(
-                AdoptedItem(slice=s, original_nbytes=n, released=r, rebound=self._rebound,
+                AdoptedItem(slice=s, original_nbytes=n, released=bool(r), rebound=self._rebound,
                             pinned_by=self._pinned.get(i, ()))
-                for i, (s, n, r) in enumerate(zip(self._slices, self._nbytes, self._released)))
+                for i, (s, n, r) in enumerate(zip(self.slices, self._nbytes, self._released)))
         return self._made
 
     def __len__(self) -> int:
@@ -153,6 +157,8 @@ class ItemTable(Sequence[AdoptedItem]):
 
     @property
     def slices(self) -> tuple[Slice, ...]:
+        if not isinstance(self._slices, tuple):
+            self._slices = tuple(self._slices.handles())
         return self._slices
 
 

@@ -13,7 +13,8 @@ undo a release that did not go through (:meth:`rollback` then recovers the origi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from .. import torch_compat as tc
 from ..errors import InvalidRequestError
 from ..state import PoolSnapshot, PoolState
+from .columns import KeyedColumn
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
 from .moves import ImplSwap, Record, fresh_like, set_moves, undo
@@ -84,15 +86,37 @@ def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.T
         return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
+class OriginalSizes(dict[int, int]):
+    """Original key -> bytes. A lean batch adds its keys and sizes as two columns
+    (:meth:`add_columns`: no dict entry and no int objects per original at the batch's peak);
+    the first lookup the entries miss moves the columns into the dict (only a rollback after
+    the release and the unreleased-original report look one up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._columns: list[tuple[Sequence[int], Sequence[int]]] = []
+
+    def add_columns(self, keys: Sequence[int], sizes: Sequence[int]) -> None:
+        self._columns.append((keys, sizes))
+
+    def __missing__(self, key: int) -> int:
+        columns, self._columns = self._columns, []
+        for keys, sizes in columns:
+            self.update(zip(keys, sizes))
+        if key in self:
+            return self[key]
+        raise KeyError(key)
+
+
 class Transaction:
     def __init__(self, pool: PoolState) -> None:
         self.pool = pool
         self.snapshot: PoolSnapshot | None = pool.capture()
         self.originals: dict[int, torch.UntypedStorage] = {}
-        self.nbytes: dict[int, int] = {}
+        self.nbytes = OriginalSizes()
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
-        self.weak: dict[int, int] = {}
+        self.weak: Mapping[int, int] = {}
         self.committed: bool = False
         self.closed: bool = False
 
@@ -119,21 +143,26 @@ class Transaction:
         """The point of no return: from here an exception leaves the operation standing."""
         self.committed = True
 
-    def release(self) -> dict[int, bool]:
+    def release(self) -> KeyedColumn[bool]:
         """Drop every reference to the originals; report which ones died (weak references).
 
         The journal keeps only weak references to the old impls of swapped views, so if the
         operation then undoes itself a view gets its very impl back where it still lives.
         """
-        self.weak = {k: tc.weak_storage(s) for k, s in self.originals.items()}
+        keys = list(self.originals)  # (the dict's own int objects: 8 B a key)
+        self.weak = KeyedColumn(keys, array("q", tc.weak_storages(self.originals.values())))
         for rec in self.journal:
             if isinstance(rec, ImplSwap):
                 rec.let_go()
         self.originals.clear()
-        return {k: tc.weak_expired(w) for k, w in self.weak.items()}
+        return self.expired()
 
-    def expired(self) -> dict[int, bool]:
-        return {k: tc.weak_expired(w) for k, w in self.weak.items()}
+    def expired(self) -> KeyedColumn[bool]:
+        """Per original key, whether its weak reference expired (columns: see
+        :mod:`flatpool.ownership.columns`)."""
+        weak = self.weak
+        keys = weak.key_list() if isinstance(weak, KeyedColumn) else list(weak)
+        return KeyedColumn(keys, bytes(tc.weak_expired_each(weak.values())), flags=True)
 
     def close(self) -> None:
         """Done: let go of everything (a kept exception must not pin originals or the pool)."""
@@ -145,8 +174,7 @@ class Transaction:
             self.pool.forget(self.snapshot)
         self.snapshot = None
         weak, self.weak = self.weak, {}
-        for ref in weak.values():
-            tc.weak_free(ref)
+        tc.weak_free_each(weak.values())
 
     # -- undo ------------------------------------------------------------------------------
     def rollback(self) -> None:
