@@ -219,10 +219,15 @@ class SliceIndex:
         return best
 
     def consistent(self) -> bool:
-        """The singles' three structures agree and every gone id names a run member."""
+        """The singles' three structures agree, and no more run members are gone than the runs
+        have: O(runs), since the pool asks after every chunk of a batch's moves."""
         n = len(self._by_id)
         if len(self._offsets) != n or len(self._by_offset) != n:
             return False
+        return len(self._gone) <= sum(len(r.starts) for r in self._runs)
+
+    def gone_are_members(self) -> bool:
+        """Every gone id names a run member (O(gone log runs): for tests)."""
         return all(self._run_of(i) is not None for i in self._gone)
 
     # -- changes ------------------------------------------------------------------------------

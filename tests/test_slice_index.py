@@ -71,7 +71,7 @@ def test_the_index_reads_like_a_dict_of_handles(runs: list[int], ops: list[tuple
         elif op == "r" and saved:
             index, live = saved.pop()
             index, live = index.copy(), dict(live)
-        assert index.consistent() and len(index) == len(live)
+        assert index.consistent() and index.gone_are_members() and len(index) == len(live)
         for sid, slc in live.items():
             assert index.get(sid) is slc  # the same object on every read
             assert index.floor(slc.offset) is slc and index.floor(slc.offset + 7) is slc
