@@ -256,7 +256,7 @@ def _adopt(
         place_columns(chunk, target, places, sizes, strides)  # element offsets
         _check_moved(pool, key, chunk, places, sizes, strides, slices, first)
         checkpoint("copy")
-        copy_all(chunk, srcs, b.spans[first:last])
+        copy_all(chunk, srcs, b.spans[first:last], threaded=False)  # (see copy_all)
         del srcs
     tc.set_versions(tensors, b.versions)
 

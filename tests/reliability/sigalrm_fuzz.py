@@ -2,7 +2,7 @@
 
 Run in a subprocess by ``test_sigalrm.py`` (``python -m reliability.sigalrm_fuzz N [SEED]
 [--big]`` from the ``tests`` folder). For each round one operation of ``test_interrupts.OPS``
-(with ``--big``: of ``BIG_OPS``, plain batches that take the threaded copy) runs on a fresh world
+(with ``--big``: of ``BIG_OPS``, big plain batches, some on the threaded copy) runs on a fresh world
 while an interval timer fires SIGALRM after a random delay within the operation's duration; the
 handler raises :class:`Interrupt` wherever the interpreter is (inside flatpool or not). Each
 outcome must be "exactly as before" or "fully done"; a rollback must leave the gc pause and the

@@ -1,6 +1,7 @@
 """An interrupt while the threaded copy runs never frees memory a worker still writes into.
 
-A plain batch of many small tensors (2,000 of 24 KiB here) copies in worker threads. A
+A batch of many small tensors (2,000 of 24 KiB here) copies in worker threads on the general
+adoption path (``on_pinned="force"`` takes it; the lean path copies in the calling thread). A
 ``KeyboardInterrupt`` landing in the calling thread while it waits for them started the
 rollback, which freed the new pool storage while the workers still wrote into it: SIGSEGV or
 heap corruption. The subprocess pins the timing down: the first worker to copy sends SIGINT to
@@ -59,7 +60,7 @@ tc.foreach_copy = copy_late
 pool = FlatPool()
 interrupted = False
 try:
-    pool.adopt(tensors)
+    pool.adopt(tensors, on_pinned="force")  # the general path, whose small copies are threaded
 except KeyboardInterrupt:
     interrupted = True
 assert fired and interrupted, (fired, interrupted)

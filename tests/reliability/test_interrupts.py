@@ -172,12 +172,19 @@ def _alloc_done(op: str, w: World) -> None:
     check_layout(pool)
 
 
+def _adopt_general(w: World) -> Callable[[], Any]:
+    return lambda: w.pool.adopt(w.targets, on_pinned="force")  # (the general path)
+
+
 BIG_OPS: Ops = {
-    # 2,000 x 24 KiB: threaded small copies; 16 x 4 MiB: large copies; the two mixed: the
-    # calling thread copies the large ones while the workers copy the small ones.
+    # 2,000 x 24 KiB: many small copies; 16 x 4 MiB: large copies; the two mixed. The lean
+    # path copies in the calling thread; the general path's small copies are threaded, and
+    # there the calling thread copies the large ones while the workers copy the small ones.
     "adopt-plain-2000x24KiB": (lambda: _big_world(2000, 6144), _adopt_targets),
     "adopt-plain-16x4MiB": (lambda: _big_world(0, 0, 16), _adopt_targets),
     "adopt-plain-mixed": (lambda: _big_world(1000, 6144, 4), _adopt_targets),
+    "adopt-general-2000x24KiB": (lambda: _big_world(2000, 6144), _adopt_general),
+    "adopt-general-mixed": (lambda: _big_world(1000, 6144, 4), _adopt_general),
 }
 """Plain batches for the SIGALRM fuzz (too many lines for the every-line test)."""
 
@@ -188,7 +195,7 @@ def _done(op: str, w: World, before: dict[str, torch.Tensor]) -> None:
     if op in ALLOC_OPS:
         _alloc_done(op, w)
         return
-    if op.startswith("adopt-plain") or op == "adopt-sharded":
+    if op.startswith(("adopt-plain", "adopt-general")) or op == "adopt-sharded":
         pool = w.pool
         check_layout(pool)
         assert pool.is_valid()
