@@ -80,7 +80,8 @@ the rule to many at once (:func:`flatpool.torch_compat.impl_unchanged`)."""
 def tensor_ref(t: torch.Tensor) -> Ref:
     """How a record refers to ``t``: a Python weak reference, a :class:`ParamRef` for a
     parameter (which ``nn.Module._apply`` may have to swap)."""
-    if isinstance(t, nn.Parameter):
+    cls = type(t)  # (the exact classes first: Parameter's isinstance check runs Python code)
+    if cls is nn.Parameter or (cls is not torch.Tensor and isinstance(t, nn.Parameter)):
         return ParamRef(t)
     return weakref.ref(t)
 

@@ -214,8 +214,10 @@ _getters: dict[str, Any] = {
 
 
 def _getter(name: str) -> Callable[[torch.Tensor], Any]:
-    get = _getters[name]
-    return lambda t: get(t, type(t))
+    """The descriptor's own ``__get__`` (C): called with the tensor alone (a getset
+    descriptor ignores the owner argument), so no Python frame per read."""
+    get: Callable[[torch.Tensor], Any] = _getters[name]
+    return get
 
 
 impl_dtype: Callable[[torch.Tensor], torch.dtype] = _getter("dtype")

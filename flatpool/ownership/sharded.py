@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from operator import attrgetter
+
 import torch
 
 from .. import torch_compat as tc
@@ -86,6 +88,35 @@ class _Row:
         self.grad = False
 
 
+_FLAGS = attrgetter("layout", "is_nested", "is_quantized")
+_PLAIN_FLAGS = {(torch.strided, False, False)}
+
+
+def _plain_facts(found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Holder | None]],
+                 cpu: bool, device: torch.device) -> bool:
+    """Every shard and local tensor is a dense, contiguous, plain-bit tensor, the local of its
+    shard's dtype, every shard non-empty and on the pool's device: one C-level ``map`` pass a
+    fact over the batch (both are exact tensors: torch's own attributes, no override). The
+    local tensor's device is its storage's, checked with the storage."""
+    shards = [f[0] for f in found]
+    both = shards + [f[1] for f in found]
+    if set(map(_FLAGS, both)) != _PLAIN_FLAGS:
+        return False
+    if (any(map(tc.impl_is_inference, both)) or any(map(tc.impl_is_conj, both))
+            or any(map(tc.impl_is_neg, both)) or not all(map(tc.impl_is_contiguous, both))):
+        return False
+    n = len(shards)
+    dtypes = list(map(tc.impl_dtype_of, both))
+    if dtypes[:n] != dtypes[n:] or not all(map(tc.impl_numel, shards)):
+        return False  # (a local tensor may be empty: a rank's share of no rows)
+    if cpu:
+        return all(map(_is_cpu, shards))
+    return all(d == device for d in map(tc.impl_device, shards))
+
+
+_is_cpu = attrgetter("is_cpu")
+
+
 def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_Row] | None:
     """Per-spec facts, or ``None`` when any spec needs the general path.
 
@@ -100,7 +131,6 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
     dtypes: set[torch.dtype] = set()
     device = pool.device
     cpu = device.type == "cpu"
-    strided = torch.strided
     storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
     with_slice = specs[0].slice is not None
     if with_slice and not planned:
@@ -134,17 +164,10 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_R
             holder = h
         found.append((t, local, wrapper, holder))
     with tc.no_torch_function():
+        if not _plain_facts(found, cpu, device):
+            return None
         for spec, (t, local, wrapper, holder) in zip(specs, found):
             dt = t.dtype
-            if (not t.is_cpu if cpu else t.device != device) or t.layout is not strided:
-                return None
-            for x in (t, local):  # the local tensor's device is its storage's, checked below
-                if x.layout is not strided or x.is_nested or x.is_quantized or x.is_inference():
-                    return None
-                if x.is_conj() or x.is_neg() or not x.is_contiguous() or x.dtype != dt:
-                    return None
-            if t.numel() == 0:  # (a local tensor may be empty: a rank's share of no rows)
-                return None
             # The shard moves in place when it is no autograd view, or a view of its local
             # tensor (which moves with it); a view of a base that stays behind (FSDP2's padded
             # tensor) gets a fresh impl on its slice, swapped in, or that base would pin the
