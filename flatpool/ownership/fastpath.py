@@ -35,6 +35,7 @@ from ..state import PoolState, pool_index, pool_of_storage
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMoves, place_columns
+from .prefault import prefault
 from .proof import held_outside_python
 from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -96,6 +97,11 @@ _storage_of, _dtype_of = tc.impl_untyped_storage, tc.impl_dtype_of
 _version_of = attrgetter("_version")  # (exact tensors: torch's own descriptor, at C speed)
 _data_ptr, _nbytes, _detach = tc.storage_data_ptr, tc.storage_nbytes, tc.impl_detach
 _resizable, _is_shared, _key_of = tc.storage_resizable, tc.storage_is_shared, tc.storage_key_of
+PREFAULT_MEAN_BYTES = 1 << 20
+"""Batches whose tensors average less than this map their pages in bulk first
+(:mod:`flatpool.ownership.prefault`); larger copies already fault in parallel inside torch,
+overlapped with the copying, which a prefault would only serialize (16 x 16 MiB: 1.04x the
+hand loop's wall time with it, 0.98-1.03x without; 1,000 x 256 KiB: 0.95x with it)."""
 _PLAIN_FLAGS = (None, torch.strided, False, False)
 """``(_base, layout, is_nested, is_quantized)`` of a tensor the lean path takes."""
 _UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
@@ -238,6 +244,10 @@ def _adopt(
     b.shapes = []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
     key = pool.storage_key
+    if isinstance(slices, SliceRun) and len(starts):  # one run: exactly the batch's bytes
+        end = starts[-1] + b.spans[-1]
+        if end - starts[0] < PREFAULT_MEAN_BYTES * len(starts):  # (see PREFAULT_MEAN_BYTES)
+            prefault(pool.base_address or 0, starts[0], end, pool.device)
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.
