@@ -37,11 +37,11 @@ def test_the_range_is_mapped_before_any_write() -> None:
 
 @linux_only
 def test_no_byte_changes() -> None:
-    buf = torch.empty(16 * MiB, dtype=torch.uint8)
-    buf[: 8 * MiB].fill_(0x5A)  # half written, half never touched
+    buf = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8)
+    before = buf.clone()
     pf.prefault(buf.data_ptr(), 1000, buf.numel() - 1000, buf.device)  # unaligned ends too
-    assert int(buf[: 8 * MiB].min()) == 0x5A == int(buf[: 8 * MiB].max())
-    assert int(buf[8 * MiB:].max()) == 0  # fresh anonymous memory reads as zeros
+    assert torch.equal(buf, before)
+    # (Pages never touched before the call are the other test's: their resident set grows.)
 
 
 def test_nothing_is_asked_where_it_cannot_pay() -> None:
