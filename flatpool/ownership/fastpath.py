@@ -102,6 +102,11 @@ PREFAULT_MEAN_BYTES = 1 << 20
 (:mod:`flatpool.ownership.prefault`); larger copies already fault in parallel inside torch,
 overlapped with the copying, which a prefault would only serialize (16 x 16 MiB: 1.04x the
 hand loop's wall time with it, 0.98-1.03x without; 1,000 x 256 KiB: 0.95x with it)."""
+SERIAL_COPY_BYTES = 128 << 10
+"""Below this a tensor's copy runs in one thread inside torch (its 32,768-element grain, fp32),
+so its page faults were serial anyway: those batches map their pages in one thread, which saves
+the trap per page without the contention of parallel mapping (CPU time); larger ones in
+``torch.get_num_threads()`` threads, as torch's parallel copy would have faulted them."""
 _PLAIN_FLAGS = (None, torch.strided, False, False)
 """``(_base, layout, is_nested, is_quantized)`` of a tensor the lean path takes."""
 _UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
@@ -247,7 +252,8 @@ def _adopt(
     if isinstance(slices, SliceRun) and len(starts):  # one run: exactly the batch's bytes
         end = starts[-1] + b.spans[-1]
         if end - starts[0] < PREFAULT_MEAN_BYTES * len(starts):  # (see PREFAULT_MEAN_BYTES)
-            prefault(pool.base_address or 0, starts[0], end, pool.device)
+            parallel = end - starts[0] >= SERIAL_COPY_BYTES * len(starts)
+            prefault(pool.base_address or 0, starts[0], end, pool.device, parallel=parallel)
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.

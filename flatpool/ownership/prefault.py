@@ -47,17 +47,19 @@ def _populate(lo: int, hi: int) -> None:
         _supported[0] = False
 
 
-def prefault(base: int, start: int, end: int, device: torch.device) -> bool:
+def prefault(base: int, start: int, end: int, device: torch.device, *,
+             parallel: bool = True) -> bool:
     """Map bytes ``[start, end)`` of the CPU storage at address ``base`` writable, in
-    ``torch.get_num_threads()`` pieces at once; ``False`` when nothing was asked of the kernel
-    (another device or OS, a small range, no support). Returns once every piece is done."""
+    ``torch.get_num_threads()`` pieces at once (one, unless ``parallel``); ``False`` when
+    nothing was asked of the kernel (another device or OS, a small range, no support). Returns
+    once every piece is done."""
     if device.type != "cpu" or not _supported[0] or end - start < MIN_BYTES or base == 0:
         return False
     lo = (base + start + _PAGE - 1) // _PAGE * _PAGE  # whole pages inside the range only
     hi = (base + end) // _PAGE * _PAGE
     if hi <= lo:
         return False
-    workers = max(1, min(torch.get_num_threads(), 8))
+    workers = max(1, min(torch.get_num_threads(), 8)) if parallel else 1
     per = -(-(hi - lo) // workers)  # (ceiling divisions: whole pages a piece)
     step = -(-per // _PAGE) * _PAGE
     pieces = [(a, min(a + step, hi)) for a in range(lo, hi, step)]
