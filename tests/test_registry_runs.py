@@ -109,3 +109,37 @@ def test_small_batches_bind_plain_records_and_many_runs_are_found() -> None:
     assert len(reg._runs) == 5 and len(reg) == RUN_MIN - 1 + 5 * RUN_MIN
     for s, t in zip(pool.slices(), [*small, *(t for b in batches for t in b)]):
         assert current(reg.records(s.slice_id)[0]) is t
+
+
+@pytest.mark.parametrize("kind", ["parameters", "tensors"])
+def test_a_dropped_member_taken_out_of_a_run_does_not_pin_a_relocation(kind: str) -> None:
+    """``disown`` + ``free`` of one member of a lean batch, its owner then drops it: the run
+    must have let go of it, or ``compact()`` finds the old storage held by the run's record
+    (it raised ``PinnedStorageError``, "held by: a ParamRef object", for parameters)."""
+    make = torch.nn.Parameter if kind == "parameters" else (lambda t: t)
+    ts = [make(torch.randn(3)) for _ in range(N)]
+    pool = FlatPool()
+    pool.adopt(ts)
+    first = pool.slices()[0]
+    pool.disown(first)
+    pool.free(first)
+    ts = ts[1:]  # the only other holder of the first member lets go
+    gc.collect()
+    values = [t.detach().clone() for t in ts]
+    pool.compact()
+    assert pool.is_valid() and len(pool.registry) == N - 1
+    assert all(torch.equal(t.detach(), v) and pool.owns(t) for t, v in zip(ts, values))
+
+
+def test_a_plain_tensor_of_a_run_is_not_weakly_referenced_and_can_be_swapped() -> None:
+    """Issue 20: the run holds its tensors in a column and a record's reference is a
+    ``TensorRef``; ``swap_tensors`` refuses a tensor with a weak reference, and works here."""
+    import weakref
+
+    ts = [torch.randn(4) for _ in range(N)]
+    pool = FlatPool()
+    pool.adopt(ts)
+    assert weakref.getweakrefcount(ts[5]) == 0
+    other = torch.zeros(4)
+    torch.utils.swap_tensors(ts[5], other)
+    assert not pool.is_valid()  # the swapped-out tensor no longer aliases its slice
