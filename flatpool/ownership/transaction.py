@@ -90,7 +90,9 @@ class OriginalSizes(dict[int, int]):
     """Original key -> bytes. A lean batch adds its keys and sizes as two columns
     (:meth:`add_columns`: no dict entry and no int objects per original at the batch's peak);
     the first lookup the entries miss moves the columns into the dict (only a rollback after
-    the release and the unreleased-original report look one up)."""
+    the release and the unreleased-original report look one up). Only ``[key]`` sees the
+    columns: iteration, ``get``, ``in`` and copies see the entries (no lean batch's transaction
+    is read that way)."""
 
     def __init__(self) -> None:
         super().__init__()
