@@ -194,13 +194,23 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
         b.versions.extend(map(_version_of, chunk))
         b.nbytes.extend(nbytes)
         del storages
-    if len(set(b.keys)) != len(b.keys):
+    if _has_duplicates(b.keys):
         return None  # two targets share a storage
     if b.shapes == b.sizes:  # (every original contiguous: the slices' shapes are its sizes)
         b.shapes = b.sizes  # one list kept by the pool's index and the registry, not two
     for dtype in dtypes:
         check_dtype(dtype)
     return b
+
+
+def _has_duplicates(keys: array[int]) -> bool:
+    """Some key appears twice: ``torch.unique`` over the column itself (16 B a key in torch's
+    allocator, briefly), where a set of int objects cost ~85 B a key and was the batch's
+    Python heap peak."""
+    if not keys:
+        return False
+    distinct = torch.frombuffer(keys, dtype=torch.int64).unique()  # type: ignore[no-untyped-call]
+    return int(distinct.numel()) != len(keys)
 
 
 def _strided(t: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...],
@@ -241,7 +251,7 @@ def _adopt(
     pool: PoolState, b: _Batch, txn: Transaction, on_pinned: OnPinned, outside: Outside
 ) -> AdoptionReport:
     keys, tensors = b.keys, b.tensors
-    txn.originals.update(zip(keys, b.storages))
+    txn.originals.add_columns(keys, b.storages)
     txn.nbytes.add_columns(keys, b.nbytes)
     b.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Any, Union
 
@@ -226,7 +226,7 @@ def geometry_of(t: torch.Tensor) -> Geometry:
 
 # -- undoing them --------------------------------------------------------------------------
 def undo(
-    records: Sequence[Record], originals: dict[int, torch.UntypedStorage],
+    records: Sequence[Record], originals: Mapping[int, torch.UntypedStorage],
 ) -> list[BaseException]:
     """Put every object of ``records`` back where its record says; absolute and idempotent.
 

@@ -70,7 +70,7 @@ def check_placed(pool: PoolState, placed: Iterable[Placed]) -> None:
 
 def own_ids(txn: Transaction, *more: object) -> set[int]:
     """Ids of objects the operation itself holds, for pin scans to skip."""
-    ids = {id(txn.originals), id(txn.journal)} | {id(m) for m in more}
+    ids = {*map(id, txn.originals.containers()), id(txn.journal)} | {id(m) for m in more}
     for rec in txn.journal:
         ids.add(id(rec))
         if isinstance(rec, ImplSwap) and rec.other is not None:

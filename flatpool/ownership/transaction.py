@@ -14,7 +14,8 @@ undo a release that did not go through (:meth:`rollback` then recovers the origi
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from itertools import chain
 from typing import TypeVar
 
 import torch
@@ -110,11 +111,100 @@ class OriginalSizes(dict[int, int]):
         raise KeyError(key)
 
 
+class Originals(MutableMapping[int, torch.UntypedStorage]):
+    """Original key -> its storage object, held strongly until the release (the proof counts
+    references to exactly these objects). A lean batch adds its keys and storages as two
+    columns (:meth:`add_columns`: a shared ``array('q')`` and one list slot, 16 B an original,
+    where a dict entry and its int key cost ~62 B at the batch's peak); a lookup by key builds
+    the index once (the common path only iterates: the pin pre-check, the release)."""
+
+    __slots__ = ("_entries", "_keys", "_stores", "_index")
+
+    def __init__(self) -> None:
+        self._entries: dict[int, torch.UntypedStorage] = {}
+        self._keys: Sequence[int] = ()
+        self._stores: list[torch.UntypedStorage | None] = []
+        self._index: dict[int, int] | None = None
+
+    def add_columns(self, keys: Sequence[int], storages: list[torch.UntypedStorage]) -> None:
+        """Hold ``storages[i]`` under ``keys[i]`` (the columns are kept, not copied: the caller
+        must not change them); keys already held, or a second batch, go in as entries."""
+        if self._stores or any(map(self._entries.__contains__, keys)):
+            self.update(zip(keys, storages))
+            return
+        self._index = None
+        self._keys, self._stores = keys, list(storages)
+
+    def containers(self) -> tuple[object, ...]:
+        """The objects that refer to the storages directly (for pin scans to skip)."""
+        return self, self._entries, self._stores
+
+    def key_column(self) -> Sequence[int]:
+        """Every key, in order, without an int object per column key when there are no entries."""
+        if not self._entries and None not in self._stores:
+            return self._keys
+        return list(self)
+
+    def _at(self, key: int) -> int | None:
+        if not self._stores:
+            return None
+        index = self._index
+        if index is None:
+            index = self._index = {k: i for i, k in enumerate(self._keys)}
+        return index.get(key)
+
+    def __getitem__(self, key: int) -> torch.UntypedStorage:
+        found = self._entries.get(key)
+        if found is not None:
+            return found
+        i = self._at(key)
+        stored = None if i is None else self._stores[i]
+        if stored is None:
+            raise KeyError(key)
+        return stored
+
+    def __setitem__(self, key: int, storage: torch.UntypedStorage) -> None:
+        i = None if key in self._entries else self._at(key)
+        if i is not None:
+            self._stores[i] = storage
+        else:
+            self._entries[key] = storage
+
+    def __delitem__(self, key: int) -> None:
+        if key in self._entries:
+            del self._entries[key]
+            return
+        i = self._at(key)
+        if i is None or self._stores[i] is None:
+            raise KeyError(key)
+        self._stores[i] = None
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._entries
+        for k, stored in zip(self._keys, self._stores):
+            if stored is not None:
+                yield k
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._stores) - self._stores.count(None)
+
+    def values(self) -> Iterator[torch.UntypedStorage]:  # type: ignore[override]
+        """The storages, entries first, then the columns' (no object per call but the iterator)."""
+        stores: Iterable[torch.UntypedStorage | None] = self._stores
+        if None in self._stores:
+            stores = (s for s in self._stores if s is not None)
+        return chain(self._entries.values(), stores)  # type: ignore[arg-type]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._keys, self._stores, self._index = (), [], None
+
+
 class Transaction:
     def __init__(self, pool: PoolState) -> None:
         self.pool = pool
         self.snapshot: PoolSnapshot | None = pool.capture()
-        self.originals: dict[int, torch.UntypedStorage] = {}
+        self.originals = Originals()
         self.nbytes = OriginalSizes()
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
@@ -151,7 +241,7 @@ class Transaction:
         The journal keeps only weak references to the old impls of swapped views, so if the
         operation then undoes itself a view gets its very impl back where it still lives.
         """
-        keys = list(self.originals)  # (the dict's own int objects: 8 B a key)
+        keys = self.originals.key_column()  # (a lean batch's own column: no int object a key)
         self.weak = KeyedColumn(keys, array("q", tc.weak_storages(self.originals.values())))
         for rec in self.journal:
             if isinstance(rec, ImplSwap):
