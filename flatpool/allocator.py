@@ -165,7 +165,7 @@ class RangeAllocator:
             best_start = align_up(base, alignment)
         return best_start
 
-    def append_many(self, requests: list[tuple[int, int]]) -> list[int] | None:
+    def append_many(self, requests: list[tuple[int, int]]) -> array[int] | None:
         """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step.
 
         Only for a growable allocator with no free range (a pool being planned from scratch,
@@ -180,13 +180,13 @@ class RangeAllocator:
             return None  # a coarser alignment leaves gaps a later, finer request would fill
         return self.append_run([nbytes for nbytes, _ in requests])
 
-    def append_run(self, sizes: Sequence[int]) -> list[int] | None:
+    def append_run(self, sizes: Sequence[int]) -> array[int] | None:
         """:meth:`append_many` for requests of ``sizes`` bytes, all at the allocator's own
         alignment: the starts in one arithmetic pass. ``None`` (nothing changed) unless the
         allocator is growable with no free range."""
         if not self.growable or self._starts:
             return None
-        starts: list[int] = []
+        starts: array[int] = array("q")  # (the slice run keeps this column as it is)
         gap_starts: array[int] = array("q")
         gap_ends: array[int] = array("q")
         push, gap, gap_end = starts.append, gap_starts.append, gap_ends.append

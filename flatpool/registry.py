@@ -334,7 +334,7 @@ class AdoptionRegistry:
         self.version += 1
         recs = self._records.pop(slice_id, None)
         run = self._run_of(slice_id) if self._runs else None
-        if run is not None and slice_id not in self._dead:
+        if run is not None:  # (_run_of finds no id taken out already)
             rec = run.record(slice_id)
             self._dead.add(slice_id)
             self._let_go(run, slice_id)

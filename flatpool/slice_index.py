@@ -277,13 +277,4 @@ class SliceIndex:
             self._offsets.insert(i, slc.offset)
 
 
-def new_run(
-    pool: FlatPool, first: int, starts: Sequence[int], shapes: Sequence[tuple[int, ...]],
-    dtypes: Sequence[torch.dtype],
-) -> SliceRun:
-    """A run over ``starts`` (copied into an ``array('q')`` unless it is one)."""
-    column = starts if isinstance(starts, array) else array("q", starts)
-    return SliceRun(pool, first, column, shapes, dtypes)
-
-
-__all__ = ["SliceIndex", "SliceRun", "new_run"]
+__all__ = ["SliceIndex", "SliceRun"]

@@ -18,6 +18,7 @@ import math
 import operator
 import threading
 import weakref
+from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -38,7 +39,7 @@ from .errors import (
 )
 from .registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slice_index import SliceIndex, SliceRun, new_run
+from .slice_index import SliceIndex, SliceRun
 from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
 
@@ -406,14 +407,14 @@ class PoolState:
                 del before  # a kept traceback must not pin the pool's storage
                 raise
 
-    def _index_run(self, starts: Sequence[int], shapes: Sequence[tuple[int, ...]],
+    def _index_run(self, starts: array[int], shapes: Sequence[tuple[int, ...]],
                    dtypes: Sequence[torch.dtype]) -> SliceRun:
         """The run the allocator just appended past every existing slice, indexed as one
         :class:`~flatpool.slice_index.SliceRun` (its handles made when someone reads them)."""
         first = next(self._slice_ids)
         if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
             self._slice_ids = itertools.count(first + len(starts))
-        run = new_run(self._public, first, starts, shapes, dtypes)
+        run = SliceRun(self._public, first, starts, shapes, dtypes)
         self.live_version += 1
         self._index.add_run(run)
         return run

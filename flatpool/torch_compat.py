@@ -414,7 +414,6 @@ def weak_free_each(refs: Iterable[int]) -> None:
 
 
 _storage_use_count = cast(Callable[[int], int], getattr(torch._C, "_storage_Use_Count"))
-_cdata_of = cast(Callable[[torch.UntypedStorage], int], operator.attrgetter("_cdata"))
 _ONE_HOLDER = next(map(sys.getrefcount, [object()]))
 """What ``getrefcount`` reads in a ``map`` pass over a container for an object that container
 alone holds (the pass's own reference included), measured, not assumed."""
@@ -427,7 +426,7 @@ def storages_held_once(storages: Iterable[torch.UntypedStorage]) -> bool:
     if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
         return False  # a 3.10 tracer's f_locals copies: only the per-object count sees them
     kept = list(storages)
-    return (all(map(operator.eq, map(_storage_use_count, map(_cdata_of, kept)), repeat(1)))
+    return (all(map(operator.eq, map(_storage_use_count, map(storage_key_of, kept)), repeat(1)))
             and all(map(operator.eq, map(sys.getrefcount, kept), repeat(_ONE_HOLDER + 1))))
 
 

@@ -282,7 +282,7 @@ def _adopt(
         place_columns(chunk, target, places, sizes, strides)  # element offsets
         _check_moved(pool, key, chunk, places, sizes, strides, slices, first)
         checkpoint("copy")
-        copy_all(chunk, srcs, b.spans[first:last], threaded=False)  # (see copy_all)
+        copy_all(chunk, srcs, threaded=False)  # (see copy_all)
         del srcs
     tc.set_versions(tensors, b.versions)
 
@@ -304,9 +304,9 @@ def _adopt(
     nbytes = b.nbytes
     expired, late = release(txn, name, pins, on_pinned)
     pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
-    # The originals were keyed in batch order, so the flags are already in it (no index built).
-    released = expired.in_order() if list(expired.key_list()) == list(keys) else bytes(
-        map(expired.__getitem__, keys))
+    # Keyed by the batch's own key column (Originals.add_columns): the flags are in batch order.
+    released = (expired.in_order() if expired.key_list() is keys
+                else bytes(map(expired.__getitem__, keys)))
     return AdoptionReport(ItemTable(slices, nbytes, released, pinned))
 
 

@@ -148,8 +148,8 @@ Place = tuple[torch.Tensor, torch.UntypedStorage, int, Sequence[int], Sequence[i
 def place_many(moves: Iterable[Place]) -> None:
     """``set_`` every tensor object onto its place, in place (identity and impl kept).
 
-    The only ``set_`` loop of flatpool: adoption, re-adoption, relocation and rollback all
-    come through here.
+    With :func:`place_columns` (the lean batch's form) the only ``set_`` loops of flatpool:
+    adoption, re-adoption, relocation and rollback all come through here.
     """
     with tc.no_torch_function(), tc.outside_inference(), torch.no_grad():
         for obj, storage, offset, size, stride in moves:

@@ -14,7 +14,7 @@ undo a release that did not go through (:meth:`rollback` then recovers the origi
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from itertools import chain
 from typing import TypeVar
 
@@ -200,6 +200,10 @@ class Originals(MutableMapping[int, torch.UntypedStorage]):
         self._keys, self._stores, self._index = (), [], None
 
 
+_NO_WEAK: KeyedColumn[int] = KeyedColumn((), array("q"))
+"""The weak references of a transaction not released yet (or closed): none."""
+
+
 class Transaction:
     def __init__(self, pool: PoolState) -> None:
         self.pool = pool
@@ -208,7 +212,7 @@ class Transaction:
         self.nbytes = OriginalSizes()
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
-        self.weak: Mapping[int, int] = {}
+        self.weak: KeyedColumn[int] = _NO_WEAK
         self.committed: bool = False
         self.closed: bool = False
 
@@ -253,8 +257,7 @@ class Transaction:
         """Per original key, whether its weak reference expired (columns: see
         :mod:`flatpool.ownership.columns`)."""
         weak = self.weak
-        keys = weak.key_list() if isinstance(weak, KeyedColumn) else list(weak)
-        return KeyedColumn(keys, bytes(tc.weak_expired_each(weak.values())), flags=True)
+        return KeyedColumn(weak.key_list(), bytes(tc.weak_expired_each(weak.values())), flags=True)
 
     def close(self) -> None:
         """Done: let go of everything (a kept exception must not pin originals or the pool)."""
@@ -265,7 +268,7 @@ class Transaction:
         if self.snapshot is not None:
             self.pool.forget(self.snapshot)
         self.snapshot = None
-        weak, self.weak = self.weak, {}
+        weak, self.weak = self.weak, _NO_WEAK
         tc.weak_free_each(weak.values())
 
     # -- undo ------------------------------------------------------------------------------
