@@ -4,16 +4,39 @@ The multi-rank test jobs start one process group and run many scenarios in it (a
 costs seconds on the loaded machine). Each scenario's exception becomes its traceback in the
 result instead of ending the job, and is printed to stderr at once: if the other rank is left
 waiting in a collective, the job ends by timeout and this is what says why (``launch`` shows
-the ranks' stderr). A barrier after every scenario keeps the ranks on the same one.
+the ranks' stderr). A barrier after every scenario keeps the ranks on the same one, and
+:func:`together` around a step one rank may fail alone (an adoption) keeps the others from
+going on into a collective it never joins.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
+
+
+class OtherRankFailedError(RuntimeError):
+    """This rank's step went well, another rank's raised (its traceback is its own report)."""
+
+
+@contextmanager
+def together() -> Iterator[None]:
+    """Run the block on every rank, then agree: when it raised on any rank, raise on all (the
+    rank's own exception where it had one), so none goes on into the next collective alone."""
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        failed = torch.tensor([0 if ok else 1])
+        dist.all_reduce(failed)
+        if ok and int(failed):
+            raise OtherRankFailedError(f"{int(failed)} other rank(s) failed this step")
 
 
 def run_scenarios(
@@ -40,4 +63,4 @@ def run_scenarios(
     return results
 
 
-__all__ = ["run_scenarios"]
+__all__ = ["OtherRankFailedError", "run_scenarios", "together"]

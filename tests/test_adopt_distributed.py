@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from scenario_runs import run_scenarios
+from scenario_runs import run_scenarios, together
 
 SCENARIOS = (
     "train_bit_identical",
@@ -66,7 +66,8 @@ def _train_pair(mesh: Any, shapes: list[tuple[int, ...]]) -> None:
     ids = [id(p) for p in params]
     dead = [_expired(p) for p in params]
     pool = FlatPool(capacity=1 << 16, name=f"rank{dist.get_rank()}")
-    report = pool.adopt(list(params))
+    with together():  # a rank that fails here must not leave the other in full_tensor()
+        report = pool.adopt(list(params))
     assert report.all_released and all(d() for d in dead), report
     assert [id(p) for p in params] == ids
     assert [id(p) for p in opt.param_groups[0]["params"]] == ids
@@ -95,7 +96,8 @@ def _s_fused_all_gather(mesh: Any) -> None:
 
     params = _params(mesh, [(4, 4), (2, 4)], 3)
     pool = FlatPool(alignment=1)  # sized by the adoption: exactly the two shards
-    pool.adopt(list(params))
+    with together():
+        pool.adopt(list(params))
     flat = pool.flat(torch.float32)
     assert flat.numel() == 12  # 2x4 + 1x4 floats on each rank
     out = torch.empty(flat.numel() * 2)
@@ -136,7 +138,8 @@ def _s_meta_materialize(mesh: Any) -> None:
     del local
     ident = id(p)
     pool = FlatPool(name="meta")
-    (slc,) = pool.materialize_into(p)
+    with together():
+        (slc,) = pool.materialize_into(p)
     assert id(p) == ident and pool.slice_of(local_tensor(p)) == slc
     g = torch.Generator().manual_seed(7)
     full = torch.randn(6, 4, generator=g)

@@ -382,6 +382,87 @@ def test_a_cpp_owner_that_lets_go_within_milliseconds_does_not_pin(
     assert waits == [0.0]  # looked again once, after a bare yield
 
 
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+def test_a_cpp_owner_of_another_impl_that_lets_go_soon_does_not_pin(
+    monkeypatch: pytest.MonkeyPatch, policy: str,
+) -> None:
+    """The gloo case as it really happens: the worker holds the collective's *output* tensor,
+    another impl on the storage of the shard being adopted (``distribute_tensor`` returns a
+    detached alias of it), so only the count after the move sees it. Here a pending graph saved
+    such an alias and lets go during the wait after the move."""
+    import flatpool.ownership.proof as proof
+
+    t = torch.randn(8)
+    alias = torch.empty(0).set_(t.untyped_storage(), 0, (8,), (1,))  # no view link to t
+    a = torch.randn(8, requires_grad=True)
+    graph = {"loss": (a * alias).sum()}  # saves the alias: Python does not see that holder
+    del alias
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            if len(waits) == 3:
+                graph.clear()
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    dead = StorageWeakRef(storage_of(t))
+    pool = FlatPool(capacity=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no OriginalKeptAliveWarning either
+        report = pool.adopt(t, on_pinned=policy)  # type: ignore[arg-type]
+    assert report.all_released and dead.expired() and pool.owns(t)
+    assert waits == proof.settle_delays()[:3]  # looked again until it let go, no longer
+
+
+def test_a_cpp_owner_of_another_impl_that_stays_pins_after_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import flatpool.ownership.proof as proof
+
+    t = torch.randn(8)
+    alias = torch.empty(0).set_(t.untyped_storage(), 0, (8,), (1,))
+    a = torch.randn(8, requires_grad=True)
+    loss = (a * alias).sum()
+    del alias
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    key = tc.storage_key(storage_of(t))
+    before = t.clone()
+    with pytest.raises(PinnedStorageError, match="held only from C"):
+        FlatPool(capacity=1024).adopt(t)
+    assert waits == proof.settle_delays()  # the whole bounded wait, once
+    assert tc.storage_key(storage_of(t)) == key and torch.equal(t, before)  # rolled back
+    loss.backward()
+    assert a.grad is not None and torch.equal(a.grad, before)
+
+
+def test_a_python_holder_pins_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder Python can name does not go away by itself: no wait for it."""
+    import flatpool.ownership.proof as proof
+
+    t = torch.randn(8)
+    kept = {"stash": t.detach()}
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    with pytest.raises(PinnedStorageError, match="stash"):
+        FlatPool(capacity=1024).adopt(t)
+    assert waits == [] and kept
+
+
 def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     import flatpool.ownership.proof as proof
 

@@ -31,6 +31,16 @@ NUMPY_BASE = (
 """A tensor without nameable holders on a storage torch marked non-resizable for numpy."""
 
 
+CXX_ONLY = "held only from C++ (autograd saved tensors, hooks)"
+"""What names a holder no Python object explains: it may be one that lets go by itself (a
+collective's worker thread, for a moment after ``wait()`` returned)."""
+
+
+def only_cxx(reasons: Iterable[str]) -> bool:
+    """Every reason :func:`name_pins` gave is :data:`CXX_ONLY`."""
+    return all(r.startswith(CXX_ONLY) for r in reasons)
+
+
 def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tensor]:
     """Every Python-visible tensor object whose own storage is the one with ``key``."""
     exclude = set(exclude)
@@ -212,7 +222,7 @@ def name_pins(
     key = tc.storage_key(storage)
     found = tensors_on_storage(key, skip)
     skip = skip | {id(found)}
-    unseen = NUMPY_BASE if not storage.resizable() else "held only from C++ (autograd saved tensors, hooks)"
+    unseen = NUMPY_BASE if not storage.resizable() else CXX_ONLY
     for t in found:
         where = name_referrers(t, skip) or [unseen]
         with tc.no_torch_function():
@@ -221,5 +231,5 @@ def name_pins(
     storage_refs = name_referrers(storage, skip)
     reasons.extend(f"{w} (the UntypedStorage object itself)" for w in storage_refs)
     if not reasons:
-        reasons.append("held only from C++ (autograd saved tensors, hooks)")
+        reasons.append(CXX_ONLY)
     return tuple(reasons)

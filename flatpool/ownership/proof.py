@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sized
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +30,8 @@ from .. import torch_compat as tc
 from ..errors import InvalidRequestError, InvalidTypeError
 from .moves import ImplSwap
 from .transaction import Transaction
+
+_H = TypeVar("_H", bound=Sized)
 
 OUTSIDE_PYTHON = (
     "held outside Python (a DLPack consumer such as numpy.from_dlpack, or a C++ holder such as "
@@ -198,14 +201,21 @@ def held_outside_python(
                 children[a] = children.get(a, 0) + tc.view_links(v, base)
             del base
     out = _held(candidates, children)
-    if not out:
-        return out
-    for delay in settle_delays():
-        if not out:
-            break
-        time.sleep(delay)  # lets the holder's thread run (0: a bare yield)
-        out = _held(out, children)
+    if out:
+        out = look_again(out, lambda held: _held(held, children))
     return out
+
+
+def look_again(held: _H, recheck: Callable[[_H], _H]) -> _H:
+    """Re-check ``held`` (what an owner outside Python still holds) with the bounded back-off
+    of :func:`settle_delays` until ``recheck(held)`` comes back empty or the wait is over; the
+    last answer. Each sleep lets a holder's thread run (0: a bare yield)."""
+    for delay in settle_delays():
+        if not held:
+            break
+        time.sleep(delay)
+        held = recheck(held)
+    return held
 
 
 def _held(candidates: Iterable[torch.Tensor], children: dict[int, int]) -> list[torch.Tensor]:
@@ -235,6 +245,5 @@ def _accumulator_holds(t: torch.Tensor) -> bool:
 
 
 __all__ = ["CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "cxx_holder_wait",
-           "effective_cxx_holder_wait", "held_outside_python", "load_factor", "old_impls",
-           "set_cxx_holder_wait", "settle_delays",
-           "storage_pinned"]
+           "effective_cxx_holder_wait", "held_outside_python", "load_factor", "look_again",
+           "old_impls", "set_cxx_holder_wait", "settle_delays", "storage_pinned"]

@@ -28,8 +28,8 @@ from .columns import KeyedColumn
 from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import ImplSwap
-from .pins import name_pins
-from .proof import OUTSIDE_PYTHON, old_impls, storage_pinned
+from .pins import name_pins, only_cxx
+from .proof import OUTSIDE_PYTHON, look_again, old_impls, storage_pinned
 from .spec import OnPinned
 from .transaction import Transaction
 
@@ -125,6 +125,29 @@ def name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Iterab
             for key, by_storage in found.items()}
 
 
+def _let_cxx_holders_go(
+    txn: Transaction, keys: Sequence[int], outside: Outside, found: dict[int, bool], pins: Pins,
+    skip: Callable[[], Iterable[object]],
+) -> tuple[dict[int, bool], Pins]:
+    """Wait (bounded, :func:`flatpool.ownership.proof.look_again`) for the storage pins that
+    no Python object explains: a collective's worker thread still holds the tensor it wrote for
+    a moment after ``wait()`` returned (gloo, right after ``distribute_tensor``), and the move
+    made here took less than that moment. The pre-move check waits for such owners of the moved
+    impls; this one is for another impl on the same storage. ``(found, pins)`` after it."""
+    waiting = {k for k, by_storage in found.items() if by_storage and only_cxx(pins[k])}
+    if not waiting:
+        return found, pins
+
+    def recheck(left: set[int]) -> set[int]:
+        nonlocal found
+        found = pinned_keys(txn, keys, outside)
+        return left & found.keys()
+
+    if look_again(waiting, recheck) == waiting and found.keys() == pins.keys():
+        return found, pins  # nothing let go: the names stand
+    return found, (name_all(txn, found, skip) if found else {})
+
+
 def settle_pins(
     txn: Transaction, keys: Sequence[int], label: Labels, outside: Outside,
     on_pinned: OnPinned, skip: Callable[[], Iterable[object]] = tuple,
@@ -136,12 +159,15 @@ def settle_pins(
     if found:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
         gc.collect()
         found = pinned_keys(txn, keys, outside)
+    pins = name_all(txn, found, skip) if found else {}
+    if pins:
+        found, pins = _let_cxx_holders_go(txn, keys, outside, found, pins, skip)
     if found and on_pinned == "force" and force is not None:
-        force(name_all(txn, found, skip))
+        force(pins)
         found = pinned_keys(txn, keys, outside)
+        pins = name_all(txn, found, skip) if found else {}
     if not found:
         return {}
-    pins = name_all(txn, found, skip)
     if on_pinned == "raise":
         named = labelled(pins, label)
         raise PinnedStorageError(pinned_message(named), named)
