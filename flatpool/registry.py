@@ -270,6 +270,13 @@ class AdoptionRegistry:
     def holds(self, slice_id: int) -> bool:
         return any(current(r) is not None for r in self._get(slice_id))
 
+    def holds_any(self, slice_ids: Iterable[int]) -> bool:
+        """:meth:`holds` of any of ``slice_ids``: nothing to look at in an empty registry (a
+        planned pool's, which a fusion's slices come from)."""
+        if not self._records and not self._runs:
+            return False
+        return any(map(self.holds, slice_ids))
+
     def records(self, slice_id: int) -> tuple[Record, ...]:
         return tuple(self._get(slice_id))
 

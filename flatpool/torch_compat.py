@@ -430,6 +430,25 @@ def storages_held_once(storages: Iterable[torch.UntypedStorage]) -> bool:
             and all(map(operator.eq, map(sys.getrefcount, kept), repeat(_ONE_HOLDER + 1))))
 
 
+def storages_used_as(storages: list[torch.UntypedStorage], users: int, refs: int) -> bool:
+    """Every storage of the list has exactly ``users`` owners of its StorageImpl and ``refs``
+    Python references beside the list's own: two C-level passes (``False`` also wherever a
+    3.10 tracer's ``f_locals`` copies would skew the counts: "look closer")."""
+    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
+        return False
+    return (all(map(operator.eq, map(_storage_use_count, map(storage_key_of, storages)),
+                    repeat(users)))
+            and all(map(operator.eq, map(sys.getrefcount, storages), repeat(_ONE_HOLDER + refs))))
+
+
+def tensors_referenced(tensors: list[torch.Tensor], refs: int) -> bool:
+    """Every tensor object of the list has exactly ``refs`` Python references beside the list's
+    own (one C-level pass; ``False`` under a 3.10 tracer, as :func:`storages_used_as`)."""
+    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
+        return False
+    return all(map(operator.eq, map(sys.getrefcount, tensors), repeat(_ONE_HOLDER + refs)))
+
+
 def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     return cast(Callable[..., torch.UntypedStorage], torch.UntypedStorage)(nbytes, device=device)
 

@@ -65,4 +65,13 @@ class KeyedColumn(Mapping[int, V], Generic[V]):
         return zip(self._keys, self.values())
 
 
-__all__ = ["KeyedColumn"]
+class Interned(dict[tuple[int, ...], tuple[int, ...]]):
+    """Equal sizes and strides of a batch share one plain tuple (``torch.Size`` made a tuple):
+    looked up at C speed with ``map(interned.__getitem__, ...)``."""
+
+    def __missing__(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        value = self[key] = tuple(key)
+        return value
+
+
+__all__ = ["Interned", "KeyedColumn"]

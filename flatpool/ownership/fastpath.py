@@ -32,6 +32,7 @@ from ..requests import check_dtype
 from ..slice_index import SliceRun
 from ..slices import Slice
 from ..state import PoolState, pool_index, pool_of_storage
+from .columns import Interned
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMoves, place_columns
@@ -113,15 +114,6 @@ _UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
 """What reading a placeholder storage's pointer raises (a C++ functional tensor's)."""
 
 
-class _Interned(dict[tuple[int, ...], tuple[int, ...]]):
-    """Equal sizes and strides of a batch share one plain tuple (``torch.Size`` made a tuple):
-    looked up at C speed with ``map(interned.__getitem__, ...)``."""
-
-    def __missing__(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        value = self[key] = tuple(key)
-        return value
-
-
 def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
     """Per-tensor facts, or ``None`` when any tensor needs the general path.
 
@@ -138,7 +130,7 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
                        "is_quantized")
     plain = {(True if cpu else device, *_PLAIN_FLAGS)}
     by_storage = pool_index()
-    interned = _Interned()
+    interned = Interned()
     intern = interned.__getitem__
     dtypes: set[torch.dtype] = set()
     for first in range(0, len(tensors), COPY_CHUNK):

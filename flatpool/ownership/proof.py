@@ -19,9 +19,11 @@ this check only makes its failures rare and early.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Sized
+from itertools import repeat
 from typing import TypeVar
 
 import torch
@@ -47,6 +49,48 @@ def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
         if isinstance(rec, ImplSwap) and rec.other is not None and rec.key is not None:
             out.setdefault(rec.key, []).append(rec.other)
     return out
+
+
+def swapped_held_once(txn: Transaction, olds: dict[int, list[torch.Tensor]]) -> bool:
+    """What :func:`storage_pinned` says of every original when none is pinned, for a batch
+    whose moved views left one old impl each (FSDP2's padded shards), in C-level passes: an
+    original with no old impl is used by our storage object alone; one with an old impl by
+    that, the old impl (nothing else owns it) and the old impl's base (on the same storage,
+    which nothing in Python references). ``False`` only means "count each one"."""
+    originals = txn.originals
+    plain: list[torch.UntypedStorage] = []
+    swapped: list[torch.UntypedStorage] = []
+    moved_off: list[torch.Tensor] = []
+    found: list[torch.Tensor] | None = None
+    for key in originals.key_column():
+        found = olds.get(key)
+        if found is None:
+            plain.append(originals[key])
+        elif len(found) == 1:
+            swapped.append(originals[key])
+            moved_off.append(found[0])
+        else:
+            return False
+    del found
+    if not (tc.storages_used_as(plain, 1, 1)
+            and tc.storages_used_as(swapped, 3, 1 + tc.PRESERVED_STORAGE_REF)):
+        return False
+    del plain
+    keys = list(map(tc.storage_key_of, swapped))
+    del swapped
+    with tc.no_torch_function():
+        if not all(map(operator.eq, map(tc.tensor_impl_users, moved_off), repeat(1))):
+            return False  # an old impl someone else also owns stays on the original
+        if list(map(tc.storage_address, moved_off)) != keys:
+            return False
+        bases = list(map(tc.impl_base, moved_off))
+        if any(map(operator.is_, bases, repeat(None))) or list(  # (not `None in`: == per tensor)
+                map(tc.storage_address, bases)) != keys:  # type: ignore[arg-type]
+            return False
+        # a view's base is owned by the view too: torch then holds its Python object as well
+        if not all(map(operator.lt, repeat(1), map(tc.tensor_impl_users, bases))):  # type: ignore[arg-type]
+            return False
+    return tc.tensors_referenced(bases, tc.PRESERVED_TENSOR_REF)  # type: ignore[arg-type]
 
 
 def storage_pinned(txn: Transaction, key: int, olds: list[torch.Tensor] | None = None) -> bool:
@@ -246,4 +290,5 @@ def _accumulator_holds(t: torch.Tensor) -> bool:
 
 __all__ = ["CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "cxx_holder_wait",
            "effective_cxx_holder_wait", "held_outside_python", "load_factor", "look_again",
-           "old_impls", "set_cxx_holder_wait", "settle_delays", "storage_pinned"]
+           "old_impls", "set_cxx_holder_wait", "settle_delays", "storage_pinned",
+           "swapped_held_once"]

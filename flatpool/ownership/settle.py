@@ -29,7 +29,7 @@ from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import ImplSwap
 from .pins import name_pins, only_cxx
-from .proof import OUTSIDE_PYTHON, look_again, old_impls, storage_pinned
+from .proof import OUTSIDE_PYTHON, look_again, old_impls, storage_pinned, swapped_held_once
 from .spec import OnPinned
 from .transaction import Transaction
 
@@ -99,8 +99,9 @@ def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict
     only by an owner outside Python)."""
     olds = old_impls(txn)
     originals, users, refs = txn.originals, tc.storage_users, tc.python_refs
-    if not olds and not outside and tc.storages_held_once(originals.values()):
-        return {}  # the counts below, read for every original in two C-level passes
+    if not outside and (swapped_held_once(txn, olds) if olds
+                        else tc.storages_held_once(originals.values())):
+        return {}  # the counts below, read for every original in C-level passes
     out: dict[int, bool] = {}
     for key in keys:
         if key not in olds:  # the common case, inline: only our storage object uses it

@@ -26,8 +26,9 @@ interrupt, the invariant check, the use-count pre-check, the weak-reference proo
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from typing import Any
+from operator import add, and_, attrgetter, eq, floordiv, ge, is_, itemgetter, le, mul, sub
 
 import torch
 
@@ -36,17 +37,19 @@ from ..holder import Holder
 from ..registry import Record, make_record, tensor_ref
 from ..requests import check_dtype
 from ..slices import Slice
-from ..state import PoolState, pool_of_storage
+from ..state import PoolState, pool_index, pool_of_storage
+from .columns import Interned
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, Place, SetMove, place_many, swap_many
+from .moves import ImplSwap, Place, SetMove, SetMoves, place_columns, place_many, swap_many
 from .proof import held_outside_python
-from .settle import Placed, check_placed, keep_unreleased, release, settle_pins
+from .settle import check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
 from .transaction import Transaction
 from .validate import label
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = set(_PLAIN)
 _LOCAL = "_local_tensor"
 
 
@@ -62,44 +65,59 @@ def sharded_specs(targets: object) -> list[AdoptSpec] | None:
     return list(targets)
 
 
-class _Row:
-    """One spec's facts: the shard ``t``, its local tensor ``local``, where both sit now."""
+class _Rows:
+    """The batch's facts, one column per fact, in spec order (no object per member): the shard
+    ``ts[i]``, its local tensor ``locals[i]`` and wrapper, where both sit now."""
 
-    __slots__ = ("t", "local", "key", "storage", "offset", "size", "stride", "version",
-                 "local_version", "local_offset", "swap", "grad", "nbytes", "local_size", "local_stride", "holder", "wrapper", "slice")
+    __slots__ = ("ts", "locals", "wrappers", "holders", "keys", "storages", "offsets", "sizes",
+                 "strides", "dtypes", "nbytes", "versions", "local_versions", "local_offsets",
+                 "local_sizes", "local_strides", "swaps", "grads", "slices")
 
-    def __init__(self, t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor, key: int,
-                 storage: torch.UntypedStorage) -> None:
-        self.t, self.local, self.wrapper, self.key = t, local, wrapper, key
-        self.storage: torch.UntypedStorage | None = storage
-        self.offset = int(t.storage_offset())
-        self.size: tuple[int, ...] = tuple(t.size())
-        self.stride: tuple[int, ...] = t.stride()
-        self.nbytes = t.numel() * t.dtype.itemsize
-        self.version = t._version
-        self.local_version = local._version
-        self.local_offset = int(local.storage_offset())
-        self.local_size: tuple[int, ...] = tuple(local.size())
-        self.local_stride: tuple[int, ...] = local.stride()
-        self.holder: Holder | None = None
-        self.slice: Slice | None = None
-        self.swap = False
+    def __init__(self, ts: list[torch.Tensor], locals_: list[torch.Tensor],
+                 wrappers: list[torch.Tensor], holders: list[Holder | None]) -> None:
+        self.ts, self.locals, self.wrappers, self.holders = ts, locals_, wrappers, holders
+        self.keys: list[int] = []
+        self.storages: list[torch.UntypedStorage] = []
+        self.offsets: list[int] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.strides: list[tuple[int, ...]] = []
+        self.dtypes: list[torch.dtype] = []
+        self.nbytes: list[int] = []
+        """Bytes of each shard (its slice's size)."""
+        self.versions: list[int] = []
+        self.local_versions: list[int] = []
+        self.local_offsets: list[int] = []
+        self.local_sizes: list[tuple[int, ...]] = []
+        self.local_strides: list[tuple[int, ...]] = []
+        self.swaps: list[bool] = []
         """The shard moves by an impl swap (an autograd view of a base that stays behind)."""
-        self.grad = False
+        self.grads: list[bool] = []
+        self.slices: list[Slice | None] = []
+
+    def containers(self) -> list[object]:
+        """The lists that hold the batch's tensors (for pin scans to skip)."""
+        return [self.ts, self.locals, self.wrappers, self.holders, self.storages]
 
 
 _FLAGS = attrgetter("layout", "is_nested", "is_quantized")
 _PLAIN_FLAGS = {(torch.strided, False, False)}
+_tensor_of, _views_of = attrgetter("tensor"), attrgetter("views")
+_holders_of, _slice_of = attrgetter("holders"), attrgetter("slice")
+_local_of, _base_of = attrgetter(_LOCAL), attrgetter("_base")
+_owner, _key, _item = attrgetter("owner"), attrgetter("key"), attrgetter("item")
+_version_of, _itemsize = attrgetter("_version"), attrgetter("itemsize")
+_first = itemgetter(0)
+_UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
+"""What reading a placeholder storage (or a hostile wrapper's) raises."""
 
 
-def _plain_facts(found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Holder | None]],
+def _plain_facts(shards: list[torch.Tensor], locals_: list[torch.Tensor],
                  cpu: bool, device: torch.device) -> bool:
     """Every shard and local tensor is a dense, contiguous, plain-bit tensor, the local of its
     shard's dtype, every shard non-empty and on the pool's device: one C-level ``map`` pass a
     fact over the batch (both are exact tensors: torch's own attributes, no override). The
     local tensor's device is its storage's, checked with the storage."""
-    shards = [f[0] for f in found]
-    both = shards + [f[1] for f in found]
+    both = shards + locals_
     if set(map(_FLAGS, both)) != _PLAIN_FLAGS:
         return False
     if (any(map(tc.impl_is_inference, both)) or any(map(tc.impl_is_conj, both))
@@ -117,110 +135,164 @@ def _plain_facts(found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Hol
 _is_cpu = attrgetter("is_cpu")
 
 
-def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> list[_Row] | None:
-    """Per-spec facts, or ``None`` when any spec needs the general path.
+def _holders(specs: list[AdoptSpec], ts: list[torch.Tensor]) -> list[Holder | None] | None:
+    """Each spec's one holder of its shard (or ``None``), or ``None`` when any spec needs the
+    general path: a second holder, a place nothing can be written to, one that does not hold
+    the shard now. Assignability is decided once per place kind (the owner's type, the key)."""
+    given = list(map(_holders_of, specs))
+    if set(map(len, given)) - {0, 1}:
+        return None  # (a second holder, or one of the local, is the general path's)
+    holders: list[Holder | None] = [h[0] if h else None for h in given]
+    present = [h for h in holders if h is not None]
+    if not present:
+        return holders
+    if set(map(type, present)) != {Holder}:
+        return None
+    owners, keys, items = list(map(_owner, present)), list(map(_key, present)), list(map(_item, present))
+    for place in set(zip(map(type, owners), keys, items)):  # (a place's key is hashable: a name)
+        cls, key, item = place
+        probe = next(h for h in present if type(h.owner) is cls and h.key == key and h.item == item)
+        if probe.unassignable() is not None:
+            return None
+    try:
+        values = (list(map(getattr, owners, keys)) if not any(items)
+                  else [h.get() for h in present])
+    except Exception:  # noqa: BLE001 - a place that cannot be read: the general path reports
+        return None
+    shards = ts if len(present) == len(ts) else [t for t, h in zip(ts, holders) if h is not None]
+    if not all(map(is_, values, shards)):
+        return None
+    return holders
+
+
+def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows | None:
+    """The batch's facts as columns, or ``None`` when any spec needs the general path.
 
     Shard and local tensor are exact ``torch.Tensor`` objects: their attributes are torch's
-    own TensorImpl reads. The wrapper is read only for its ``_local_tensor`` and for having no
-    memory of its own (a storage-sharing or meta wrapper moves differently: general path).
+    own TensorImpl reads, each one C-level ``map`` pass over the batch. The wrapper is read only
+    for its ``_local_tensor`` and for having no memory of its own (a storage-sharing or meta
+    wrapper moves differently: general path).
     """
-    rows: list[_Row] = []
-    seen: set[int] = set()
-    given: set[int] = set()
-    assignable: dict[tuple[type, object, bool], str | None | bool] = {}
-    dtypes: set[torch.dtype] = set()
     device = pool.device
     cpu = device.type == "cpu"
-    storage_key, pointer_valid = tc.storage_key, tc.storage_pointer_valid
-    with_slice = specs[0].slice is not None
+    n = len(specs)
+    slices: list[Slice | None] = list(map(_slice_of, specs))
+    with_slice = slices[0] is not None
+    if _nones(slices) != (0 if with_slice else n):
+        return None  # some specs name their slice, some not
     if with_slice and not planned:
         return None  # an existing slice's bytes must be saved for a rollback: general path
     # Python-level reads first (a wrapper's ``_local_tensor``, the holders' places), as the
     # general path makes them; then every TensorImpl read in one no_torch_function block.
-    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Holder | None]] = []
-    for spec in specs:
-        t, wrapper = spec.tensor, spec.views[0]
-        local = getattr(wrapper, _LOCAL, None)
-        if type(local) not in _PLAIN or local is t or (spec.slice is not None) != with_slice:
-            return None
-        assert isinstance(local, torch.Tensor)
-        holder = None
-        for h in spec.holders:
-            if type(h) is not Holder or holder is not None:
-                return None  # (a second holder, or one of the local, is the general path's)
-            place = (type(h.owner), h.key, h.item)  # decided from the owner's type alone
-            why = assignable.get(place, False)
-            if why is False:
-                why = assignable[place] = h.unassignable()
-            if why is not None:
-                return None
-            try:
-                value = h.get()
-            except Exception:
-                return None
-            if value is not t:
-                return None
-            del value
-            holder = h
-        found.append((t, local, wrapper, holder))
+    ts: list[torch.Tensor] = list(map(_tensor_of, specs))
+    wrappers: list[torch.Tensor] = list(map(_first, map(_views_of, specs)))
+    try:
+        locals_: list[torch.Tensor] = list(map(_local_of, wrappers))
+    except AttributeError:
+        return None
+    if not set(map(type, locals_)) <= _PLAIN_TYPES or any(map(is_, locals_, ts)):
+        return None
+    holders = _holders(specs, ts)
+    if holders is None:
+        return None
+    r = _Rows(ts, locals_, wrappers, holders)
     with tc.no_torch_function():
-        if not _plain_facts(found, cpu, device):
+        if not _plain_facts(ts, locals_, cpu, device):
             return None
-        for spec, (t, local, wrapper, holder) in zip(specs, found):
-            dt = t.dtype
-            # The shard moves in place when it is no autograd view, or a view of its local
-            # tensor (which moves with it); a view of a base that stays behind (FSDP2's padded
-            # tensor) gets a fresh impl on its slice, swapped in, or that base would pin the
-            # original. The local tensor moves in place: no view, or a view of a shard moving
-            # in place.
-            base, local_base = t._base, local._base
-            swap = base is not None and base is not local
-            if local_base is not None and (local_base is not t or swap):
+        # The shard moves in place when it is no autograd view, or a view of its local tensor
+        # (which moves with it); a view of a base that stays behind (FSDP2's padded tensor)
+        # gets a fresh impl on its slice, swapped in, or that base would pin the original. The
+        # local tensor moves in place: no view, or a view of a shard moving in place.
+        bases = list(map(_base_of, ts))
+        swaps = r.swaps = list(map(_swaps, bases, locals_))
+        local_bases = list(map(_base_of, locals_))
+        if _nones(local_bases) != n and not all(map(_local_moves, local_bases, ts, swaps)):
+            return None
+        if any(swaps) and list(map(tc.storage_address, compress(bases, swaps))) != list(
+                map(tc.storage_address, compress(ts, swaps))):
+            return None  # a view of a base on another storage
+        del bases, local_bases
+        storages = list(map(tc.impl_untyped_storage, ts))
+        try:
+            if not all(map(tc.storage_data_ptr, storages)):
+                return None  # (no shard here is empty: a null pointer is a placeholder)
+        except _UNREADABLE_STORAGE:
+            return None
+        keys = list(map(tc.storage_key_of, storages))
+        if len(set(keys)) != n:
+            return None  # two shards on one storage
+        if not all(map(tc.storage_resizable, storages)) and not all(
+                tc.storage_resizable(st) or tc.torch_allocated(st) is True for st in storages):
+            return None  # external memory: the general path reports it external
+        if cpu and any(map(tc.storage_is_shared, storages)):
+            return None  # shared memory: another process may map it
+        by_storage = pool_index()
+        if any(map(by_storage.__contains__, keys)) and any(
+                pool_of_storage(k) is not None for k in keys):
+            return None  # a pool's storage
+        if list(map(tc.storage_address, locals_)) != keys:
+            return None  # a local tensor elsewhere than its shard
+        try:  # a wrapper on the shard's storage (or meta) moves too: the general path's
+            if any(map(tc.impl_is_meta, wrappers)) or any(
+                    map(eq, map(tc.storage_address, wrappers), keys)):
                 return None
-            if swap and tc.storage_address(base) != tc.storage_address(t):  # type: ignore[arg-type]
-                return None
-            del base, local_base
-            storage = t.untyped_storage()
-            if not pointer_valid(storage):
-                return None
-            key = storage_key(storage)
-            if (key in seen or (not storage.resizable() and tc.torch_allocated(storage) is not True)
-                    or (cpu and storage.is_shared()) or pool_of_storage(key) is not None
-                    or tc.storage_address(local) != key):
-                return None
-            try:
-                if tc.impl_is_meta(wrapper) or tc.storage_address(wrapper) == key:
-                    return None  # a wrapper on the shard's storage (or meta) moves too
-            except (RuntimeError, NotImplementedError, TypeError):
-                return None
-            seen.add(key)
-            row = _Row(t, local, wrapper, key, storage)
-            del storage
-            row.holder = holder
-            row.swap = swap
-            if swap:
-                row.grad = t.requires_grad and t.is_leaf
-            numel = t.numel()
-            if ((row.offset + numel) * dt.itemsize > row.storage.nbytes()  # type: ignore[union-attr]
-                    or row.local_offset < row.offset
-                    or row.local_offset + local.numel() > row.offset + numel):
-                return None
-            if spec.slice is not None:
-                slc = spec.slice
+        except _UNREADABLE_STORAGE:
+            return None
+        interned = Interned()
+        intern = interned.__getitem__
+        dtypes = r.dtypes = list(map(tc.impl_dtype_of, ts))
+        items = list(map(_itemsize, dtypes))
+        offsets = r.offsets = list(map(tc.impl_storage_offset, ts))
+        numels = list(map(tc.impl_numel, ts))
+        r.sizes = list(map(intern, map(tc.impl_size, ts)))
+        r.strides = list(map(intern, map(tc.impl_stride, ts)))
+        r.nbytes = list(map(mul, numels, items))
+        ends = list(map(add, offsets, numels))
+        if not all(map(le, map(mul, ends, items), map(tc.storage_nbytes, storages))):
+            return None  # reaches past its storage: the general path names it
+        local_offsets = r.local_offsets = list(map(tc.impl_storage_offset, locals_))
+        if not (all(map(ge, local_offsets, offsets)) and all(
+                map(le, map(add, local_offsets, map(tc.impl_numel, locals_)), ends))):
+            return None  # a local tensor outside its shard
+        r.local_sizes = list(map(intern, map(tc.impl_size, locals_)))
+        r.local_strides = list(map(intern, map(tc.impl_stride, locals_)))
+        r.versions = list(map(_version_of, ts))
+        r.local_versions = list(map(_version_of, locals_))
+        r.grads = list(map(and_, swaps, map(and_, map(tc.impl_requires_grad, ts),
+                                            map(tc.impl_is_leaf, ts))))
+        if with_slice:
+            given: set[int] = set()
+            for slc, dt, nb in zip(slices, dtypes, r.nbytes):
                 if (type(slc) is not Slice or slc.pool is not pool or slc.slice_id in given
-                        or slc.dtype != dt or slc.nbytes != row.nbytes
-                        or pool.registry.holds(slc.slice_id)):
+                        or slc.dtype != dt or slc.nbytes != nb):
                     return None
                 given.add(slc.slice_id)
-                row.slice = slc
-            dtypes.add(dt)
-            rows.append(row)
-    if with_slice and not pool.all_live([r.slice.slice_id for r in rows],  # type: ignore[union-attr]
-                                        [r.slice for r in rows]):  # type: ignore[misc]
+            if pool.registry.holds_any(given):
+                return None
+            r.slices = slices
+        r.keys, r.storages = keys, storages
+        del storages
+    if with_slice and not pool.all_live([s.slice_id for s in slices],  # type: ignore[union-attr]
+                                        slices):  # type: ignore[arg-type]
         return None  # a freed or relocated handle: the general path names it
-    for dt in dtypes:
+    for dt in set(dtypes):
         check_dtype(dt)
-    return rows
+    return r
+
+
+def _nones(xs: list[Any]) -> int:
+    """How many of ``xs`` are ``None``, by identity (``list.count`` and ``in`` compare with
+    ``==``: a tensor's ``__eq__`` is a dispatched op, microseconds each)."""
+    return sum(map(is_, xs, repeat(None)))
+
+
+def _swaps(base: torch.Tensor | None, local: torch.Tensor) -> bool:
+    return base is not None and base is not local
+
+
+def _local_moves(local_base: torch.Tensor | None, t: torch.Tensor, swap: bool) -> bool:
+    """The local tensor can move in place: no view, or a view of a shard moving in place."""
+    return local_base is None or (local_base is t and not swap)
 
 
 def adopt_sharded(
@@ -229,109 +301,123 @@ def adopt_sharded(
     """Adopt ``specs`` in ``txn``; ``None`` (nothing done) when one needs the general path."""
     snap = txn.snapshot
     planned = snap is not None and snap.buffer is None and snap.buffer_key is None
-    rows = _eligible(pool, specs, planned)
-    if rows is None:
+    r = _eligible(pool, specs, planned)
+    if r is None:
         return None
-    moving = [x for r in rows for x in (r.t, r.local)]
-    sets = [x for r in rows for x in ((r.local,) if r.swap else (r.t, r.local))]
+    moving = r.ts + r.locals
+    sets = r.locals + [t for t, sw in zip(r.ts, r.swaps) if not sw]
     held = {id(t) for t in held_outside_python(sets, moving)}
     del moving, sets
     outside = {}
-    for r in rows:
-        found = [x for x in (r.t, r.local) if id(x) in held]
-        if found:
-            outside[r.key] = found
-    return _adopt(pool, rows, txn, on_pinned, outside)
+    if held:
+        for t, local, key in zip(r.ts, r.locals, r.keys):
+            found = [x for x in (t, local) if id(x) in held]
+            if found:
+                outside[key] = found
+    return _adopt(pool, r, txn, on_pinned, outside)
 
 
 def _adopt(
-    pool: PoolState, rows: list[_Row], txn: Transaction, on_pinned: OnPinned,
+    pool: PoolState, r: _Rows, txn: Transaction, on_pinned: OnPinned,
     outside: dict[int, list[torch.Tensor]],
 ) -> AdoptionReport:
-    originals, nbytes = txn.originals, txn.nbytes
-    for r in rows:
-        assert r.storage is not None
-        originals[r.key] = r.storage
-        nbytes[r.key] = r.storage.nbytes()
-        r.storage = None
+    keys, ts, locals_ = r.keys, r.ts, r.locals
+    txn.originals.add_columns(keys, r.storages)
+    txn.nbytes.add_columns(keys, list(map(tc.storage_nbytes, r.storages)))
+    r.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")
-    if rows[0].slice is None:
-        slices = pool.allocate_many([(r.size, r.t.dtype) for r in rows])
+    if not r.slices:
+        slices = pool.allocate_many(list(zip(r.sizes, r.dtypes)))
     else:
-        slices = [r.slice for r in rows]  # type: ignore[misc]
+        slices = r.slices  # type: ignore[assignment]
     target = pool.storage
     empty, dev, flags = torch.empty, pool.device, tc.copy_tensor_flags
-    for first in range(0, len(rows), COPY_CHUNK):
-        chunk = rows[first:first + COPY_CHUNK]
-        placed = slices[first:first + COPY_CHUNK]
+    starts = list(map(floordiv, map(_offset_of, slices), map(_itemsize, r.dtypes)))
+    local_starts = list(map(add, starts, map(sub, r.local_offsets, r.offsets)))
+    his = list(map(add, map(_offset_of, slices), r.nbytes))
+    journal = txn.journal
+    for first in range(0, len(ts), COPY_CHUNK):
+        last = first + COPY_CHUNK
+        chunk = ts[first:last]
         with tc.no_torch_function():
-            srcs = [r.t.detach() for r in chunk]
+            srcs = list(map(tc.impl_detach, chunk))
         checkpoint("rebind")
-        journal: list[SetMove | ImplSwap] = []
+        records: list[SetMove | SetMoves | ImplSwap] = []
         places: list[Place] = []
         swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
-        where: list[Placed] = []
-        for r, slc in zip(chunk, placed):
-            item = r.t.dtype.itemsize
-            start = slc.offset // item
-            if r.swap:  # fresh_like(), inline: the transaction is outside grad and inference
-                fresh = empty(0, dtype=r.t.dtype, device=dev).set_(target, start, r.size, r.stride)
-                if r.grad:
+        for i in range(first, min(last, len(ts))):
+            t = ts[i]
+            if r.swaps[i]:  # fresh_like(), inline: the transaction is outside grad and inference
+                fresh = empty(0, dtype=r.dtypes[i], device=dev).set_(
+                    target, starts[i], r.sizes[i], r.strides[i])
+                if r.grads[i]:
                     fresh.requires_grad_(True)
-                flags(r.t, fresh)
-                journal.append(ImplSwap(r.t, fresh, r.key, r.version, (r.offset, r.size, r.stride),
-                                        r.t.dtype))
-                swaps.append((r.t, fresh))
+                flags(t, fresh)
+                records.append(ImplSwap(t, fresh, keys[i], r.versions[i],
+                                        (r.offsets[i], r.sizes[i], r.strides[i]), r.dtypes[i]))
+                swaps.append((t, fresh))
                 del fresh
             else:
-                journal.append(SetMove(r.t, r.key, r.offset, r.size, r.stride, r.version))
-                places.append((r.t, target, start, r.size, r.stride))
-            journal.append(SetMove(r.local, r.key, r.local_offset, r.local_size, r.local_stride,
-                                   r.local_version))
-            places.append((r.local, target, start + r.local_offset - r.offset, r.local_size,
-                           r.local_stride))
-            lo = slc.offset
-            hi = lo + r.nbytes
-            where.append((r.t, lo, hi))
-            where.append((r.local, lo, hi))
-        txn.journal.extend(journal)  # write-ahead: the records exist before the moves
-        del journal
+                records.append(SetMove(t, keys[i], r.offsets[i], r.sizes[i], r.strides[i],
+                                       r.versions[i]))
+                places.append((t, target, starts[i], r.sizes[i], r.strides[i]))
+        # write-ahead: the records exist before the moves (the locals as one column record)
+        records.append(SetMoves(locals_, keys, r.local_offsets, r.local_sizes, r.local_strides,
+                                r.local_versions, first, last))
+        journal.extend(records)
+        del records
         place_many(places)
         swap_many(swaps)
-        del places, swaps
-        check_placed(pool, where)
-        del where
+        place_columns(locals_[first:last], target, local_starts[first:last],
+                      r.local_sizes[first:last], r.local_strides[first:last])
+        del places, swaps, t
+        los, his_ = slices_offsets(slices, first, last), his[first:last]
+        check_placed(pool, chain(zip(chunk, los, his_), zip(locals_[first:last], los, his_)))
         checkpoint("copy")
-        copy_all([r.t for r in chunk], srcs)
-        del srcs
-    tc.set_versions([x for r in rows for x in (r.t, r.local)],
-                    [v for r in rows for v in (r.version, r.local_version)])
+        copy_all(chunk, srcs)
+        del srcs, chunk
+    tc.set_versions(ts + locals_, r.versions + r.local_versions)
 
-    index = {r.key: i for i, r in enumerate(rows)}
+    index: dict[int, int] = {}
+
+    def at(key: int) -> int:  # built only when an original is named (pinned, late)
+        if not index:
+            index.update((k, i) for i, k in enumerate(keys))
+        return index[key]
 
     def name(key: int) -> str:
-        return label(rows[index[key]].t, index[key])
+        return label(ts[at(key)], at(key))
 
-    keys = [r.key for r in rows]
-    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [rows, *rows])
+    pins = settle_pins(txn, keys, name, outside, on_pinned, r.containers)
     keep_unreleased(pool, txn, name, pins, outside)
-    pool.registry.bind_many((s.slice_id, _records(r)) for r, s in zip(rows, slices))
+    pool.registry.bind_many(zip(map(_slice_id, slices), map(
+        _records, ts, locals_, r.wrappers, r.holders, r.sizes, r.strides, r.dtypes,
+        r.local_sizes, r.local_strides, map(sub, r.local_offsets, r.offsets))))
     expired, late = release(txn, name, pins, on_pinned)
-    pinned = {index[k]: v for k, v in (*pins.items(), *late.items())}
+    pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
+    nbytes = txn.nbytes
     return AdoptionReport(ItemTable(slices, [nbytes[k] for k in keys],
                                     [expired[k] for k in keys], pinned, rebound=2))
 
 
-def _records(r: _Row) -> list[Record]:
+_offset_of, _slice_id = attrgetter("offset"), attrgetter("slice_id")
+
+
+def slices_offsets(slices: Sequence[Slice], first: int, last: int) -> list[int]:
+    return list(map(_offset_of, slices[first:last]))
+
+
+def _records(t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor, holder: Holder | None,
+             size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+             local_size: tuple[int, ...], local_stride: tuple[int, ...], shift: int,
+             ) -> list[Record]:
     """The general path's records for a spec of this shape: the shard (with its holder), then
     the local tensor (held by its wrapper's slot)."""
-    dtype = r.t.dtype
-    shift = (r.local_offset - r.offset) * dtype.itemsize
     # The local's record is make_record()'s tuple, inline: its holder's owner is the wrapper,
     # a tensor, which make_record() refers to by tensor_ref() as well.
-    return [make_record(r.t, 0, r.size, r.stride, dtype, r.holder, True),
-            (tensor_ref(r.local), shift, r.local_size, r.local_stride, dtype,
-             tensor_ref(r.wrapper), _LOCAL, False, False)]
+    return [make_record(t, 0, size, stride, dtype, holder, True),
+            (tensor_ref(local), shift * dtype.itemsize, local_size, local_stride, dtype,
+             tensor_ref(wrapper), _LOCAL, False, False)]
 
 
 def is_sharded_batch(specs: Sequence[object]) -> bool:

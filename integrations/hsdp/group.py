@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
+from itertools import repeat
+from operator import attrgetter, eq, floordiv, is_, itemgetter
 
 import torch
 from attrs import define, field
@@ -30,7 +33,7 @@ from flatpool.pool import contiguous_strides
 
 from .kept import KeptAlive
 from .layout import Bucket, MemberLayout
-from .members import data_of, has_memory, impl_device, impl_requires_grad, impl_size
+from .members import data_all, data_of, has_memory, impl_device, impl_requires_grad, impl_size
 from .members import local_of, member_name, padded_size, shard_dim
 from .protocol import ShardedParam
 from .wrappers import WrapperKinds
@@ -85,17 +88,25 @@ class GroupBuffers:
         return [b.pool for b in self.buckets]
 
 
-def skip_reason(params: Sequence[ShardedParam], world_size: int | None) -> str | None:
-    """Why a group must not be fused now, or ``None``: HyperParallel's three skip cases."""
+def skip_reason(
+    params: Sequence[ShardedParam], world_size: int | None,
+    data: Sequence[torch.Tensor] | None = None,
+) -> str | None:
+    """Why a group must not be fused now, or ``None``: HyperParallel's three skip cases.
+    ``data``: the members' :func:`data_all`, when the caller has it."""
     if not params:
         return "empty group: nothing to fuse"
     if world_size is not None and world_size <= 1:
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
-    if any(p.offload_to_cpu for p in params):
+    if any(map(_offload, params)):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
-    with tc.no_torch_function():  # one pass of TensorImpl reads
-        meta = [i for i, p in enumerate(params)
-                if tc.impl_is_meta(data_of(p, i)) or tc.impl_is_meta(local_of(p.sharded_param))]
+    data = data_all(params) if data is None else data
+    with tc.no_torch_function():  # C-level passes of TensorImpl reads
+        locals_ = list(map(local_of, map(_wrapper, params)))
+        meta = [] if not (any(map(tc.impl_is_meta, data)) or any(map(tc.impl_is_meta, locals_))) \
+            else [i for i, (d, t) in enumerate(zip(data, locals_))
+                  if tc.impl_is_meta(d) or tc.impl_is_meta(t)]
+        del locals_
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
@@ -159,12 +170,19 @@ def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
     )
 
 
-def bucket_members(params: Sequence[ShardedParam]) -> dict[torch.dtype, list[int]]:
-    """Member indices per dtype of the padded data, first-seen dtype first, group order kept."""
-    out: dict[torch.dtype, list[int]] = {}
+def bucket_members(
+    params: Sequence[ShardedParam], data: Sequence[torch.Tensor] | None = None,
+) -> dict[torch.dtype, list[int]]:
+    """Member indices per dtype of the padded data, first-seen dtype first, group order kept
+    (``data``: the members' :func:`data_all`, when the caller has it)."""
+    data = data_all(params) if data is None else data
     with tc.no_torch_function():
-        for i, p in enumerate(params):
-            out.setdefault(tc.impl_dtype(data_of(p, i)), []).append(i)
+        dtypes = list(map(tc.impl_dtype_of, data))
+    if len(set(dtypes)) == 1:
+        return {dtypes[0]: list(range(len(dtypes)))}
+    out: dict[torch.dtype, list[int]] = {}
+    for i, dt in enumerate(dtypes):
+        out.setdefault(dt, []).append(i)
     return out
 
 
@@ -209,18 +227,19 @@ def _adopt_group(
     params: list[ShardedParam], device: DeviceLike | None, world_size: int | None,
     alignment: int, name: str, on_pinned: OnPinned, kept: KeptAlive | None,
 ) -> GroupBuffers:
-    reason = skip_reason(params, world_size)
+    data = data_all(params) if params else []
+    reason = skip_reason(params, world_size, data)
     if reason is not None:
         return GroupBuffers(skipped=reason)
-    dev = resolve_device(device) if device is not None else impl_device(data_of(params[0], 0))
-    plans = plan_buckets(params, dev, alignment, name)
+    dev = resolve_device(device) if device is not None else impl_device(data[0])
+    plans = plan_buckets(params, dev, alignment, name, data)
 
     done: list[tuple[FlatPool, list[MemberLayout]]] = []
     reports = []
     freed = 0
     try:
         for _, pool, layouts in plans:
-            specs = [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
+            specs = _specs(params, layouts, data)
             if specs:
                 report = pool.adopt(specs, on_pinned=on_pinned)
                 freed += report.freed_bytes
@@ -239,33 +258,89 @@ def _adopt_group(
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
 
+def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout],
+           data: Sequence[torch.Tensor]) -> list[AdoptSpec]:
+    """:func:`adopt_spec` of each member with a slice; in C-level passes when every member has
+    one (``data``: the members' padded data, read once for the whole call)."""
+    if not all(map(_slice_of, layouts)):
+        return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
+    ps = [params[m.index] for m in layouts]
+    # zip() of one column gives the one-element tuples the spec's views and holders are
+    return list(map(AdoptSpec, [data[m.index] for m in layouts], zip(map(_wrapper, ps)),
+                    zip(map(Holder, ps, repeat(_DATA))), map(_slice_of, layouts)))
+
+
+_DATA = "_sharded_param_data"
+_slice_of, _wrapper = attrgetter("slice"), attrgetter("sharded_param")
+_offload = attrgetter("offload_to_cpu")
+_sharded_attr = attrgetter("sharded_size")
+_first = itemgetter(0)
+
 BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]
 
 
+def _padded_all(ps: list[ShardedParam], indices: list[int]) -> list[torch.Size]:
+    """:func:`padded_size` of each member: one attribute pass when every member says its
+    padded size as a ``torch.Size`` (FSDP2's do), else member by member."""
+    found = list(map(getattr, ps, repeat("padded_sharded_param_size"), repeat(None)))
+    if all(map(is_, map(type, found), repeat(torch.Size))):
+        return cast("list[torch.Size]", found)
+    return [padded_size(p, i) for p, i in zip(ps, indices)]
+
+
+def _layouts(ps: list[ShardedParam], indices: list[int], offsets: list[int],
+             padded: list[torch.Size], sizes: list[torch.Size], counts: list[int],
+             slices: list[Slice]) -> list[MemberLayout] | None:
+    """:func:`layout_of` of a bucket whose members all have a slice, in C-level passes; ``None``
+    when a member needs the per-member form (its checks name what is wrong)."""
+    if not (all(map(eq, map(len, sizes), repeat(1))) and list(map(_first, sizes)) == counts):
+        return None
+    origs = list(map(getattr, ps, repeat("_orig_size"), repeat(None)))
+    sharded = list(map(_sharded_attr, ps))
+    if not (all(map(is_, map(type, origs), repeat(torch.Size)))
+            and all(map(is_, map(type, sharded), repeat(torch.Size)))):
+        return None
+    return list(map(MemberLayout, indices, offsets, counts, padded, sharded, origs,
+                    map(shard_dim, ps), slices))
+
+
 def plan_buckets(
-    params: Sequence[ShardedParam], device: torch.device, alignment: int, name: str
+    params: Sequence[ShardedParam], device: torch.device, alignment: int, name: str,
+    data: Sequence[torch.Tensor] | None = None,
 ) -> list[BucketPlan]:
     """One planned (not yet materialized) pool per dtype, a slice per member in group order.
 
     A member whose padded shard holds no element (a parameter with no rows) gets no slice: it
     keeps its own empty tensors, and its place in the flat buffer has no width. The slices of a
     bucket are planned in one step (:meth:`FlatPool.allocate_many`: the layout one ``allocate``
-    per member would give, packed in order).
+    per member would give, packed in order). ``data``: the members' :func:`data_all`, when the
+    caller has it.
     """
+    data = data_all(params) if data is None else data
     plans: list[BucketPlan] = []
-    for dtype, indices in bucket_members(params).items():
+    for dtype, indices in bucket_members(params, data).items():
         # A pool holds one dtype, whose slices start at multiples of max(alignment, itemsize):
         # that is the pool's alignment then (the same layout), and it lets allocate_many()
         # place the whole bucket in one step.
         pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
                         name=f"{name}/{str(dtype).replace('torch.', '')}")
-        padded = [padded_size(params[i], i) for i in indices]
+        ps = [params[i] for i in indices]
+        padded = _padded_all(ps, indices)
         with tc.no_torch_function():  # one pass of TensorImpl reads
-            sizes = [tc.impl_size(data_of(params[i], i)) for i in indices]
-        counts = [math.prod(shape) for shape in padded]
-        slices = iter(pool.allocate_many([(tuple(shape), dtype)
-                                          for shape, n in zip(padded, counts) if n]))
+            sizes = list(map(tc.impl_size, [data[i] for i in indices]))
+        counts = list(map(math.prod, padded))
         item = dtype.itemsize
+        if all(counts):  # every member gets a slice: the layouts in C-level passes
+            placed = pool.allocate_many(list(zip(map(tuple, padded), repeat(dtype))))
+            offsets = list(map(floordiv, map(attrgetter("offset"), placed), repeat(item)))
+            fast = _layouts(ps, indices, offsets, padded, sizes, counts, list(placed))
+            if fast is not None:
+                plans.append((dtype, pool, fast))
+                continue
+            slices = iter(placed)
+        else:
+            slices = iter(pool.allocate_many([(tuple(shape), dtype)
+                                              for shape, n in zip(padded, counts) if n]))
         end = pool.capacity
         layouts = []
         for i, shape, n, size in zip(indices, padded, counts, sizes):

@@ -175,3 +175,34 @@ def test_real_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
         assert torch.equal(p._sharded_param_data, b)
         assert p._sharded_param_data.untyped_storage().data_ptr() == \
             p.sharded_param._local_tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("holder", [None, "base", "storage", "alias", "old view"])
+def test_the_pin_count_of_swapped_shards(single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch,
+                                         holder: str | None) -> None:
+    """FSDP2's shards are views of a padded base that stays behind: each move leaves an old
+    impl. A healthy batch is cleared by the C-level count (no per-original count runs); any
+    extra holder (of the base, the storage object, another impl on it, the old view) still
+    pins, through the per-original count that names it."""
+    import flatpool.ownership.settle as settle
+
+    members = _members(single_rank_mesh)
+    d = members[1]._sharded_param_data
+    kept: dict[str, Any] = {
+        None: None, "base": d._base, "storage": d.untyped_storage(),
+        "alias": None if holder != "alias" else d._base.detach(),
+        "old view": None if holder != "old view" else d.view(-1),
+    }[holder]
+    del d
+    counted: list[int] = []
+    real = settle.storage_pinned
+    monkeypatch.setattr(settle, "storage_pinned", lambda *a: counted.append(1) or real(*a))
+    pool = FlatPool(alignment=1)
+    specs = [m.spec() for m in members]
+    if holder is None:
+        assert pool.adopt(specs).all_released and counted == []
+    else:
+        with pytest.raises(PinnedStorageError, match=r"#1 Tensor"):
+            pool.adopt(specs)
+        assert counted and pool.slices() == ()
+    assert kept is not None or holder is None
