@@ -236,6 +236,9 @@ def held_outside_python(
     a tensor that has such an owner pays it), stretched on a loaded machine by
     :func:`load_factor` (up to 8x).
     """
+    candidates = list(candidates)
+    if all(map(operator.eq, map(tc.tensor_impl_users, candidates), repeat(1))):
+        return []  # (every expected count is at least the Python object's own: none is held)
     children: dict[int, int] = {}
     with tc.no_torch_function():
         for v in views:

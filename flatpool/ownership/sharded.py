@@ -25,8 +25,10 @@ interrupt, the invariant check, the use-count pre-check, the weak-reference proo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import chain, compress, repeat
+from collections import deque
+from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import chain, compress, repeat, starmap
 from typing import Any
 from operator import add, and_, attrgetter, eq, floordiv, ge, is_, itemgetter, le, mul, sub
 
@@ -41,7 +43,7 @@ from ..state import PoolState, pool_index, pool_of_storage
 from .columns import Interned
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, Place, SetMove, SetMoves, place_columns, place_many, swap_many
+from .moves import ImplSwap, Place, SetMove, SetMoves, place_columns, place_many
 from .proof import held_outside_python
 from .settle import check_placed, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -112,24 +114,27 @@ _UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
 
 
 def _plain_facts(shards: list[torch.Tensor], locals_: list[torch.Tensor],
-                 cpu: bool, device: torch.device) -> bool:
-    """Every shard and local tensor is a dense, contiguous, plain-bit tensor, the local of its
-    shard's dtype, every shard non-empty and on the pool's device: one C-level ``map`` pass a
-    fact over the batch (both are exact tensors: torch's own attributes, no override). The
-    local tensor's device is its storage's, checked with the storage."""
+                 cpu: bool, device: torch.device) -> tuple[list[torch.dtype], list[int]] | None:
+    """The shards' dtypes and element counts when every shard and local tensor is a dense,
+    contiguous, plain-bit tensor, the local of its shard's dtype, every shard non-empty and on
+    the pool's device (else ``None``): one C-level ``map`` pass a fact over the batch (both are
+    exact tensors: torch's own attributes, no override). The local tensor's device is its
+    storage's, checked with the storage."""
     both = shards + locals_
     if set(map(_FLAGS, both)) != _PLAIN_FLAGS:
-        return False
+        return None
     if (any(map(tc.impl_is_inference, both)) or any(map(tc.impl_is_conj, both))
             or any(map(tc.impl_is_neg, both)) or not all(map(tc.impl_is_contiguous, both))):
-        return False
-    n = len(shards)
-    dtypes = list(map(tc.impl_dtype_of, both))
-    if dtypes[:n] != dtypes[n:] or not all(map(tc.impl_numel, shards)):
-        return False  # (a local tensor may be empty: a rank's share of no rows)
-    if cpu:
-        return all(map(_is_cpu, shards))
-    return all(d == device for d in map(tc.impl_device, shards))
+        return None
+    del both
+    dtypes = list(map(tc.impl_dtype_of, shards))
+    numels = list(map(tc.impl_numel, shards))
+    if list(map(tc.impl_dtype_of, locals_)) != dtypes or not all(numels):
+        return None  # (a local tensor may be empty: a rank's share of no rows)
+    if not (all(map(_is_cpu, shards)) if cpu
+            else all(d == device for d in map(tc.impl_device, shards))):
+        return None
+    return dtypes, numels
 
 
 _is_cpu = attrgetter("is_cpu")
@@ -197,8 +202,11 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
         return None
     r = _Rows(ts, locals_, wrappers, holders)
     with tc.no_torch_function():
-        if not _plain_facts(ts, locals_, cpu, device):
+        facts = _plain_facts(ts, locals_, cpu, device)
+        if facts is None:
             return None
+        dtypes, numels = facts
+        r.dtypes = dtypes
         # The shard moves in place when it is no autograd view, or a view of its local tensor
         # (which moves with it); a view of a base that stays behind (FSDP2's padded tensor)
         # gets a fresh impl on its slice, swapped in, or that base would pin the original. The
@@ -240,10 +248,8 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
             return None
         interned = Interned()
         intern = interned.__getitem__
-        dtypes = r.dtypes = list(map(tc.impl_dtype_of, ts))
         items = list(map(_itemsize, dtypes))
         offsets = r.offsets = list(map(tc.impl_storage_offset, ts))
-        numels = list(map(tc.impl_numel, ts))
         r.sizes = list(map(intern, map(tc.impl_size, ts)))
         r.strides = list(map(intern, map(tc.impl_stride, ts)))
         r.nbytes = list(map(mul, numels, items))
@@ -331,46 +337,43 @@ def _adopt(
     else:
         slices = r.slices  # type: ignore[assignment]
     target = pool.storage
-    empty, dev, flags = torch.empty, pool.device, tc.copy_tensor_flags
     starts = list(map(floordiv, map(_offset_of, slices), map(_itemsize, r.dtypes)))
     local_starts = list(map(add, starts, map(sub, r.local_offsets, r.offsets)))
     his = list(map(add, map(_offset_of, slices), r.nbytes))
     journal = txn.journal
-    for first in range(0, len(ts), COPY_CHUNK):
-        last = first + COPY_CHUNK
+    n = len(ts)
+    for first in range(0, n, COPY_CHUNK):
+        last = min(first + COPY_CHUNK, n)
         chunk = ts[first:last]
         with tc.no_torch_function():
             srcs = list(map(tc.impl_detach, chunk))
         checkpoint("rebind")
         records: list[SetMove | SetMoves | ImplSwap] = []
         places: list[Place] = []
-        swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(first, min(last, len(ts))):
-            t = ts[i]
-            if r.swaps[i]:  # fresh_like(), inline: the transaction is outside grad and inference
-                fresh = empty(0, dtype=r.dtypes[i], device=dev).set_(
-                    target, starts[i], r.sizes[i], r.strides[i])
-                if r.grads[i]:
-                    fresh.requires_grad_(True)
-                flags(t, fresh)
-                records.append(ImplSwap(t, fresh, keys[i], r.versions[i],
-                                        (r.offsets[i], r.sizes[i], r.strides[i]), r.dtypes[i]))
-                swaps.append((t, fresh))
-                del fresh
-            else:
-                records.append(SetMove(t, keys[i], r.offsets[i], r.sizes[i], r.strides[i],
-                                       r.versions[i]))
-                places.append((t, target, starts[i], r.sizes[i], r.strides[i]))
+        swapped = list(compress(range(first, last), r.swaps[first:last]))
+        if len(swapped) != last - first:  # shards that move in place (no base left behind)
+            for i in range(first, last):
+                if not r.swaps[i]:
+                    records.append(SetMove(ts[i], keys[i], r.offsets[i], r.sizes[i],
+                                           r.strides[i], r.versions[i]))
+                    places.append((ts[i], target, starts[i], r.sizes[i], r.strides[i]))
+        olds = list(map(ts.__getitem__, swapped))
+        fresh = _fresh_on(target, r, swapped, starts)
+        records.extend(map(ImplSwap, olds, fresh, map(keys.__getitem__, swapped),
+                           map(r.versions.__getitem__, swapped),
+                           zip(map(r.offsets.__getitem__, swapped), map(r.sizes.__getitem__, swapped),
+                               map(r.strides.__getitem__, swapped)),
+                           map(r.dtypes.__getitem__, swapped)))
         # write-ahead: the records exist before the moves (the locals as one column record)
         records.append(SetMoves(locals_, keys, r.local_offsets, r.local_sizes, r.local_strides,
                                 r.local_versions, first, last))
         journal.extend(records)
         del records
         place_many(places)
-        swap_many(swaps)
+        _swap_in(olds, fresh, [r.grads[i] for i in swapped])
         place_columns(locals_[first:last], target, local_starts[first:last],
                       r.local_sizes[first:last], r.local_strides[first:last])
-        del places, swaps, t
+        del places, olds, fresh
         los, his_ = slices_offsets(slices, first, last), his[first:last]
         check_placed(pool, chain(zip(chunk, los, his_), zip(locals_[first:last], los, his_)))
         checkpoint("copy")
@@ -401,6 +404,38 @@ def _adopt(
 
 
 _offset_of, _slice_id = attrgetter("offset"), attrgetter("slice_id")
+
+
+def _swap_in(objs: list[torch.Tensor], fresh: list[torch.Tensor], grads: list[bool]) -> None:
+    """Exchange each shard's impl with its fresh one (``swap_many``, one C-level pass); a leaf
+    that requires grad takes its ``.grad`` and hooks along. (A function of its own: no local
+    is left holding an old impl, now in ``fresh``, which would pin its original.)"""
+    deque(map(tc.swap_impl, objs, fresh), maxlen=0)
+    if any(grads):
+        for obj, old in compress(zip(objs, fresh), grads):
+            tc.carry_leaf_state(obj, old)
+
+
+def _fresh_on(target: torch.UntypedStorage, r: _Rows, swapped: list[int],
+              starts: list[int]) -> list[torch.Tensor]:
+    """A new base-less tensor on the pool at each swapped shard's slice (what ``fresh_like``
+    makes; the transaction is outside grad and inference mode), requiring grad where the shard
+    is a leaf that does. Made with no bytecode per shard when they share a dtype. The shards
+    carry no conj/neg bit (:func:`_plain_facts`), so neither does what replaces their impl."""
+    dtypes = list(map(r.dtypes.__getitem__, swapped))
+    if not dtypes:
+        return []
+    if len(set(dtypes)) == 1:
+        make = partial(torch.empty, 0, dtype=dtypes[0], device=target.device)
+        empties: Iterable[torch.Tensor] = starmap(make, repeat((), len(swapped)))
+    else:
+        empties = [torch.empty(0, dtype=dt, device=target.device) for dt in dtypes]
+    fresh = list(map(tc.impl_set_, empties, repeat(target), map(starts.__getitem__, swapped),
+                     map(r.sizes.__getitem__, swapped), map(r.strides.__getitem__, swapped)))
+    for t, i in zip(fresh, swapped):
+        if r.grads[i]:
+            t.requires_grad_(True)
+    return fresh
 
 
 def slices_offsets(slices: Sequence[Slice], first: int, last: int) -> list[int]:

@@ -300,8 +300,10 @@ def _layouts(ps: list[ShardedParam], indices: list[int], offsets: list[int],
     if not (all(map(is_, map(type, origs), repeat(torch.Size)))
             and all(map(is_, map(type, sharded), repeat(torch.Size)))):
         return None
-    return list(map(MemberLayout, indices, offsets, counts, padded, sharded, origs,
-                    map(shard_dim, ps), slices))
+    placements = list(map(getattr, ps, repeat("fsdp_placement"), repeat(None)))
+    dims = (list(map(int, map(getattr, placements, repeat("dim"), repeat(0))))
+            if all(placements) else list(map(shard_dim, ps)))
+    return list(map(MemberLayout, indices, offsets, counts, padded, sharded, origs, dims, slices))
 
 
 def plan_buckets(
