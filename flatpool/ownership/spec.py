@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat, starmap
+from operator import is_
 from typing import Any, Literal, cast, overload
 
 import torch
@@ -77,6 +80,33 @@ class AdoptSpec:
     views: tuple[torch.Tensor, ...] = field(default=(), converter=_tensors)
     holders: tuple[Holder, ...] = field(default=(), converter=_holders)
     slice: Slice | None = None
+
+
+_set_field = object.__setattr__
+
+
+def specs_of_columns(
+    tensors: Sequence[torch.Tensor], views: Sequence[tuple[torch.Tensor, ...]],
+    holders: Sequence[tuple[Holder, ...]], slices: Sequence[Slice | None],
+) -> list[AdoptSpec]:
+    """``AdoptSpec(tensors[i], views[i], holders[i], slices[i])`` for every ``i``, from columns
+    already in the converted form (tuples of tensors, tuples of :class:`Holder`), built in
+    C-level passes (a fusion group makes one spec per member: the converters cost more than
+    the rest of its planning). Columns of any other form go through the validating ``__init__``."""
+    n = len(tensors)
+    if not (len(views) == len(holders) == len(slices) == n
+            and all(map(isinstance, tensors, repeat(torch.Tensor)))
+            and all(map(is_, map(type, views), repeat(tuple)))
+            and all(map(is_, map(type, holders), repeat(tuple)))
+            and all(map(isinstance, chain.from_iterable(views), repeat(torch.Tensor)))
+            and all(map(is_, map(type, chain.from_iterable(holders)), repeat(Holder)))
+            and set(map(type, slices)) <= {type(None), Slice}):
+        return list(map(AdoptSpec, tensors, views, holders, slices))
+    out = list(starmap(object.__new__, repeat((AdoptSpec,), n)))
+    for name, column in (("tensor", tensors), ("views", views), ("holders", holders),
+                         ("slice", slices)):  # attrs sets a frozen class's slots this way
+        deque(map(_set_field, out, repeat(name), column), maxlen=0)
+    return out
 
 
 @define(frozen=True)
@@ -187,4 +217,5 @@ class AdoptionReport:
         return tuple(i.slice for i in self.items)
 
 
-__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "ItemTable", "OnPinned"]
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "ItemTable", "OnPinned",
+           "specs_of_columns"]

@@ -29,6 +29,7 @@ from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
 from flatpool.ownership.moves import fresh_on, place_many
+from flatpool.ownership.spec import specs_of_columns
 from flatpool.pool import contiguous_strides
 
 from .kept import KeptAlive
@@ -266,8 +267,9 @@ def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout],
         return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
     ps = [params[m.index] for m in layouts]
     # zip() of one column gives the one-element tuples the spec's views and holders are
-    return list(map(AdoptSpec, [data[m.index] for m in layouts], zip(map(_wrapper, ps)),
-                    zip(map(Holder, ps, repeat(_DATA))), map(_slice_of, layouts)))
+    return specs_of_columns([data[m.index] for m in layouts], list(zip(map(_wrapper, ps))),
+                            list(zip(map(Holder, ps, repeat(_DATA)))),
+                            list(map(_slice_of, layouts)))
 
 
 _DATA = "_sharded_param_data"
