@@ -1144,22 +1144,23 @@ def impl_same(objects: Any, n: int, snap: ImplSnapshot, addresses: Any = None) -
         words += [layout.dim + 1 + i for i in range(snap.dims)]
         if snap.strides:
             words += [layout.dim + 1 + layout.inline + i for i in range(snap.dims)]
-        cols = np.array(words + [layout.flags])[:, None]
+        # minus one: word[i] is the word at 8 * (i + 1), so an impl's word w is at
+        # index (impl >> 3) + w - 1
+        cols = np.array(words + [layout.flags])[:, None] - 1
         _COLS[(snap.dims, snap.strides, "by column")] = cols
     word = _rows(1)[:, 0]  # word[i] is the word at address 8 * (i + 1)
     at = np.asarray(_Span(held.__array_interface__["data"][0], n))  # the objects' addresses
     if addresses is not None and not (at == addresses).all():
         return False
-    ids = (at >> 3) - 1
+    at = at >> 3  # an object's word w is at index at + w - 1 (its type, word 1, at ``at``)
     try:  # (same order of reads, and same guards, as impl_rows)
-        if not (word.take(ids + 1) == snap.types).all():
+        if not (word.take(at) == snap.types).all():
             return None
-        impl = word.take(ids + layout.py_impl)
-        if not impl.all():
-            return None
-        if not (impl == snap.impls).all():
-            return False
-        same = bool((word.take(cols + ((impl >> 3) - 1)) == snap.rows.T).all())
+        impl = word.take(at + (layout.py_impl - 1))
+        if not (impl == snap.impls).all():  # (the snapshot's impls are never null)
+            return False if impl.all() else None
+        impl >>= 3
+        same = bool((word.take(cols + impl) == snap.rows.T).all())
     except IndexError:
         return None
     del held
