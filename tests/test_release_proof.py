@@ -382,6 +382,32 @@ def test_a_cpp_owner_that_lets_go_within_milliseconds_does_not_pin(
     assert waits == [0.0]  # looked again once, after a bare yield
 
 
+def _record_waits(monkeypatch: pytest.MonkeyPatch,
+                  on_sleep: Any = None) -> list[float]:
+    """Replace the proof's clock: each sleep is recorded (and runs ``on_sleep(waits)``)."""
+    import flatpool.ownership.proof as proof
+
+    waits: list[float] = []
+
+    class _Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            if on_sleep is not None:
+                on_sleep(waits)
+
+    monkeypatch.setattr(proof, "time", _Clock)
+    return waits
+
+
+def _graph_saving_an_alias(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, loss)``: a pending graph that saved an alias of ``t`` (another impl on its storage,
+    no view link to it), which no Python object refers to."""
+    alias = torch.empty(0).set_(t.untyped_storage(), 0, tuple(t.shape), t.stride())
+    a = torch.randn(t.shape, requires_grad=True)
+    return a, (a * alias).sum()
+
+
 @pytest.mark.parametrize("policy", ["raise", "warn"])
 def test_a_cpp_owner_of_another_impl_that_lets_go_soon_does_not_pin(
     monkeypatch: pytest.MonkeyPatch, policy: str,
@@ -393,20 +419,8 @@ def test_a_cpp_owner_of_another_impl_that_lets_go_soon_does_not_pin(
     import flatpool.ownership.proof as proof
 
     t = torch.randn(8)
-    alias = torch.empty(0).set_(t.untyped_storage(), 0, (8,), (1,))  # no view link to t
-    a = torch.randn(8, requires_grad=True)
-    graph = {"loss": (a * alias).sum()}  # saves the alias: Python does not see that holder
-    del alias
-    waits: list[float] = []
-
-    class _Clock:
-        @staticmethod
-        def sleep(seconds: float) -> None:
-            waits.append(seconds)
-            if len(waits) == 3:
-                graph.clear()
-
-    monkeypatch.setattr(proof, "time", _Clock)
+    graph = {"pending": _graph_saving_an_alias(t)}  # Python does not see that holder
+    waits = _record_waits(monkeypatch, lambda w: len(w) == 3 and graph.clear())
     dead = StorageWeakRef(storage_of(t))
     pool = FlatPool(capacity=1024)
     with warnings.catch_warnings():
@@ -422,18 +436,8 @@ def test_a_cpp_owner_of_another_impl_that_stays_pins_after_the_wait(
     import flatpool.ownership.proof as proof
 
     t = torch.randn(8)
-    alias = torch.empty(0).set_(t.untyped_storage(), 0, (8,), (1,))
-    a = torch.randn(8, requires_grad=True)
-    loss = (a * alias).sum()
-    del alias
-    waits: list[float] = []
-
-    class _Clock:
-        @staticmethod
-        def sleep(seconds: float) -> None:
-            waits.append(seconds)
-
-    monkeypatch.setattr(proof, "time", _Clock)
+    a, loss = _graph_saving_an_alias(t)
+    waits = _record_waits(monkeypatch)
     key = tc.storage_key(storage_of(t))
     before = t.clone()
     with pytest.raises(PinnedStorageError, match="held only from C"):
@@ -446,18 +450,9 @@ def test_a_cpp_owner_of_another_impl_that_stays_pins_after_the_wait(
 
 def test_a_python_holder_pins_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A holder Python can name does not go away by itself: no wait for it."""
-    import flatpool.ownership.proof as proof
-
     t = torch.randn(8)
     kept = {"stash": t.detach()}
-    waits: list[float] = []
-
-    class _Clock:
-        @staticmethod
-        def sleep(seconds: float) -> None:
-            waits.append(seconds)
-
-    monkeypatch.setattr(proof, "time", _Clock)
+    waits = _record_waits(monkeypatch)
     with pytest.raises(PinnedStorageError, match="stash"):
         FlatPool(capacity=1024).adopt(t)
     assert waits == [] and kept
@@ -468,14 +463,7 @@ def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.Mo
 
     t = torch.randn(4, requires_grad=True)
     loss = (t * t).sum()
-    waits: list[float] = []
-
-    class _Clock:
-        @staticmethod
-        def sleep(seconds: float) -> None:
-            waits.append(seconds)
-
-    monkeypatch.setattr(proof, "time", _Clock)
+    waits = _record_waits(monkeypatch)
     monkeypatch.setattr(proof, "load_factor", lambda: 3.0)  # a machine loaded 3 threads a CPU
     key = tc.storage_key(storage_of(t))
     with pytest.raises(PinnedStorageError, match="held"):
