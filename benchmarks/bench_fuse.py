@@ -130,7 +130,7 @@ def _rank(n: int, rows: int, cols: int, reps: int) -> dict[str, list[float]]:
 def run(quick: bool) -> list[Result]:
     from flatpool.integrations.hsdp.launch import launch
 
-    n, rows, cols, reps = (64, 8, 8, 1) if quick else (10000, 8, 8, 3)
+    n, rows, cols, reps = (64, 8, 8, 1) if quick else (10000, 8, 8, 5)
     per_rank = launch(_rank, n, rows, cols, reps, world_size=2, backend="gloo",
                       timeout_s=1800.0)
     t = {k: [max(vals) for vals in zip(*(r[k] for r in per_rank))] for k in per_rank[0]}

@@ -80,8 +80,11 @@ the rule to many at once (:func:`flatpool.torch_compat.impl_unchanged`)."""
 def tensor_ref(t: torch.Tensor) -> Ref:
     """How a record refers to ``t``: a Python weak reference, a :class:`ParamRef` for a
     parameter (which ``nn.Module._apply`` may have to swap)."""
-    cls = type(t)  # (the exact classes first: Parameter's isinstance check runs Python code)
-    if cls is nn.Parameter or (cls is not torch.Tensor and isinstance(t, nn.Parameter)):
+    cls = type(t)  # (the exact classes first: Parameter's isinstance check runs Python code;
+    # a subclass made a parameter, a DTensor's, says so by its ``_is_param`` flag, which is
+    # what that check reads first)
+    if cls is nn.Parameter or (cls is not torch.Tensor and (
+            getattr(t, "_is_param", False) is True or isinstance(t, nn.Parameter))):
         return ParamRef(t)
     return weakref.ref(t)
 
