@@ -5,8 +5,9 @@ Shared by adoption (both paths) and re-adoption. After the moves:
 1. :func:`check_placed`: the pool's storage is still exactly its capacity and every moved
    tensor lies, by its TensorImpl, inside its slice; otherwise :class:`PoolInvariantError`
    (the operation rolls back).
-2. :func:`settle_pins`: originals something else still uses, with the names of the holders; by
-   policy raise (roll back), warn, or force.
+2. :func:`settle_pins`: originals something else still uses, with the names of the holders (a
+   holder no Python object explains is looked at again for a bounded time first: it may be a
+   thread that lets go by itself); by policy raise (roll back), warn, or force.
 3. :func:`release`: commit, drop every reference to the originals, and prove with weak
    references which ones died; one that survives unexpectedly is named, and under "raise" the
    operation undoes itself.
