@@ -128,7 +128,7 @@ def name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Iterab
 
 
 def _let_cxx_holders_go(
-    txn: Transaction, keys: Sequence[int], outside: Outside, found: dict[int, bool], pins: Pins,
+    txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
     skip: Callable[[], Iterable[object]],
 ) -> tuple[dict[int, bool], Pins]:
     """Wait (bounded, :func:`flatpool.ownership.proof.look_again`) for the storage pins that
@@ -139,14 +139,10 @@ def _let_cxx_holders_go(
     waiting = {k for k, by_storage in found.items() if by_storage and only_cxx(pins[k])}
     if not waiting:
         return found, pins
-
-    def recheck(left: set[int]) -> set[int]:
-        nonlocal found
-        found = pinned_keys(txn, keys, outside)
-        return left & found.keys()
-
-    if look_again(waiting, recheck) == waiting and found.keys() == pins.keys():
+    left = look_again(waiting, lambda still: set(pinned_keys(txn, still, outside)))
+    if left == waiting:
         return found, pins  # nothing let go: the names stand
+    found = {k: v for k, v in found.items() if k not in waiting or k in left}
     return found, (name_all(txn, found, skip) if found else {})
 
 
@@ -163,7 +159,7 @@ def settle_pins(
         found = pinned_keys(txn, keys, outside)
     pins = name_all(txn, found, skip) if found else {}
     if pins:
-        found, pins = _let_cxx_holders_go(txn, keys, outside, found, pins, skip)
+        found, pins = _let_cxx_holders_go(txn, outside, found, pins, skip)
     if found and on_pinned == "force" and force is not None:
         force(pins)
         found = pinned_keys(txn, keys, outside)
