@@ -280,12 +280,17 @@ def storage_has_data(storage: torch.UntypedStorage) -> bool:
     return storage_pointer_valid(storage)
 
 
+UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
+"""What reading a placeholder storage's pointer raises (a C++ functional tensor's, a wrapper
+subclass's)."""
+
+
 def storage_pointer_valid(storage: torch.UntypedStorage) -> bool:
     """:func:`storage_has_data` without the meta check (the device read costs half a
     microsecond): for tensors already known not to be meta or fake."""
     try:
         ptr = storage.data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except UNREADABLE_STORAGE:
         return False
     return ptr != 0 or storage.nbytes() == 0
 
@@ -423,11 +428,7 @@ def storages_held_once(storages: Iterable[torch.UntypedStorage]) -> bool:
     """Every storage is used by nothing but its one Python object, which nothing but the
     iterated container holds: two C-level passes. ``False`` means only "look closer" (the
     per-storage count decides); ``True`` is what that count would say of each."""
-    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
-        return False  # a 3.10 tracer's f_locals copies: only the per-object count sees them
-    kept = list(storages)
-    return (all(map(operator.eq, map(_storage_use_count, map(storage_key_of, kept)), repeat(1)))
-            and all(map(operator.eq, map(sys.getrefcount, kept), repeat(_ONE_HOLDER + 1))))
+    return storages_used_as(list(storages), 1, 1)
 
 
 def storages_used_as(storages: list[torch.UntypedStorage], users: int, refs: int) -> bool:
@@ -435,7 +436,7 @@ def storages_used_as(storages: list[torch.UntypedStorage], users: int, refs: int
     Python references beside the list's own: two C-level passes (``False`` also wherever a
     3.10 tracer's ``f_locals`` copies would skew the counts: "look closer")."""
     if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
-        return False
+        return False  # a 3.10 tracer's f_locals copies: only the per-object count sees them
     return (all(map(operator.eq, map(_storage_use_count, map(storage_key_of, storages)),
                     repeat(users)))
             and all(map(operator.eq, map(sys.getrefcount, storages), repeat(_ONE_HOLDER + refs))))
@@ -571,7 +572,7 @@ __all__ = [
     "is_functional", "new_storage", "no_torch_dispatch", "no_torch_function", "python_refs",
     "impl_dtype_of", "impl_key", "set_versions", "storage_address", "storage_has_data",
     "storage_key",
-    "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
+    "storage_pointer_valid", "storage_users", "UNREADABLE_STORAGE", "subclass_alias", "swap_impl", "swap_tensors",
     "tensor_impl_users",
     "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
 ]

@@ -110,8 +110,6 @@ the trap per page without the contention of parallel mapping (CPU time); larger 
 ``torch.get_num_threads()`` threads, as torch's parallel copy would have faulted them."""
 _PLAIN_FLAGS = (None, torch.strided, False, False)
 """``(_base, layout, is_nested, is_quantized)`` of a tensor the lean path takes."""
-_UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
-"""What reading a placeholder storage's pointer raises (a C++ functional tensor's)."""
 
 
 def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
@@ -157,7 +155,7 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
         try:
             if not all(map(_data_ptr, storages)):
                 return None  # (no tensor here is empty: a null pointer is a placeholder)
-        except _UNREADABLE_STORAGE:
+        except tc.UNREADABLE_STORAGE:
             return None  # a C++ functional tensor's placeholder: validate() names it
         if not all(map(_resizable, storages)) and not all(
                 _resizable(s) or tc.torch_allocated(s) is True for s in storages):

@@ -109,8 +109,6 @@ _local_of, _base_of = attrgetter(_LOCAL), attrgetter("_base")
 _owner, _key, _item = attrgetter("owner"), attrgetter("key"), attrgetter("item")
 _version_of, _itemsize = attrgetter("_version"), attrgetter("itemsize")
 _first = itemgetter(0)
-_UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
-"""What reading a placeholder storage (or a hostile wrapper's) raises."""
 
 
 def _plain_facts(shards: list[torch.Tensor], locals_: list[torch.Tensor],
@@ -224,7 +222,7 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
         try:
             if not all(map(tc.storage_data_ptr, storages)):
                 return None  # (no shard here is empty: a null pointer is a placeholder)
-        except _UNREADABLE_STORAGE:
+        except tc.UNREADABLE_STORAGE:
             return None
         keys = list(map(tc.storage_key_of, storages))
         if len(set(keys)) != n:
@@ -244,7 +242,7 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
             if any(map(tc.impl_is_meta, wrappers)) or any(
                     map(eq, map(tc.storage_address, wrappers), keys)):
                 return None
-        except _UNREADABLE_STORAGE:
+        except tc.UNREADABLE_STORAGE:
             return None
         interned = Interned()
         intern = interned.__getitem__
@@ -337,9 +335,10 @@ def _adopt(
     else:
         slices = r.slices  # type: ignore[assignment]
     target = pool.storage
-    starts = list(map(floordiv, map(_offset_of, slices), map(_itemsize, r.dtypes)))
+    los = list(map(_offset_of, slices))  # byte offsets of the slices
+    starts = list(map(floordiv, los, map(_itemsize, r.dtypes)))
     local_starts = list(map(add, starts, map(sub, r.local_offsets, r.offsets)))
-    his = list(map(add, map(_offset_of, slices), r.nbytes))
+    his = list(map(add, los, r.nbytes))
     journal = txn.journal
     n = len(ts)
     for first in range(0, n, COPY_CHUNK):
@@ -374,8 +373,8 @@ def _adopt(
         place_columns(locals_[first:last], target, local_starts[first:last],
                       r.local_sizes[first:last], r.local_strides[first:last])
         del places, olds, fresh
-        los, his_ = slices_offsets(slices, first, last), his[first:last]
-        check_placed(pool, chain(zip(chunk, los, his_), zip(locals_[first:last], los, his_)))
+        lo, hi = los[first:last], his[first:last]
+        check_placed(pool, chain(zip(chunk, lo, hi), zip(locals_[first:last], lo, hi)))
         checkpoint("copy")
         copy_all(chunk, srcs)
         del srcs, chunk
@@ -436,10 +435,6 @@ def _fresh_on(target: torch.UntypedStorage, r: _Rows, swapped: list[int],
         if r.grads[i]:
             t.requires_grad_(True)
     return fresh
-
-
-def slices_offsets(slices: Sequence[Slice], first: int, last: int) -> list[int]:
-    return list(map(_offset_of, slices[first:last]))
 
 
 def _records(t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor, holder: Holder | None,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import cast
-from itertools import repeat
-from operator import attrgetter, eq, floordiv, is_, itemgetter
+from itertools import compress, repeat
+from operator import attrgetter, eq, floordiv, is_, itemgetter, or_
 
 import torch
 from attrs import define, field
@@ -103,11 +103,9 @@ def skip_reason(
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
     data = data_all(params) if data is None else data
     with tc.no_torch_function():  # C-level passes of TensorImpl reads
-        locals_ = list(map(local_of, map(_wrapper, params)))
-        meta = [] if not (any(map(tc.impl_is_meta, data)) or any(map(tc.impl_is_meta, locals_))) \
-            else [i for i, (d, t) in enumerate(zip(data, locals_))
-                  if tc.impl_is_meta(d) or tc.impl_is_meta(t)]
-        del locals_
+        on_meta = map(or_, map(tc.impl_is_meta, data),
+                      map(tc.impl_is_meta, map(local_of, map(_wrapper, params))))
+        meta = list(compress(range(len(params)), on_meta))
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
