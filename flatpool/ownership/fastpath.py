@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import repeat
-from operator import add, attrgetter, eq, floordiv, le, mul
+from functools import partial
+from operator import add, attrgetter, floordiv, le, mul
 
 import torch
 
 from .. import torch_compat as tc
-from ..errors import PoolInvariantError
 from ..requests import check_dtype
 from ..slice_index import SliceRun
 from ..slices import Slice
@@ -38,7 +37,7 @@ from .faults import checkpoint
 from .moves import SetMoves, place_columns
 from .prefault import prefault
 from .proof import held_outside_python
-from .settle import Outside, check_placed, keep_unreleased, release, settle_pins
+from .settle import Outside, Placed, check_moved, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
 from .transaction import Transaction
 from .validate import label, self_overlapping
@@ -248,7 +247,6 @@ def _adopt(
     slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
     b.shapes = []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
-    key = pool.storage_key
     if isinstance(slices, SliceRun) and len(starts):  # one run: exactly the batch's bytes
         end = starts[-1] + b.spans[-1]
         if end - starts[0] < PREFAULT_MEAN_BYTES * len(starts):  # (see PREFAULT_MEAN_BYTES)
@@ -270,7 +268,7 @@ def _adopt(
         journal.append(SetMoves(tensors, keys, b.offsets, b.sizes, b.strides, b.versions,
                                 first, last))
         place_columns(chunk, target, places, sizes, strides)  # element offsets
-        _check_moved(pool, key, chunk, places, sizes, strides, slices, first)
+        check_moved(pool, chunk, places, sizes, strides, partial(_bounds, chunk, slices, first))
         checkpoint("copy")
         copy_all(chunk, srcs, threaded=False)  # (see copy_all)
         del srcs
@@ -300,25 +298,10 @@ def _adopt(
     return AdoptionReport(ItemTable(slices, nbytes, released, pinned))
 
 
-def _check_moved(
-    pool: PoolState, key: int | None, tensors: list[torch.Tensor], places: list[int],
-    sizes: list[tuple[int, ...]], strides: list[tuple[int, ...]], slices: Sequence[Slice],
-    first: int,
-) -> None:
-    """:func:`check_placed` for exact tensors ``set_`` by this path: read back from each
-    TensorImpl that it sits on the pool's storage at its place, with its size and stride (which
-    fix its extent inside its slice); any difference gets check_placed's full verdict."""
-    pool.check_invariants()
-    with tc.no_torch_function():  # one C-level pass per read over the chunk just moved
-        if not (all(map(eq, map(tc.storage_address, tensors), repeat(key)))
-                and list(map(tc.impl_storage_offset, tensors)) == places
-                and list(map(tc.impl_size, tensors)) == sizes
-                and list(map(tc.impl_stride, tensors)) == strides):
-            mine = slices[first:first + len(tensors)]  # (a run's handles made only here)
-            check_placed(pool, [(t, s.offset, s.end) for t, s in zip(tensors, mine)])
-            raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
-                f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
-                "nothing was changed")
+def _bounds(tensors: list[torch.Tensor], slices: Sequence[Slice], first: int) -> list[Placed]:
+    """Each tensor's slice bounds (a run's handles made only here: a failed check)."""
+    mine = slices[first:first + len(tensors)]
+    return [(t, s.offset, s.end) for t, s in zip(tensors, mine)]
 
 
 __all__ = ["adopt_plain", "plain_targets"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import eq
 
 import torch
 
@@ -67,6 +69,29 @@ def check_placed(pool: PoolState, placed: Iterable[Placed]) -> None:
                     f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
                     "claimed): nothing was changed"
                 )
+
+
+def check_moved(
+    pool: PoolState, tensors: Sequence[torch.Tensor], places: Sequence[int],
+    sizes: Sequence[tuple[int, ...]], strides: Sequence[tuple[int, ...]],
+    placed: Callable[[], Iterable[Placed]],
+) -> None:
+    """:func:`check_placed` for exact tensors a lean path ``set_`` or swapped in at geometry it
+    chose inside their slices: read back from each TensorImpl (one C-level pass a fact) that it
+    sits on the pool's storage at its element offset ``places[i]`` with ``sizes[i]`` and
+    ``strides[i]`` (which fix its extent); on any difference ``placed()`` gives every tensor's
+    slice bounds for check_placed's full verdict."""
+    pool.check_invariants()
+    with tc.no_torch_function():
+        if (all(map(eq, map(tc.storage_address, tensors), repeat(pool.storage_key)))
+                and list(map(tc.impl_storage_offset, tensors)) == list(places)
+                and list(map(tc.impl_size, tensors)) == list(sizes)
+                and list(map(tc.impl_stride, tensors)) == list(strides)):
+            return
+    check_placed(pool, placed())
+    raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
+        f"a tensor moved into pool {pool.name!r} does not sit where it was placed: "
+        "nothing was changed")
 
 
 def own_ids(txn: Transaction, *more: object) -> set[int]:
@@ -245,5 +270,5 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
     return "\n".join(lines)
 
 
-__all__ = ["Labels", "Outside", "Pins", "outside_by_key", "Placed", "check_placed", "keep_unreleased",
+__all__ = ["Labels", "Outside", "Pins", "outside_by_key", "Placed", "check_moved", "check_placed", "keep_unreleased",
            "labelled", "name_all", "own_ids", "pinned_keys", "pinned_message", "release", "settle_pins"]

@@ -25,6 +25,7 @@ interrupt, the invariant check, the use-count pre-check, the weak-reference proo
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -36,7 +37,7 @@ import torch
 
 from .. import torch_compat as tc
 from ..holder import Holder
-from ..registry import Record, make_record, tensor_ref
+from ..registry import ParamRef, Record, Ref, make_record, tensor_ref
 from ..requests import check_dtype
 from ..slices import Slice
 from ..state import PoolState, pool_index, pool_of_storage
@@ -45,7 +46,7 @@ from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import ImplSwap, Place, SetMove, SetMoves, place_columns, place_many
 from .proof import held_outside_python
-from .settle import check_placed, keep_unreleased, release, settle_pins
+from .settle import Placed, check_moved, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
 from .transaction import Transaction
 from .validate import label
@@ -327,7 +328,8 @@ def _adopt(
 ) -> AdoptionReport:
     keys, ts, locals_ = r.keys, r.ts, r.locals
     txn.originals.add_columns(keys, r.storages)
-    txn.nbytes.add_columns(keys, list(map(tc.storage_nbytes, r.storages)))
+    original_nbytes = list(map(tc.storage_nbytes, r.storages))
+    txn.nbytes.add_columns(keys, original_nbytes)
     r.storages = []  # the transaction holds them now: its counts must see no other holder
     checkpoint("allocate")
     if not r.slices:
@@ -373,8 +375,11 @@ def _adopt(
         place_columns(locals_[first:last], target, local_starts[first:last],
                       r.local_sizes[first:last], r.local_strides[first:last])
         del places, olds, fresh
-        lo, hi = los[first:last], his[first:last]
-        check_placed(pool, chain(zip(chunk, lo, hi), zip(locals_[first:last], lo, hi)))
+        # (each asked geometry lies in its slice: a shard fills it, its local lies within)
+        check_moved(pool, chunk + locals_[first:last], starts[first:last] + local_starts[first:last],
+                    r.sizes[first:last] + r.local_sizes[first:last],
+                    r.strides[first:last] + r.local_strides[first:last],
+                    partial(_bounds, chunk, locals_[first:last], los[first:last], his[first:last]))
         checkpoint("copy")
         copy_all(chunk, srcs)
         del srcs, chunk
@@ -392,17 +397,22 @@ def _adopt(
 
     pins = settle_pins(txn, keys, name, outside, on_pinned, r.containers)
     keep_unreleased(pool, txn, name, pins, outside)
-    pool.registry.bind_many(zip(map(_slice_id, slices), map(
-        _records, ts, locals_, r.wrappers, r.holders, r.sizes, r.strides, r.dtypes,
-        r.local_sizes, r.local_strides, map(sub, r.local_offsets, r.offsets))))
+    pool.registry.bind_many(zip(map(_slice_id, slices), _records(r)))
     expired, late = release(txn, name, pins, on_pinned)
     pinned = {at(k): v for k, v in (*pins.items(), *late.items())}
-    nbytes = txn.nbytes
-    return AdoptionReport(ItemTable(slices, [nbytes[k] for k in keys],
-                                    [expired[k] for k in keys], pinned, rebound=2))
+    # Keyed by the batch's own key column (Originals.add_columns): the flags are in batch order.
+    released = (expired.in_order() if expired.key_list() is keys
+                else bytes(map(expired.__getitem__, keys)))
+    return AdoptionReport(ItemTable(slices, original_nbytes, released, pinned, rebound=2))
 
 
 _offset_of, _slice_id = attrgetter("offset"), attrgetter("slice_id")
+
+
+def _bounds(shards: list[torch.Tensor], locals_: list[torch.Tensor], lo: list[int],
+            hi: list[int]) -> Iterable[Placed]:
+    """Each moved tensor with its slice's bounds: a shard and its local share a slice."""
+    return chain(zip(shards, lo, hi), zip(locals_, lo, hi))
 
 
 def _swap_in(objs: list[torch.Tensor], fresh: list[torch.Tensor], grads: list[bool]) -> None:
@@ -437,16 +447,59 @@ def _fresh_on(target: torch.UntypedStorage, r: _Rows, swapped: list[int],
     return fresh
 
 
-def _records(t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor, holder: Holder | None,
-             size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
-             local_size: tuple[int, ...], local_stride: tuple[int, ...], shift: int,
-             ) -> list[Record]:
-    """The general path's records for a spec of this shape: the shard (with its holder), then
-    the local tensor (held by its wrapper's slot)."""
+def _records(r: _Rows) -> Iterable[list[Record]]:
+    """Each member's records for the registry, as the general path makes them: the shard (with
+    its holder), then the local tensor (held by its wrapper's slot). In C-level passes when the
+    references are all of one kind (what :func:`tensor_ref` would pick: a weak reference for an
+    exact tensor, a :class:`ParamRef` for a parameter wrapper); else member by member."""
+    refs = _refs_of(r.ts), _refs_of(r.locals), _refs_of(r.wrappers)
+    present = [h for h in r.holders if h is not None]
+    owners = _owner_refs(present) if len(present) == len(r.holders) else None
+    shifts = map(mul, map(sub, r.local_offsets, r.offsets), map(_itemsize, r.dtypes))
+    if refs[0] is None or refs[1] is None or refs[2] is None or owners is None:
+        return map(_member_records, r.ts, r.locals, r.wrappers, r.holders, r.sizes, r.strides,
+                   r.dtypes, r.local_sizes, r.local_strides, shifts)
+    n = len(r.ts)
+    shard_recs = zip(refs[0], repeat(0, n), r.sizes, r.strides, r.dtypes, owners,
+                     map(_key, present), map(_item, present), repeat(True, n))
+    local_recs = zip(refs[1], shifts, r.local_sizes, r.local_strides, r.dtypes, refs[2],
+                     repeat(_LOCAL, n), repeat(False, n), repeat(False, n))
+    return map(list, zip(shard_recs, local_recs))
+
+
+def _refs_of(ts: list[torch.Tensor]) -> list[Ref] | None:
+    """:func:`tensor_ref` of each of ``ts`` in one pass, when they are all of one kind."""
+    kinds = set(map(type, ts))
+    if kinds == {torch.Tensor}:
+        return list(map(weakref.ref, ts))
+    if kinds == {torch.nn.Parameter} or (
+            torch.Tensor not in kinds and all(map(is_, map(getattr, ts, repeat("_is_param"),
+                                                            repeat(False)), repeat(True)))):
+        return list(map(ParamRef, ts))
+    return None
+
+
+def _owner_refs(holders: list[Holder]) -> list[Ref] | None:
+    """The holders' owners referred to weakly in one pass (what the general path's records do
+    for an owner that is no tensor), or ``None`` for any other kind of owner."""
+    owners = list(map(_owner, holders))
+    if any(map(isinstance, owners, repeat(torch.Tensor))):
+        return None
+    try:
+        return list(map(weakref.ref, owners))
+    except TypeError:  # a dict or list owner is held strongly, as the general path holds it
+        return None
+
+
+def _member_records(t: torch.Tensor, local: torch.Tensor, wrapper: torch.Tensor,
+                    holder: Holder | None, size: tuple[int, ...], stride: tuple[int, ...],
+                    dtype: torch.dtype, local_size: tuple[int, ...],
+                    local_stride: tuple[int, ...], byte_shift: int) -> list[Record]:
+    """One member's records (see :func:`_records`)."""
     # The local's record is make_record()'s tuple, inline: its holder's owner is the wrapper,
     # a tensor, which make_record() refers to by tensor_ref() as well.
     return [make_record(t, 0, size, stride, dtype, holder, True),
-            (tensor_ref(local), shift * dtype.itemsize, local_size, local_stride, dtype,
+            (tensor_ref(local), byte_shift, local_size, local_stride, dtype,
              tensor_ref(wrapper), _LOCAL, False, False)]
 
 

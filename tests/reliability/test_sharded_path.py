@@ -93,6 +93,9 @@ def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pyt
     for s1, s2 in zip(p1.slices(), p2.slices()):
         recs1, recs2 = p1.registry.records(s1.slice_id), p2.registry.records(s2.slice_id)
         assert [r[1:5] + r[6:] for r in recs1] == [r[1:5] + r[6:] for r in recs2]
+        # the same kind of reference (weak, or a ParamRef for a parameter) to each object
+        assert [(type(r[0]), type(r[5])) for r in recs1] == [(type(r[0]), type(r[5]))
+                                                             for r in recs2]
     which = [[(r[0]() is m._sharded_param_data, r[0]() is m.sharded_param._local_tensor,
                r[5]() is m or r[5]() is m.sharded_param)
               for r in p.registry.records(s.slice_id)]
