@@ -24,7 +24,7 @@ from ..state import PoolState
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .fastpath import adopt_plain, plain_targets
-from .moves import ImplSwap, Place, SetMove, counter_group, fresh_like, place_many, swap_many
+from .moves import ImplSwap, ImplSwaps, Place, SetMove, counter_group, fresh_like, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
 from .sharded import adopt_sharded, sharded_specs
@@ -123,6 +123,7 @@ def _adopt(
     def force(pins: Pins) -> None:
         """Also move every Python-visible tensor left on a pinned original."""
         known = {id(r.obj) for r in txn.journal if isinstance(r, (SetMove, ImplSwap))}
+        known.update(id(o) for r in txn.journal if isinstance(r, ImplSwaps) for o in r.objs)
         extra: list[Member] = []
         for p in plans:
             if p.key in pins:

@@ -127,6 +127,50 @@ class ImplSwap:
             self.other = None
 
 
+class ImplSwaps:
+    """:class:`ImplSwap` records of a batch as columns: ``objs[i]``'s TensorImpl (address
+    ``impls[i]``, read here, before the swap) is exchanged with that of ``others[i]``, a fresh
+    tensor, and came from storage ``keys[i]`` at ``geometries[i]`` with counter ``versions[i]``.
+    One append to the journal before the swaps (write-ahead for the whole chunk), no object per
+    swap. After :meth:`let_go` the old impls are held weakly, as :meth:`ImplSwap.let_go` does."""
+
+    __slots__ = ("objs", "others", "refs", "impls", "keys", "versions", "geometries", "dtypes")
+
+    def __init__(
+        self, objs: list[torch.Tensor], others: list[torch.Tensor], keys: list[int],
+        versions: list[int], geometries: list[Geometry], dtypes: list[torch.dtype],
+    ) -> None:
+        self.objs = objs
+        self.others: list[torch.Tensor | None] = list(others)
+        self.refs: list[weakref.ref[torch.Tensor] | None] | None = None
+        self.impls = list(map(tc.impl_key, objs))  # (exact tensors: ``_cdata`` is torch's own)
+        self.keys, self.versions, self.geometries, self.dtypes = keys, versions, geometries, dtypes
+
+    def holders(self) -> list[torch.Tensor | None]:
+        """The object that carries each ``objs[i]``'s old impl now (``None`` once it died)."""
+        if self.refs is None:
+            return list(self.others)
+        return [o if o is not None else (None if r is None else r())
+                for o, r in zip(self.others, self.refs)]
+
+    def hold(self, i: int, other: torch.Tensor) -> None:
+        """``other`` carries ``objs[i]``'s old impl from now on (a rebuilt one), strongly."""
+        self.others[i] = other
+
+    def let_go(self) -> None:
+        """Drop the strong references to the old impls (so the originals can die), keep weak ones."""
+        if self.refs is None and None not in self.others:  # (the common case: every one held)
+            self.refs = list(map(weakref.ref, self.others))  # type: ignore[arg-type]
+        else:
+            refs = self.refs if self.refs is not None else [None] * len(self.others)
+            self.refs = [r if o is None else weakref.ref(o) for o, r in zip(self.others, refs)]
+        self.others = [None] * len(self.others)
+
+    def containers(self) -> tuple[object, ...]:
+        """The lists that refer to the moved objects or their old impls (for pin scans)."""
+        return self.objs, self.others
+
+
 class SlotSet:
     """``setattr(obj, name, ...)`` replaced ``old`` (a DTensor's ``_local_tensor``, say)."""
 
@@ -139,7 +183,7 @@ class SlotSet:
         self.obj, self.name, self.old = obj, name, old
 
 
-Record = Union[SetMove, SetMoves, ImplSwap, SlotSet]
+Record = Union[SetMove, SetMoves, ImplSwap, ImplSwaps, SlotSet]
 Place = tuple[torch.Tensor, torch.UntypedStorage, int, Sequence[int], Sequence[int]]
 """``(tensor object, storage, element offset, size, stride)``."""
 
@@ -251,6 +295,13 @@ def undo(
                 swaps.append((rec.obj, other))
             if rec.version >= 0:
                 versions.append((rec.obj, rec.version))
+        elif isinstance(rec, ImplSwaps):
+            for obj, other, impl, version in reversed(list(zip(
+                    rec.objs, rec.holders(), rec.impls, rec.versions))):
+                if tc.impl_address(obj) != impl and other is not None:
+                    swaps.append((obj, other))
+                if version >= 0:
+                    versions.append((obj, version))
     place_many(back)
     swap_many(swaps)
     for rec in reversed(records):
@@ -264,6 +315,6 @@ def undo(
 
 
 __all__ = [
-    "Geometry", "ImplSwap", "Place", "Record", "SetMove", "SetMoves", "SlotSet", "counter_group", "fresh_like", "fresh_on",
+    "Geometry", "ImplSwap", "ImplSwaps", "Place", "Record", "SetMove", "SetMoves", "SlotSet", "counter_group", "fresh_like", "fresh_on",
     "geometry_of", "place_many", "set_moves", "swap_many", "undo",
 ]

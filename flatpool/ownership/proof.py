@@ -30,7 +30,7 @@ import torch
 
 from .. import torch_compat as tc
 from ..errors import InvalidRequestError, InvalidTypeError
-from .moves import ImplSwap
+from .moves import ImplSwap, ImplSwaps
 from .transaction import Transaction
 
 _H = TypeVar("_H", bound=Sized)
@@ -48,6 +48,10 @@ def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
     for rec in txn.journal:
         if isinstance(rec, ImplSwap) and rec.other is not None and rec.key is not None:
             out.setdefault(rec.key, []).append(rec.other)
+        elif isinstance(rec, ImplSwaps):
+            for key, other in zip(rec.keys, rec.others):
+                if other is not None:
+                    out.setdefault(key, []).append(other)
     return out
 
 

@@ -30,7 +30,7 @@ from ..unreleased import UnreleasedOriginal
 from .columns import KeyedColumn
 from .faults import checkpoint
 from .interrupts import run_undo
-from .moves import ImplSwap
+from .moves import ImplSwap, ImplSwaps
 from .pins import name_pins, only_cxx
 from .proof import OUTSIDE_PYTHON, look_again, old_impls, storage_pinned, swapped_held_once
 from .spec import OnPinned
@@ -101,6 +101,9 @@ def own_ids(txn: Transaction, *more: object) -> set[int]:
         ids.add(id(rec))
         if isinstance(rec, ImplSwap) and rec.other is not None:
             ids.add(id(rec.other))
+        elif isinstance(rec, ImplSwaps):
+            ids.update(map(id, rec.containers()))
+            ids.update(id(o) for o in rec.others if o is not None)
     return ids
 
 

@@ -44,7 +44,7 @@ from ..state import PoolState, pool_index, pool_of_storage
 from .columns import Interned
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
-from .moves import ImplSwap, Place, SetMove, SetMoves, place_columns, place_many
+from .moves import ImplSwaps, Place, SetMove, SetMoves, place_columns, place_many
 from .proof import held_outside_python
 from .settle import Placed, check_moved, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -349,7 +349,7 @@ def _adopt(
         with tc.no_torch_function():
             srcs = list(map(tc.impl_detach, chunk))
         checkpoint("rebind")
-        records: list[SetMove | SetMoves | ImplSwap] = []
+        records: list[SetMove | SetMoves | ImplSwaps] = []
         places: list[Place] = []
         swapped = list(compress(range(first, last), r.swaps[first:last]))
         if len(swapped) != last - first:  # shards that move in place (no base left behind)
@@ -360,11 +360,13 @@ def _adopt(
                     places.append((ts[i], target, starts[i], r.sizes[i], r.strides[i]))
         olds = list(map(ts.__getitem__, swapped))
         fresh = _fresh_on(target, r, swapped, starts)
-        records.extend(map(ImplSwap, olds, fresh, map(keys.__getitem__, swapped),
-                           map(r.versions.__getitem__, swapped),
-                           zip(map(r.offsets.__getitem__, swapped), map(r.sizes.__getitem__, swapped),
-                               map(r.strides.__getitem__, swapped)),
-                           map(r.dtypes.__getitem__, swapped)))
+        if swapped:
+            records.append(ImplSwaps(
+                olds, fresh, list(map(keys.__getitem__, swapped)),
+                list(map(r.versions.__getitem__, swapped)),
+                list(zip(map(r.offsets.__getitem__, swapped), map(r.sizes.__getitem__, swapped),
+                         map(r.strides.__getitem__, swapped))),
+                list(map(r.dtypes.__getitem__, swapped))))
         # write-ahead: the records exist before the moves (the locals as one column record)
         records.append(SetMoves(locals_, keys, r.local_offsets, r.local_sizes, r.local_strides,
                                 r.local_versions, first, last))

@@ -26,7 +26,7 @@ from ..state import PoolSnapshot, PoolState
 from .columns import KeyedColumn
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, Record, fresh_like, set_moves, undo
+from .moves import ImplSwap, ImplSwaps, Record, fresh_like, set_moves, undo
 
 T = TypeVar("T")
 
@@ -248,7 +248,7 @@ class Transaction:
         keys = self.originals.key_column()  # (a lean batch's own column: no int object a key)
         self.weak = KeyedColumn(keys, array("q", tc.weak_storages(self.originals.values())))
         for rec in self.journal:
-            if isinstance(rec, ImplSwap):
+            if isinstance(rec, (ImplSwap, ImplSwaps)):
                 rec.let_go()
         self.originals.clear()
         return self.expired()
@@ -312,6 +312,11 @@ class Transaction:
             if isinstance(rec, ImplSwap) and rec.old_impl_holder() is None and rec.key is not None:
                 assert rec.geometry is not None and rec.dtype is not None
                 rec.other = fresh_like(rec.obj, self.originals[rec.key], *rec.geometry, rec.dtype)
+            elif isinstance(rec, ImplSwaps):
+                for i, held in enumerate(rec.holders()):
+                    if held is None:
+                        rec.hold(i, fresh_like(rec.objs[i], self.originals[rec.keys[i]],
+                                               *rec.geometries[i], rec.dtypes[i]))
 
     def _refill(self, key: int, fresh: torch.UntypedStorage) -> None:
         """Copy an original's bytes back from where its tensors sit in the pool now."""

@@ -153,6 +153,37 @@ def test_a_pinned_shard_rolls_back_naming_its_holder(single_rank_mesh: Any) -> N
     assert pool.is_valid() and held is not None
 
 
+def test_a_late_pin_rebuilds_the_dead_shards_and_their_locals(
+        single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder the pin counts miss (blinded here) is found by the weak-reference proof after
+    commit, when the other shards' originals already died: the rollback rebuilds each dead one
+    from the pool's bytes, gives every swapped shard its old impl back (rebuilt where it died)
+    and puts each local tensor back on its shard's storage. Identity and values come back."""
+    import flatpool.ownership.settle as settle
+
+    monkeypatch.setattr(settle, "swapped_held_once", lambda txn, olds: True)
+    monkeypatch.setattr(settle, "storage_pinned", lambda txn, key, olds=None: False)
+    members = _members(single_rank_mesh)
+    shards = [m._sharded_param_data for m in members]
+    locals_ = [m.sharded_param._local_tensor for m in members]
+    values = [(d.clone(), loc.clone()) for d, loc in zip(shards, locals_)]
+    kept_key = tc.storage_address(shards[1])
+    also = shards[1].detach()  # a second tensor on one original, named by nothing above
+    pool = FlatPool(alignment=1)
+    with pytest.raises(PinnedStorageError, match="also"):
+        pool.adopt([m.spec() for m in members])
+    for m, d, loc, (dv, lv) in zip(members, shards, locals_, values):
+        assert m._sharded_param_data is d and m.sharded_param._local_tensor is loc
+        assert torch.equal(d, dv) and torch.equal(loc, lv) and not pool.owns(d)
+        assert tc.storage_address(loc) == tc.storage_address(d)  # the local on its shard's
+    assert tc.storage_address(shards[1]) == kept_key == tc.storage_address(also)
+    assert pool.slices() == ()
+    del also
+    monkeypatch.undo()
+    report = pool.adopt([m.spec() for m in members])  # and the retry adopts everything
+    assert report.all_released and pool.is_valid()
+
+
 def test_real_fsdp2_members_take_the_sharded_path(single_rank_mesh: Any,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``adopt_group`` on FSDP2's own members after lazy init (1-rank mesh: the layout FSDP2
