@@ -22,6 +22,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
+from operator import is_
 from typing import Any, Union
 
 import torch
@@ -159,7 +160,8 @@ class ImplSwaps:
 
     def let_go(self) -> None:
         """Drop the strong references to the old impls (so the originals can die), keep weak ones."""
-        if self.refs is None and None not in self.others:  # (the common case: every one held)
+        # (the common case: every one held; by identity, as ``None in`` runs Tensor.__eq__)
+        if self.refs is None and not any(map(is_, self.others, repeat(None))):
             self.refs = list(map(weakref.ref, self.others))  # type: ignore[arg-type]
         else:
             refs = self.refs if self.refs is not None else [None] * len(self.others)
