@@ -27,7 +27,7 @@ from .fastpath import adopt_plain, plain_targets
 from .moves import ImplSwap, ImplSwaps, Place, SetMove, counter_group, fresh_like, place_many, swap_many
 from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
 from .proof import held_outside_python
-from .sharded import adopt_sharded, sharded_specs
+from .sharded import SpecColumns, adopt_sharded, sharded_specs
 from .settle import (
     Outside,
     Pins,
@@ -59,7 +59,7 @@ def check_not_in_backward() -> None:
 
 def adopt(
     pool: PoolState,
-    targets: AdoptTargets,
+    targets: AdoptTargets | SpecColumns,
     *,
     discover: bool = False,
     on_pinned: OnPinned = "raise",
@@ -75,8 +75,10 @@ def adopt(
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     check_not_in_backward()
     lean = not (discover or into_bound or on_pinned == "force")
-    plain = plain_targets(targets) if lean else None
-    sharded = sharded_specs(targets) if lean and plain is None else None
+    columns = targets if isinstance(targets, SpecColumns) else None
+    plain = plain_targets(targets) if lean and columns is None else None
+    sharded = ((columns if columns is not None else sharded_specs(targets))
+               if lean and plain is None else None)
 
     def body(txn: Transaction) -> AdoptionReport:
         if plain is not None:
@@ -87,7 +89,8 @@ def adopt(
             report = adopt_sharded(pool, sharded, txn, on_pinned)
             if report is not None:
                 return report
-        return _adopt(pool, normalize(targets), txn, discover, on_pinned, into_bound)
+        given = columns.specs() if columns is not None else targets
+        return _adopt(pool, normalize(given), txn, discover, on_pinned, into_bound)  # type: ignore[arg-type]
 
     return atomic(pool, body)
 

@@ -47,7 +47,7 @@ from .faults import checkpoint
 from .moves import ImplSwaps, Place, SetMove, SetMoves, place_columns, place_many
 from .proof import held_outside_python
 from .settle import Placed, check_moved, keep_unreleased, release, settle_pins
-from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
+from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned, specs_of_columns
 from .transaction import Transaction
 from .validate import label
 
@@ -68,17 +68,58 @@ def sharded_specs(targets: object) -> list[AdoptSpec] | None:
     return list(targets)
 
 
+class SpecColumns:
+    """A sharded batch given as columns, not as one :class:`AdoptSpec` a member: shard
+    ``tensors[i]``, its one view ``wrappers[i]``, its holder ``getattr(owners[i], key)`` (or none
+    when ``owners`` is ``None``), its slice ``slices[i]``. What a fusion group knows of its
+    members already; the specs are built only if the batch needs the general path
+    (:meth:`specs`), which then validates them as for any call."""
+
+    __slots__ = ("tensors", "wrappers", "owners", "key", "slices")
+
+    def __init__(self, tensors: list[torch.Tensor], wrappers: list[torch.Tensor],
+                 owners: list[Any] | None, key: str, slices: list[Slice | None]) -> None:
+        self.tensors, self.wrappers, self.owners, self.key, self.slices = (
+            tensors, wrappers, owners, key, slices)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def specs(self) -> list[AdoptSpec]:
+        """The same batch as specs (for the general path)."""
+        holders: list[tuple[Holder, ...]] = (
+            [()] * len(self.tensors) if self.owners is None
+            else list(zip(map(Holder, self.owners, repeat(self.key)))))
+        return specs_of_columns(self.tensors, list(zip(self.wrappers)), holders, self.slices)
+
+
+def _columns_of(specs: list[AdoptSpec]) -> tuple[SpecColumns, list[Holder | None]] | None:
+    """The columns of specs :func:`sharded_specs` took, with each one's holder (``None``
+    when a spec has more than one: the general path's)."""
+    given = list(map(_holders_of, specs))
+    if set(map(len, given)) - {0, 1}:
+        return None  # (a second holder, or one of the local, is the general path's)
+    holders: list[Holder | None] = [h[0] if h else None for h in given]
+    return SpecColumns(list(map(_tensor_of, specs)), list(map(_first, map(_views_of, specs))),
+                       None, "", list(map(_slice_of, specs))), holders
+
+
 class _Rows:
     """The batch's facts, one column per fact, in spec order (no object per member): the shard
     ``ts[i]``, its local tensor ``locals[i]`` and wrapper, where both sit now."""
 
-    __slots__ = ("ts", "locals", "wrappers", "holders", "keys", "storages", "offsets", "sizes",
+    __slots__ = ("ts", "locals", "wrappers", "holders", "owners", "hkey", "keys", "storages",
+                 "offsets", "sizes",
                  "strides", "dtypes", "nbytes", "versions", "local_versions", "local_offsets",
                  "local_sizes", "local_strides", "swaps", "grads", "slices")
 
     def __init__(self, ts: list[torch.Tensor], locals_: list[torch.Tensor],
-                 wrappers: list[torch.Tensor], holders: list[Holder | None]) -> None:
+                 wrappers: list[torch.Tensor], holders: list[Holder | None] | None,
+                 owners: list[Any] | None, hkey: str) -> None:
         self.ts, self.locals, self.wrappers, self.holders = ts, locals_, wrappers, holders
+        self.owners, self.hkey = owners, hkey
+        """With ``holders`` ``None``: every shard held at ``getattr(owners[i], hkey)`` (no
+        :class:`Holder` object made), or none held when ``owners`` is ``None`` too."""
         self.keys: list[int] = []
         self.storages: list[torch.UntypedStorage] = []
         self.offsets: list[int] = []
@@ -99,7 +140,15 @@ class _Rows:
 
     def containers(self) -> list[object]:
         """The lists that hold the batch's tensors (for pin scans to skip)."""
-        return [self.ts, self.locals, self.wrappers, self.holders, self.storages]
+        return [self.ts, self.locals, self.wrappers, self.holders, self.owners, self.storages]
+
+    def holder_list(self) -> list[Holder | None]:
+        """Each shard's holder as a :class:`Holder` (made here for owner columns)."""
+        if self.holders is not None:
+            return self.holders
+        if self.owners is None:
+            return [None] * len(self.ts)
+        return list(map(Holder, self.owners, repeat(self.hkey)))
 
 
 _FLAGS = attrgetter("layout", "is_nested", "is_quantized")
@@ -139,14 +188,27 @@ def _plain_facts(shards: list[torch.Tensor], locals_: list[torch.Tensor],
 _is_cpu = attrgetter("is_cpu")
 
 
-def _holders(specs: list[AdoptSpec], ts: list[torch.Tensor]) -> list[Holder | None] | None:
-    """Each spec's one holder of its shard (or ``None``), or ``None`` when any spec needs the
-    general path: a second holder, a place nothing can be written to, one that does not hold
-    the shard now. Assignability is decided once per place kind (the owner's type, the key)."""
-    given = list(map(_holders_of, specs))
-    if set(map(len, given)) - {0, 1}:
-        return None  # (a second holder, or one of the local, is the general path's)
-    holders: list[Holder | None] = [h[0] if h else None for h in given]
+def _owners_hold(cols: SpecColumns) -> bool:
+    """Every owner of the columns holds its shard at attribute ``key`` now, and the place can be
+    written to (decided once per owner type)."""
+    owners, key = cols.owners, cols.key
+    if owners is None:
+        return True
+    for cls in set(map(type, owners)):
+        probe = next(o for o in owners if type(o) is cls)
+        if Holder(probe, key).unassignable() is not None:
+            return False
+    try:
+        values = list(map(getattr, owners, repeat(key)))
+    except Exception:  # noqa: BLE001 - a place that cannot be read: the general path reports
+        return False
+    return all(map(is_, values, cols.tensors))
+
+
+def _holders(holders: list[Holder | None], ts: list[torch.Tensor]) -> list[Holder | None] | None:
+    """The specs' holders of their shards, or ``None`` when any spec needs the general path:
+    a place nothing can be written to, one that does not hold the shard now. Assignability is
+    decided once per place kind (the owner's type, the key)."""
     present = [h for h in holders if h is not None]
     if not present:
         return holders
@@ -169,7 +231,8 @@ def _holders(specs: list[AdoptSpec], ts: list[torch.Tensor]) -> list[Holder | No
     return holders
 
 
-def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows | None:
+def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | None] | None,
+              planned: bool) -> _Rows | None:
     """The batch's facts as columns, or ``None`` when any spec needs the general path.
 
     Shard and local tensor are exact ``torch.Tensor`` objects: their attributes are torch's
@@ -179,8 +242,8 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
     """
     device = pool.device
     cpu = device.type == "cpu"
-    n = len(specs)
-    slices: list[Slice | None] = list(map(_slice_of, specs))
+    n = len(cols)
+    slices = cols.slices
     with_slice = slices[0] is not None
     if _nones(slices) != (0 if with_slice else n):
         return None  # some specs name their slice, some not
@@ -188,18 +251,29 @@ def _eligible(pool: PoolState, specs: list[AdoptSpec], planned: bool) -> _Rows |
         return None  # an existing slice's bytes must be saved for a rollback: general path
     # Python-level reads first (a wrapper's ``_local_tensor``, the holders' places), as the
     # general path makes them; then every TensorImpl read in one no_torch_function block.
-    ts: list[torch.Tensor] = list(map(_tensor_of, specs))
-    wrappers: list[torch.Tensor] = list(map(_first, map(_views_of, specs)))
+    ts, wrappers = cols.tensors, cols.wrappers
+    if not (len(ts) == len(wrappers) == len(slices) == n and (
+            cols.owners is None or len(cols.owners) == n)):
+        return None
+    if not set(map(type, ts)) <= _PLAIN_TYPES or set(map(type, wrappers)) & _PLAIN_TYPES or not all(
+            map(isinstance, wrappers, repeat(torch.Tensor))):
+        return None  # (what sharded_specs tells of specs: a plain shard, a subclass view)
     try:
         locals_: list[torch.Tensor] = list(map(_local_of, wrappers))
     except AttributeError:
         return None
     if not set(map(type, locals_)) <= _PLAIN_TYPES or any(map(is_, locals_, ts)):
         return None
-    holders = _holders(specs, ts)
-    if holders is None:
-        return None
-    r = _Rows(ts, locals_, wrappers, holders)
+    if spec_holders is None:
+        if not _owners_hold(cols):
+            return None
+        holders = None
+    else:
+        holders = _holders(spec_holders, ts)
+        if holders is None:
+            return None
+    r = _Rows(ts, locals_, wrappers, holders, cols.owners if spec_holders is None else None,
+              cols.key)
     with tc.no_torch_function():
         facts = _plain_facts(ts, locals_, cpu, device)
         if facts is None:
@@ -301,12 +375,19 @@ def _local_moves(local_base: torch.Tensor | None, t: torch.Tensor, swap: bool) -
 
 
 def adopt_sharded(
-    pool: PoolState, specs: list[AdoptSpec], txn: Transaction, on_pinned: OnPinned
+    pool: PoolState, specs: list[AdoptSpec] | SpecColumns, txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport | None:
     """Adopt ``specs`` in ``txn``; ``None`` (nothing done) when one needs the general path."""
     snap = txn.snapshot
     planned = snap is not None and snap.buffer is None and snap.buffer_key is None
-    r = _eligible(pool, specs, planned)
+    if isinstance(specs, SpecColumns):
+        cols, spec_holders = specs, None
+    else:
+        split = _columns_of(specs)
+        if split is None:
+            return None
+        cols, spec_holders = split
+    r = _eligible(pool, cols, spec_holders, planned)
     if r is None:
         return None
     moving = r.ts + r.locals
@@ -455,15 +536,22 @@ def _records(r: _Rows) -> Iterable[list[Record]]:
     references are all of one kind (what :func:`tensor_ref` would pick: a weak reference for an
     exact tensor, a :class:`ParamRef` for a parameter wrapper); else member by member."""
     refs = _refs_of(r.ts), _refs_of(r.locals), _refs_of(r.wrappers)
-    present = [h for h in r.holders if h is not None]
-    owners = _owner_refs(present) if len(present) == len(r.holders) else None
+    n = len(r.ts)
+    owners: list[Ref] | None
+    if r.holders is None:  # owner columns: one attribute a shard
+        owners = None if r.owners is None else _owner_refs(r.owners)
+        keys: Iterable[Any] = repeat(r.hkey, n)
+        items: Iterable[bool] = repeat(False, n)
+    else:
+        present = [h for h in r.holders if h is not None]
+        owners = _owner_refs(list(map(_owner, present))) if len(present) == n else None
+        keys, items = map(_key, present), map(_item, present)
     shifts = map(mul, map(sub, r.local_offsets, r.offsets), map(_itemsize, r.dtypes))
     if refs[0] is None or refs[1] is None or refs[2] is None or owners is None:
-        return map(_member_records, r.ts, r.locals, r.wrappers, r.holders, r.sizes, r.strides,
-                   r.dtypes, r.local_sizes, r.local_strides, shifts)
-    n = len(r.ts)
-    shard_recs = zip(refs[0], repeat(0, n), r.sizes, r.strides, r.dtypes, owners,
-                     map(_key, present), map(_item, present), repeat(True, n))
+        return map(_member_records, r.ts, r.locals, r.wrappers, r.holder_list(), r.sizes,
+                   r.strides, r.dtypes, r.local_sizes, r.local_strides, shifts)
+    shard_recs = zip(refs[0], repeat(0, n), r.sizes, r.strides, r.dtypes, owners, keys, items,
+                     repeat(True, n))
     local_recs = zip(refs[1], shifts, r.local_sizes, r.local_strides, r.dtypes, refs[2],
                      repeat(_LOCAL, n), repeat(False, n), repeat(False, n))
     return map(list, zip(shard_recs, local_recs))
@@ -481,10 +569,9 @@ def _refs_of(ts: list[torch.Tensor]) -> list[Ref] | None:
     return None
 
 
-def _owner_refs(holders: list[Holder]) -> list[Ref] | None:
+def _owner_refs(owners: list[Any]) -> list[Ref] | None:
     """The holders' owners referred to weakly in one pass (what the general path's records do
     for an owner that is no tensor), or ``None`` for any other kind of owner."""
-    owners = list(map(_owner, holders))
     if any(map(isinstance, owners, repeat(torch.Tensor))):
         return None
     try:
@@ -510,4 +597,4 @@ def is_sharded_batch(specs: Sequence[object]) -> bool:
     return sharded_specs(list(specs)) is not None
 
 
-__all__ = ["adopt_sharded", "is_sharded_batch", "sharded_specs"]
+__all__ = ["SpecColumns", "adopt_sharded", "is_sharded_batch", "sharded_specs"]

@@ -29,7 +29,8 @@ from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
 from flatpool.ownership.moves import fresh_on, place_many
-from flatpool.ownership.spec import specs_of_columns
+from flatpool.ownership.adopt import adopt
+from flatpool.ownership.sharded import SpecColumns
 from flatpool.pool import contiguous_strides
 
 from .kept import KeptAlive
@@ -239,8 +240,8 @@ def _adopt_group(
     try:
         for _, pool, layouts in plans:
             specs = _specs(params, layouts, data)
-            if specs:
-                report = pool.adopt(specs, on_pinned=on_pinned)
+            if len(specs):
+                report = adopt(pool, specs, on_pinned=on_pinned)  # (pool.adopt, columns taken)
                 freed += report.freed_bytes
                 reports.append((pool, report, layouts))
             done.append((pool, layouts))
@@ -258,16 +259,15 @@ def _adopt_group(
 
 
 def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout],
-           data: Sequence[torch.Tensor]) -> list[AdoptSpec]:
-    """:func:`adopt_spec` of each member with a slice; in C-level passes when every member has
-    one (``data``: the members' padded data, read once for the whole call)."""
+           data: Sequence[torch.Tensor]) -> list[AdoptSpec] | SpecColumns:
+    """:func:`adopt_spec` of each member with a slice; when every member has one, the same
+    batch as columns (shard, wrapper, the member as the shard's holder, slice: no object a
+    member; ``data``: the members' padded data, read once for the whole call)."""
     if not all(map(_slice_of, layouts)):
         return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
     ps = [params[m.index] for m in layouts]
-    # zip() of one column gives the one-element tuples the spec's views and holders are
-    return specs_of_columns([data[m.index] for m in layouts], list(zip(map(_wrapper, ps))),
-                            list(zip(map(Holder, ps, repeat(_DATA)))),
-                            list(map(_slice_of, layouts)))
+    return SpecColumns([data[m.index] for m in layouts], list(map(_wrapper, ps)), ps, _DATA,
+                       list(map(_slice_of, layouts)))
 
 
 _DATA = "_sharded_param_data"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import flatpool.ownership.adopt as adopt_mod
-from flatpool import AdoptSpec, FlatPool, PinnedStorageError
+from flatpool import AdoptSpec, FlatPool, FlatPoolError, PinnedStorageError
 from flatpool import torch_compat as tc
-from flatpool.ownership.sharded import is_sharded_batch
+from flatpool.ownership.sharded import SpecColumns, is_sharded_batch
 from flatpool.testing import FailAt, set_fault_hook
 
 from .scenarios import ShardedMember as Member
@@ -66,16 +66,27 @@ def _specs(pool: FlatPool, members: list[Member], given: bool) -> list[AdoptSpec
             for s, slc in zip(specs, slices)]
 
 
+def _columns(specs: list[AdoptSpec]) -> SpecColumns:
+    """The batch as a fusion group hands it over: columns, the member the shard's holder."""
+    return SpecColumns([s.tensor for s in specs], [s.views[0] for s in specs],
+                       [s.holders[0].owner for s in specs], "_sharded_param_data",
+                       [s.slice for s in specs])
+
+
+@pytest.mark.parametrize("form", ["specs", "columns"])
 @pytest.mark.parametrize("given", [False, True], ids=["allocated", "into-planned-slices"])
 @pytest.mark.parametrize("alignment", [1, 64])
 def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch,
-                                         alignment: int, given: bool) -> None:
-    def run(members: list[Member]) -> tuple[FlatPool, Any]:
+                                         alignment: int, given: bool, form: str) -> None:
+    def run(members: list[Member], lean: bool = False) -> tuple[FlatPool, Any]:
         pool = FlatPool(alignment=alignment)
-        return pool, pool.adopt(_specs(pool, members, given))
+        specs = _specs(pool, members, given)
+        if lean and form == "columns":
+            return pool, adopt_mod.adopt(pool, _columns(specs))
+        return pool, pool.adopt(specs)
 
     lean, general = _members(single_rank_mesh), _members(single_rank_mesh)
-    p1, r1 = run(lean)
+    p1, r1 = run(lean, lean=True)
     with monkeypatch.context() as mp:
         mp.setattr(adopt_mod, "sharded_specs", lambda targets: None)  # the general path
         p2, r2 = run(general)
@@ -151,6 +162,42 @@ def test_a_pinned_shard_rolls_back_naming_its_holder(single_rank_mesh: Any) -> N
         report = pool.adopt([m.spec() for m in members], on_pinned="warn")
     assert [bool(i.pinned_by) for i in report.items] == [False, True, False, False]
     assert pool.is_valid() and held is not None
+
+
+@pytest.mark.parametrize("bad", ["not held", "plain view", "not a tensor"])
+def test_columns_that_need_the_general_path_get_its_verdict(single_rank_mesh: Any,
+                                                            bad: str) -> None:
+    """Columns the lean path cannot take go to the general path as specs, which decides as for
+    any call: a holder that does not hold its shard, a plain view that leaves the parameter's
+    local tensor on the original (a pin), a non-tensor shard are refused with their typed
+    errors, and nothing changed."""
+    members = _members(single_rank_mesh)
+    cols = _columns([m.spec() for m in members])
+    if bad == "not held":
+        members[1]._sharded_param_data = torch.zeros(1)  # the place holds something else now
+    elif bad == "plain view":
+        cols.wrappers[2] = cols.tensors[2][:0]
+    else:
+        cols.tensors[0] = "shard"  # type: ignore[call-overload]
+    before = [_state(m) for m in members]
+    pool = FlatPool(alignment=1)
+    calls: list[str] = []
+    real = adopt_mod._adopt
+
+    def general(*a: Any, **k: Any) -> Any:
+        calls.append("general")
+        return real(*a, **k)
+
+    import unittest.mock
+    with unittest.mock.patch.object(adopt_mod, "_adopt", general):
+        with pytest.raises(FlatPoolError, match={
+                "not held": "does not hold a tensor on its storage",
+                "plain view": "still referenced", "not a tensor": "tensor"}[bad]):
+            adopt_mod.adopt(pool, cols)
+    # (a non-tensor is refused as the specs are built, by AdoptSpec's own validation)
+    assert calls == ([] if bad == "not a tensor" else ["general"])
+    assert all(_same(_state(m), st) for m, st in zip(members, before))
+    assert pool.slices() == ()
 
 
 def test_a_late_pin_rebuilds_the_dead_shards_and_their_locals(
