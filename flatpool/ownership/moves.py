@@ -144,7 +144,7 @@ class ImplSwaps:
         self.objs = objs
         self.others: list[torch.Tensor | None] = list(others)
         self.refs: list[weakref.ref[torch.Tensor] | None] | None = None
-        self.impls = list(map(tc.impl_key, objs))  # (exact tensors: ``_cdata`` is torch's own)
+        self.impls = list(map(tc.impl_key, objs))  # (exact tensors: torch's own read)
         self.keys, self.versions, self.geometries, self.dtypes = keys, versions, geometries, dtypes
 
     def holders(self) -> list[torch.Tensor | None]:
