@@ -244,6 +244,8 @@ def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | No
     cpu = device.type == "cpu"
     n = len(cols)
     slices = cols.slices
+    if not n or len(slices) != n:
+        return None  # (nothing to adopt: the general path says what it does with that)
     with_slice = slices[0] is not None
     if _nones(slices) != (0 if with_slice else n):
         return None  # some specs name their slice, some not
@@ -252,7 +254,7 @@ def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | No
     # Python-level reads first (a wrapper's ``_local_tensor``, the holders' places), as the
     # general path makes them; then every TensorImpl read in one no_torch_function block.
     ts, wrappers = cols.tensors, cols.wrappers
-    if not (len(ts) == len(wrappers) == len(slices) == n and (
+    if not (len(wrappers) == n and (
             cols.owners is None or len(cols.owners) == n)):
         return None
     if not set(map(type, ts)) <= _PLAIN_TYPES or set(map(type, wrappers)) & _PLAIN_TYPES or not all(
