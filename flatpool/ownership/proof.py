@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sized
 from itertools import repeat
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -49,7 +49,13 @@ def old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
         if isinstance(rec, ImplSwap) and rec.other is not None and rec.key is not None:
             out.setdefault(rec.key, []).append(rec.other)
         elif isinstance(rec, ImplSwaps):
-            for key, other in zip(rec.keys, rec.others):
+            keys, others = rec.keys, rec.others
+            if (not any(map(operator.is_, others, repeat(None)))
+                    and not any(map(out.__contains__, keys)) and len(set(keys)) == len(keys)):
+                held = cast("list[torch.Tensor]", others)  # (none is None: checked above)
+                out.update(zip(keys, map(list, zip(held))))  # (one C-level pass: new keys)
+                continue
+            for key, other in zip(keys, others):
                 if other is not None:
                     out.setdefault(key, []).append(other)
     return out
@@ -65,17 +71,24 @@ def swapped_held_once(txn: Transaction, olds: dict[int, list[torch.Tensor]]) -> 
     plain: list[torch.UntypedStorage] = []
     swapped: list[torch.UntypedStorage] = []
     moved_off: list[torch.Tensor] = []
-    found: list[torch.Tensor] | None = None
-    for key in originals.key_column():
-        found = olds.get(key)
-        if found is None:
-            plain.append(originals[key])
-        elif len(found) == 1:
-            swapped.append(originals[key])
-            moved_off.append(found[0])
-        else:
+    keys, stores = originals.key_column(), list(originals.values())  # (the same order)
+    founds = list(map(olds.get, keys))
+    if len(stores) == len(keys) and not any(map(operator.is_, founds, repeat(None))):
+        every = cast("list[list[torch.Tensor]]", founds)  # (every original moved a view off)
+        if set(map(len, every)) != {1}:
             return False
-    del found
+        swapped, moved_off = stores, list(map(operator.itemgetter(0), every))
+        del every
+    else:
+        for store, found in zip(stores, founds):
+            if found is None:
+                plain.append(store)
+            elif len(found) == 1:
+                swapped.append(store)
+                moved_off.append(found[0])
+            else:
+                return False
+    del founds, stores
     if not (tc.storages_used_as(plain, 1, 1)
             and tc.storages_used_as(swapped, 3, 1 + tc.PRESERVED_STORAGE_REF)):
         return False
