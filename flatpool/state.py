@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import threading
 import weakref
 from array import array
@@ -293,7 +292,7 @@ class PoolState:
         """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
         pass under one lock (per-step validity checks ask this of thousands of slices)."""
         with self._lock:
-            result = all(map(operator.is_, map(self._index.get, slice_ids), slices))
+            result = self._index.all_live(slice_ids, slices)
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property

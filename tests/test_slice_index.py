@@ -80,6 +80,17 @@ def test_the_index_reads_like_a_dict_of_handles(runs: list[int], ops: list[tuple
         assert index.ordered() == sorted(live.values(), key=lambda s: s.offset)
         assert index.used_bytes() == 8 * len(live)
         assert index.get(next_id + 5) is None
+        # all_live: the definition, whether a stretch of ids takes the run's one-pass read or not
+        ids = sorted(live)
+        a = k % (next_id + 1)
+        for cand in (ids, ids[a % (len(ids) + 1):][:5], list(range(a, a + 4)),
+                     list(range(a, a + 4))[::-1]):
+            handles = [live.get(i) for i in cand]
+            fake = [None if h is None else Slice(pool, h.slice_id, h.offset, (2,), torch.float32)
+                    for h in handles]
+            for given_ in (handles, fake, handles[1:] + handles[:1]):
+                expect = all(index.get(i) is h for i, h in zip(cand, given_))
+                assert index.all_live(cand, given_) is expect  # type: ignore[arg-type]
     for _, model in saved:  # copies taken earlier were not changed by later edits
         assert all(s.slice_id in model for s in model.values())
 
