@@ -36,6 +36,7 @@ from operator import add, and_, attrgetter, eq, floordiv, ge, is_, itemgetter, l
 import torch
 
 from .. import torch_compat as tc
+from ..errors import InvalidRequestError
 from ..holder import Holder
 from ..registry import ParamRef, Record, Ref, make_record, tensor_ref
 from ..requests import check_dtype
@@ -79,6 +80,12 @@ class SpecColumns:
 
     def __init__(self, tensors: list[torch.Tensor], wrappers: list[torch.Tensor],
                  owners: list[Any] | None, key: str, slices: list[Slice | None]) -> None:
+        n = len(tensors)
+        if len(wrappers) != n or len(slices) != n or (owners is not None and len(owners) != n):
+            raise InvalidRequestError(
+                f"SpecColumns: {n} tensors, {len(wrappers)} wrappers, {len(slices)} slices"
+                + ("" if owners is None else f", {len(owners)} owners")
+                + ": give one of each per member")
         self.tensors, self.wrappers, self.owners, self.key, self.slices = (
             tensors, wrappers, owners, key, slices)
 

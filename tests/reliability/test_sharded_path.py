@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flatpool.ownership.adopt as adopt_mod
-from flatpool import AdoptSpec, FlatPool, FlatPoolError, PinnedStorageError
+from flatpool import AdoptSpec, FlatPool, FlatPoolError, InvalidRequestError, PinnedStorageError
 from flatpool import torch_compat as tc
 from flatpool.ownership.sharded import SpecColumns, is_sharded_batch
 from flatpool.testing import FailAt, set_fault_hook
@@ -198,6 +198,15 @@ def test_columns_that_need_the_general_path_get_its_verdict(single_rank_mesh: An
     assert calls == ([] if bad == "not a tensor" else ["general"])
     assert all(_same(_state(m), st) for m, st in zip(members, before))
     assert pool.slices() == ()
+
+
+def test_ragged_columns_are_refused_before_anything_is_read() -> None:
+    """Columns of unequal lengths would pair members wrongly (or drop some): refused at once."""
+    t = torch.zeros(4)
+    with pytest.raises(InvalidRequestError, match="one of each per member"):
+        SpecColumns([t, t.clone()], [t], None, "_sharded_param_data", [None, None])
+    with pytest.raises(InvalidRequestError, match="2 owners"):
+        SpecColumns([t], [t], [object(), object()], "_sharded_param_data", [None])
 
 
 def test_a_late_pin_rebuilds_the_dead_shards_and_their_locals(
