@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import chain, compress, repeat, starmap
-from typing import Any
+from typing import Any, cast
 from operator import add, and_, attrgetter, eq, floordiv, ge, is_, itemgetter, le, mul, sub
 
 import torch
@@ -92,11 +92,17 @@ class SpecColumns:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def holders(self) -> list[Holder | None]:
+        """Each member's holder of its shard as a :class:`Holder` (made here), or ``None``."""
+        if self.owners is None:
+            return [None] * len(self.tensors)
+        return list(map(Holder, self.owners, repeat(self.key)))
+
     def specs(self) -> list[AdoptSpec]:
         """The same batch as specs (for the general path)."""
-        holders: list[tuple[Holder, ...]] = (
+        holders: list[tuple[Holder, ...]] = (  # (with owners, no holder is None)
             [()] * len(self.tensors) if self.owners is None
-            else list(zip(map(Holder, self.owners, repeat(self.key)))))
+            else list(zip(cast("list[Holder]", self.holders()))))
         return specs_of_columns(self.tensors, list(zip(self.wrappers)), holders, self.slices)
 
 
@@ -115,18 +121,17 @@ class _Rows:
     """The batch's facts, one column per fact, in spec order (no object per member): the shard
     ``ts[i]``, its local tensor ``locals[i]`` and wrapper, where both sit now."""
 
-    __slots__ = ("ts", "locals", "wrappers", "holders", "owners", "hkey", "keys", "storages",
-                 "offsets", "sizes",
-                 "strides", "dtypes", "nbytes", "versions", "local_versions", "local_offsets",
+    __slots__ = ("ts", "locals", "wrappers", "holders", "cols", "keys", "storages", "offsets",
+                 "sizes", "strides", "dtypes", "nbytes", "versions", "local_versions", "local_offsets",
                  "local_sizes", "local_strides", "swaps", "grads", "slices")
 
     def __init__(self, ts: list[torch.Tensor], locals_: list[torch.Tensor],
                  wrappers: list[torch.Tensor], holders: list[Holder | None] | None,
-                 owners: list[Any] | None, hkey: str) -> None:
+                 cols: SpecColumns) -> None:
         self.ts, self.locals, self.wrappers, self.holders = ts, locals_, wrappers, holders
-        self.owners, self.hkey = owners, hkey
-        """With ``holders`` ``None``: every shard held at ``getattr(owners[i], hkey)`` (no
-        :class:`Holder` object made), or none held when ``owners`` is ``None`` too."""
+        self.cols = cols
+        """With ``holders`` ``None``: the shards are held where ``cols`` says (its owners'
+        attribute, no :class:`Holder` object made)."""
         self.keys: list[int] = []
         self.storages: list[torch.UntypedStorage] = []
         self.offsets: list[int] = []
@@ -147,15 +152,12 @@ class _Rows:
 
     def containers(self) -> list[object]:
         """The lists that hold the batch's tensors (for pin scans to skip)."""
-        return [self.ts, self.locals, self.wrappers, self.holders, self.owners, self.storages]
+        return [self.ts, self.locals, self.wrappers, self.holders, self.cols.owners,
+                self.storages]
 
     def holder_list(self) -> list[Holder | None]:
         """Each shard's holder as a :class:`Holder` (made here for owner columns)."""
-        if self.holders is not None:
-            return self.holders
-        if self.owners is None:
-            return [None] * len(self.ts)
-        return list(map(Holder, self.owners, repeat(self.hkey)))
+        return self.holders if self.holders is not None else self.cols.holders()
 
 
 _FLAGS = attrgetter("layout", "is_nested", "is_quantized")
@@ -281,8 +283,7 @@ def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | No
         holders = _holders(spec_holders, ts)
         if holders is None:
             return None
-    r = _Rows(ts, locals_, wrappers, holders, cols.owners if spec_holders is None else None,
-              cols.key)
+    r = _Rows(ts, locals_, wrappers, holders, cols)
     with tc.no_torch_function():
         facts = _plain_facts(ts, locals_, cpu, device)
         if facts is None:
@@ -548,8 +549,8 @@ def _records(r: _Rows) -> Iterable[list[Record]]:
     n = len(r.ts)
     owners: list[Ref] | None
     if r.holders is None:  # owner columns: one attribute a shard
-        owners = None if r.owners is None else _owner_refs(r.owners)
-        keys: Iterable[Any] = repeat(r.hkey, n)
+        owners = None if r.cols.owners is None else _owner_refs(r.cols.owners)
+        keys: Iterable[Any] = repeat(r.cols.key, n)
         items: Iterable[bool] = repeat(False, n)
     else:
         present = [h for h in r.holders if h is not None]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flatpool.ownership.adopt as adopt_mod
+import flatpool.ownership.sharded as sharded_mod
 from flatpool import AdoptSpec, FlatPool, FlatPoolError, InvalidRequestError, PinnedStorageError
 from flatpool import torch_compat as tc
 from flatpool.ownership.sharded import SpecColumns, is_sharded_batch
@@ -73,7 +74,7 @@ def _columns(specs: list[AdoptSpec]) -> SpecColumns:
                        [s.slice for s in specs])
 
 
-@pytest.mark.parametrize("form", ["specs", "columns"])
+@pytest.mark.parametrize("form", ["specs", "columns", "columns, records member by member"])
 @pytest.mark.parametrize("given", [False, True], ids=["allocated", "into-planned-slices"])
 @pytest.mark.parametrize("alignment", [1, 64])
 def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch,
@@ -81,12 +82,15 @@ def test_sharded_and_general_paths_agree(single_rank_mesh: Any, monkeypatch: pyt
     def run(members: list[Member], lean: bool = False) -> tuple[FlatPool, Any]:
         pool = FlatPool(alignment=alignment)
         specs = _specs(pool, members, given)
-        if lean and form == "columns":
+        if lean and form != "specs":
             return pool, adopt_mod.adopt(pool, _columns(specs))
         return pool, pool.adopt(specs)
 
     lean, general = _members(single_rank_mesh), _members(single_rank_mesh)
-    p1, r1 = run(lean, lean=True)
+    with monkeypatch.context() as mp:
+        if form == "columns, records member by member":  # (as for references of mixed kinds)
+            mp.setattr(sharded_mod, "_refs_of", lambda ts: None)
+        p1, r1 = run(lean, lean=True)
     with monkeypatch.context() as mp:
         mp.setattr(adopt_mod, "sharded_specs", lambda targets: None)  # the general path
         p2, r2 = run(general)
