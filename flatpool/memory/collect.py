@@ -19,7 +19,6 @@ import torch
 
 from .. import torch_compat as tc
 from .. import FlatPool, InvalidTypeError, census, live_pools, local_tensor, own_storage
-from .. import torch_compat as tc
 from .manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from .walk import LEGIT_OWN_STORAGE, walk_roots
 from .watch import StorageWatch, WatchedStorages

@@ -19,7 +19,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import torch_compat as tc
 from .. import InvalidTypeError, local_tensor, own_storage
-from .. import torch_compat as tc
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ from ..pool import FlatPool
 from .buffers import Mirrors, segment_view
 from .errors import FlatStepError, LostPlaceError
 from .grads import GradBuffers
-from .layout import Member, Segment, gaps, plan
+from .layout import Member, gaps, plan
 from .rules import group_refusal, rule_for
 from .state import StateBuffers, state_refusal
 from .wrap import is_dtensor, supported

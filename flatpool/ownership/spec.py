@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import chain, repeat, starmap
 from operator import is_
-from typing import Any, Literal, cast, overload
+from typing import Literal, cast, overload
 
 import torch
 from attrs import define, field
