@@ -199,45 +199,45 @@ _is_cpu = attrgetter("is_cpu")
 
 def _owners_hold(cols: SpecColumns) -> bool:
     """Every owner of the columns holds its shard at attribute ``key`` now, and the place can be
-    written to (decided once per owner type)."""
-    owners, key = cols.owners, cols.key
-    if owners is None:
+    written to (see :func:`_places_hold`)."""
+    if cols.owners is None:
         return True
-    for cls in set(map(type, owners)):
-        probe = next(o for o in owners if type(o) is cls)
-        if Holder(probe, key).unassignable() is not None:
-            return False
-    try:
-        values = list(map(getattr, owners, repeat(key)))
-    except Exception:  # noqa: BLE001 - a place that cannot be read: the general path reports
-        return False
-    return all(map(is_, values, cols.tensors))
+    n = len(cols.owners)
+    return _places_hold(cols.owners, [cols.key] * n, [False] * n, cols.tensors)
 
 
 def _holders(holders: list[Holder | None], ts: list[torch.Tensor]) -> list[Holder | None] | None:
     """The specs' holders of their shards, or ``None`` when any spec needs the general path:
-    a place nothing can be written to, one that does not hold the shard now. Assignability is
-    decided once per place kind (the owner's type, the key)."""
+    a place nothing can be written to, one that does not hold the shard now."""
     present = [h for h in holders if h is not None]
     if not present:
         return holders
     if set(map(type, present)) != {Holder}:
         return None
-    owners, keys, items = list(map(_owner, present)), list(map(_key, present)), list(map(_item, present))
-    for place in set(zip(map(type, owners), keys, items)):  # (a place's key is hashable: a name)
-        cls, key, item = place
-        probe = next(h for h in present if type(h.owner) is cls and h.key == key and h.item == item)
-        if probe.unassignable() is not None:
-            return None
-    try:
-        values = (list(map(getattr, owners, keys)) if not any(items)
-                  else [h.get() for h in present])
-    except Exception:  # noqa: BLE001 - a place that cannot be read: the general path reports
-        return None
     shards = ts if len(present) == len(ts) else [t for t, h in zip(ts, holders) if h is not None]
-    if not all(map(is_, values, shards)):
+    if not _places_hold(list(map(_owner, present)), list(map(_key, present)),
+                        list(map(_item, present)), shards):
         return None
     return holders
+
+
+def _places_hold(owners: list[Any], keys: list[Any], items: list[bool],
+                 shards: list[torch.Tensor]) -> bool:
+    """Place ``i`` (``owners[i]``'s attribute or item ``keys[i]``) holds ``shards[i]`` now, and
+    can be written to, for every ``i``. Assignability is decided once per place kind (the
+    owner's type, the key, attribute or item), from a probe of that kind."""
+    for place in set(zip(map(type, owners), keys, items)):  # (a place's key is hashable: a name)
+        cls, key, item = place
+        probe = next(o for o, k, i in zip(owners, keys, items)
+                     if type(o) is cls and k == key and i == item)
+        if Holder(probe, key, item).unassignable() is not None:
+            return False
+    try:
+        values = (list(map(getattr, owners, keys)) if not any(items)
+                  else [Holder(o, k, i).get() for o, k, i in zip(owners, keys, items)])
+    except Exception:  # noqa: BLE001 - a place that cannot be read: the general path reports
+        return False
+    return all(map(is_, values, shards))
 
 
 def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | None] | None,
