@@ -234,7 +234,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                     step = run_child(name, mode, out, scratch, site, log,
                                      min(left, STEP_CAP_S[mode][name]))
                 except Stopped as exc:
-                    report["steps"].append(not_run(name, f"stopped by {exc} while running"))
+                    report["steps"].append(dict(not_run(name, f"stopped by {exc} while running"),
+                                                status="stopped"))
                     report["seconds"] = round(time.monotonic() - started, 1)
                     write_results(out, report)
                     print(f"[{name}] stopped by {exc}; results so far in {out}", flush=True)

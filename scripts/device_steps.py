@@ -222,7 +222,10 @@ def step_environment(run: Run, ctx: Ctx) -> None:
     f["flatpool_integrations_from"] = str(Path(str(hsdp.__file__)).parent.parent)
     commit = _git("rev-parse", "--short=12", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
-    f["commit"] = None if commit is None else commit + (" (uncommitted changes)" if dirty else "")
+    # A copy of the working tree without git history (the lent GPU machines get one) names its
+    # commit through FLATPOOL_DEVICE_COMMIT.
+    f["commit"] = (commit + (" (uncommitted changes)" if dirty else "") if commit is not None
+                   else os.environ.get("FLATPOOL_DEVICE_COMMIT"))
     f["cuda_available"] = torch.cuda.is_available()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -567,6 +570,17 @@ def step_optim(run: Run, ctx: Ctx) -> None:
     ident_rows: list[list[object]] = []
     time_rows: list[list[object]] = []
     warnings.simplefilter("ignore")  # FlatStepWarning etc. are not what this step measures
+
+    def timing(key: str, opt_name: str, n: int, t: dict[str, list[float]]) -> None:
+        med = {k: statistics.median(v) for k, v in t.items()}
+        r_fe, r_fu = median_ratio(t["flat"], t["foreach"]), median_ratio(t["flat"], t["fused"])
+        run.figures[f"time/{opt_name}/{n}"] = {
+            "flat_s": med["flat"], "foreach_s": med["foreach"], "fused_s": med["fused"],
+            "flat_over_foreach": r_fe, "flat_over_fused": r_fu, "rounds": rounds[n]}
+        time_rows.append([opt_name, n, fmt_ms(med["flat"]), fmt_ms(med["foreach"]),
+                          fmt_ms(med["fused"]), fmt_ratio(r_fe), fmt_ratio(r_fu)])
+        print(f"  {key}: flat {fmt_ms(med['flat'])}, foreach {fmt_ms(med['foreach'])}, "
+              f"fused {fmt_ms(med['fused'])}", flush=True)
     for opt_name in OPTIMIZERS:
         for n in sizes:
             for dtype in dtypes:
@@ -579,30 +593,21 @@ def step_optim(run: Run, ctx: Ctx) -> None:
                         trio.step_all()
                     same, why = trio.identical_to_foreach()
                     dmax, share, nonfinite = trio.vs_fused()
+                    run.figures[f"identical/{key}"] = same
+                    run.figures[f"vs_fused_max_abs/{key}"] = dmax
+                    run.figures[f"nonfinite/{key}"] = nonfinite
+                    ident_rows.append([opt_name, n, dt, "yes" if same else f"NO ({why})",
+                                       f"{dmax:.3g}", f"{share:.1%}", nonfinite])
+                    if dtype == torch.float32:
+                        run.check(f"{key}: flat step bit-identical to foreach=True", same, why)
+                        t = interleaved(dev, trio.steps, rounds[n], warmup)
+                        timing(key, opt_name, n, t)
+                    else:
+                        print(f"  {key}: identical to foreach: {same} ({why})", flush=True)
+                    del trio
                 except Exception as exc:  # noqa: BLE001 - one case's failure is recorded
                     run.check(f"{key}: runs", False, f"{type(exc).__name__}: {exc}")
                     traceback.print_exc()
-                    continue
-                run.figures[f"identical/{key}"] = same
-                run.figures[f"vs_fused_max_abs/{key}"] = dmax
-                run.figures[f"nonfinite/{key}"] = nonfinite
-                ident_rows.append([opt_name, n, dt, "yes" if same else f"NO ({why})",
-                                   f"{dmax:.3g}", f"{share:.1%}", nonfinite])
-                if dtype == torch.float32:
-                    run.check(f"{key}: flat step bit-identical to foreach=True", same, why)
-                    t = interleaved(dev, trio.steps, rounds[n], warmup)
-                    med = {k: statistics.median(v) for k, v in t.items()}
-                    r_fe, r_fu = median_ratio(t["flat"], t["foreach"]), median_ratio(t["flat"], t["fused"])
-                    run.figures[f"time/{opt_name}/{n}"] = {
-                        "flat_s": med["flat"], "foreach_s": med["foreach"], "fused_s": med["fused"],
-                        "flat_over_foreach": r_fe, "flat_over_fused": r_fu, "rounds": rounds[n]}
-                    time_rows.append([opt_name, n, fmt_ms(med["flat"]), fmt_ms(med["foreach"]),
-                                      fmt_ms(med["fused"]), fmt_ratio(r_fe), fmt_ratio(r_fu)])
-                    print(f"  {key}: flat {fmt_ms(med['flat'])}, foreach {fmt_ms(med['foreach'])}, "
-                          f"fused {fmt_ms(med['fused'])}", flush=True)
-                else:
-                    print(f"  {key}: identical to foreach: {same} ({why})", flush=True)
-                del trio
     run.tables.append("Bit-identity after {} steps (float32 asserted; bfloat16 and float16 "
                       "recorded as the device does them):\n\n".format(steps) + md_table(
                           ["optimizer", "parameters", "dtype", "flat == foreach=True",
