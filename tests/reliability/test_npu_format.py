@@ -23,7 +23,7 @@ from flatpool import AdoptSpec, DeviceError, FlatPool, NpuFormatError
 from flatpool import _npu_format
 
 from .npu_stand_in import Format, npu_formats
-from .scenarios import ints
+from .scenarios import ShardedMember, ints
 from .state import Snapshot, check_layout
 
 
@@ -78,6 +78,21 @@ def test_the_local_tensor_of_a_wrapper_is_checked(hp_wrap: Any) -> None:
     wrapped = hp_wrap(local)
     exc = _refused(pool, [wrapped], {"local": local}, {local: Format.NC1HWC0})
     assert "NC1HWC0 (3)" in str(exc)
+
+
+def test_fsdp2_shards_on_the_sharded_path_are_checked_too(single_rank_mesh: Any) -> None:
+    """FSDP2-shaped members (a shard, its DTensor parameter, its holder) take the sharded lean
+    path: a shard in a private format sends the batch to the general path, which refuses it."""
+    members = [ShardedMember(3, 3, 4, 100.0, mesh=single_rank_mesh),
+               ShardedMember(5, 6, 2, 200.0, mesh=single_rank_mesh)]
+    shard = members[1]._sharded_param_data
+    tensors = {f"data{i}": m._sharded_param_data for i, m in enumerate(members)}
+    tensors.update({f"local{i}": m.sharded_param._local_tensor for i, m in enumerate(members)})
+    pool = FlatPool(alignment=1)
+    exc = _refused(pool, [m.spec() for m in members], tensors, {shard: Format.FRACTAL_NZ})
+    assert "#1 Tensor(12,) float32" in str(exc) and "FRACTAL_NZ (29)" in str(exc)
+    with npu_formats({}):  # converted: the sharded path adopts them
+        assert pool.adopt([m.spec() for m in members]).all_released
 
 
 def test_module_parameters_refused_then_adopted_after_conversion() -> None:
