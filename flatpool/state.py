@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from . import torch_compat as tc
+from ._npu_format import check_pool_storage
 from .aliasing import check_strided, extent_of, local_tensor
 from ._table import table
 from .allocator import AllocSnapshot, RangeAllocator, align_up
@@ -136,12 +137,12 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
     try:
         with tc.outside_inference():
             result = torch.empty(capacity, dtype=torch.uint8, device=device)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         raise PoolExhaustedError(
             f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
             requested=capacity, free=0, largest_free=0,
         ) from exc
+    return check_pool_storage(result, name)  # NPU: the plain ND format, or NpuFormatError
 
 
 class PoolSnapshot:

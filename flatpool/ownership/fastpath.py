@@ -27,6 +27,7 @@ from operator import add, attrgetter, floordiv, le, mul
 import torch
 
 from .. import torch_compat as tc
+from .._npu_format import any_private_format
 from ..requests import check_dtype
 from ..slice_index import SliceRun
 from ..slices import Slice
@@ -136,6 +137,8 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
             return None  # another device (a meta tensor is on none), a view, sparse, nested...
         if any(map(_is_inference, chunk)) or any(map(_is_conj, chunk)) or any(map(_is_neg, chunk)):
             return None  # lazy conj/neg bits: the copy into itself would see them
+        if any_private_format(chunk, device):
+            return None  # an NPU storage format other than ND: validate() refuses it by name
         numels = list(map(_numel, chunk))
         if not all(numels):
             return None  # empty tensors stay off the pool: the general path says so

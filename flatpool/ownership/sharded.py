@@ -36,6 +36,7 @@ from operator import add, and_, attrgetter, eq, floordiv, ge, is_, itemgetter, l
 import torch
 
 from .. import torch_compat as tc
+from .._npu_format import any_private_format
 from ..errors import InvalidRequestError
 from ..holder import Holder
 from ..registry import ParamRef, Record, Ref, make_record, tensor_ref
@@ -288,6 +289,8 @@ def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | No
         facts = _plain_facts(ts, locals_, cpu, device)
         if facts is None:
             return None
+        if any_private_format(ts, device):
+            return None  # an NPU storage format other than ND: validate() refuses it by name
         dtypes, numels = facts
         r.dtypes = dtypes
         # The shard moves in place when it is no autograd view, or a view of its local tensor

@@ -15,6 +15,7 @@ from typing import Union
 import torch
 
 from .. import torch_compat as tc
+from .._npu_format import check_plain_format
 from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import InvalidRequestError, InvalidTypeError
 from ..requests import check_dtype
@@ -184,6 +185,7 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
                 f"{p.label} is on {device} but pool {pool.name!r} is on {pool.device}; "
                 "move it to the pool's device first or use a pool on its device"
             )
+        check_plain_format(inner, p.label, device)  # NPU: refuse private storage formats
         numel = tc.impl_numel(inner)
         if numel == 0:
             raise InvalidRequestError(f"{p.label} is empty: zero-size tensors stay outside the pool")

@@ -22,6 +22,7 @@ from torch import nn
 import flatpool
 from flatpool import AdoptSpec, FlatPool, Holder, Slice
 
+from .npu_stand_in import Format, npu_formats
 from .scenarios import Box, Wrapper, ints, one_rank_mesh
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
@@ -1061,6 +1062,18 @@ def _readopt_half(c: Ctx) -> Call:
     return lambda: p.readopt()
 
 
+def _npu_private_format(c: Ctx) -> Call:
+    p = c.pool()
+    a = c.tensor("a", ints(4))
+    nz = c.tensor("nz", ints(4, start=4))
+
+    def call() -> object:
+        with npu_formats({nz: Format.FRACTAL_NZ}):
+            return p.adopt([a, nz])
+
+    return call
+
+
 ROWS: tuple[Row, ...] = (
     Row("other-device", "tensor on another device than the pool (a meta tensor into a CPU "
         "pool; a CUDA tensor into a CPU pool takes the same device check)", _other_device,
@@ -1338,6 +1351,11 @@ ROWS: tuple[Row, ...] = (
     Row("readopt-half", "readopt() after module.half()", _readopt_half,
         flatpool.InvalidRequestError, r"disown\(slice\) and pool.free\(slice\), then adopt",
         "nothing changed; following the advice works (test_hostile.py)"),
+    Row("npu-private-format", "an NPU tensor whose storage is in a private torch_npu format "
+        "(FRACTAL_NZ after npu_format_cast_; run on CPU with a stand-in for "
+        "torch_npu.get_npu_format, not yet on an NPU)", _npu_private_format,
+        flatpool.NpuFormatError, r"FRACTAL_NZ \(29\).*npu_format_cast\(t, 2\)",
+        "nothing changed; ND, NCHW and NCDHW tensors are adopted (test_npu_format.py)"),
 )
 
 
