@@ -255,10 +255,11 @@ _Entry = tuple[str, PoolState, Slice]  # ("pool:slice_id", pool, slice)
 
 
 def _fingerprint(raw: torch.Tensor) -> _Fingerprint:
-    """A summary of the bytes of ``raw`` (1-D ``uint8``): their sum and 17 or 18 bytes spread
-    evenly from the first to the last. Equal bytes give equal fingerprints; different bytes
-    almost never do (a change shows in the sum unless other changes cancel it exactly, and no
-    sampled byte differs). A few kernels and one host read, however large ``raw`` is."""
+    """A summary of the bytes of ``raw`` (1-D ``uint8``): their sum, every ``len // 16``-th
+    byte from the first (16 or 17 of them; all, below 32) and the last. Equal bytes give equal
+    fingerprints; different bytes almost never do (a change shows in the sum unless other
+    changes cancel it exactly, and no sampled byte differs). A few kernels and one host read,
+    however large ``raw`` is."""
     step = max(1, raw.numel() // 16)
     parts = (raw.sum(dtype=torch.int64).reshape(1), raw[::step], raw[-1:])
     return tuple(torch.cat([t.to(torch.int64) for t in parts]).tolist())
