@@ -78,6 +78,12 @@ def lazy_init(module: nn.Module) -> None:
     tc.fsdp_lazy_init(module)
 
 
+def user_class(module: nn.Module) -> type:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
+    (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _world_size(group: FSDPParamGroup) -> int:
     return int(getattr(group.mesh_info, "shard_mesh_size", 1))
 
@@ -171,7 +177,8 @@ class FusedModule:
         pools = sum(len(b.buckets) for b in self.buffers)
         kept = sum(len(b.kept) for b in self.buffers)
         hooks = "hooks installed" if self._handles else "no hooks"
-        return (f"FusedModule({type(self.module).__name__}: {adopted}/{len(self.groups)} groups "
+        name = user_class(self.module).__name__
+        return (f"FusedModule({name}: {adopted}/{len(self.groups)} groups "
                 f"fused in {pools} pool(s), valid={self.is_valid()}, {kept} original(s) kept "
                 f"alive, {self.readoptions} re-adoption(s), on_pinned={self.on_pinned!r}, "
                 f"{hooks})")
