@@ -17,9 +17,12 @@ layer re-validates (and re-adopts what moved) at the two points that matter:
 
 Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
 ``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
-raise; the original is kept alive, reported once, counted in :attr:`FusedModule.kept_alive`,
-and released at the first step after the user drops it. Events (adopted, re-adopted, planned
-anew, kept alive, skipped) go to the ``flatpool`` logger.
+raise; the original is kept alive, reported once and counted in
+:attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
+(it dies by reference count; the next check forgets it), or, for a holder outside Python (a
+DLPack consumer, an autograd graph) that the pool keeps it for, at the first check (the next
+forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
+planned anew, kept alive, skipped) go to the ``flatpool`` logger.
 
 FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
 private state (``FSDPState``, lazy init, param groups) is read through
