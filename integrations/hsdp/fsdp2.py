@@ -19,9 +19,9 @@ Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe
 ``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
 raise; the original is kept alive, reported once and counted in
 :attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
-(it dies by reference count; the next check forgets it), or, for a holder outside Python (a
-DLPack consumer, an autograd graph) that the pool keeps it for, at the first check (the next
-forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
+(it dies by reference count; the next check forgets it), or, when something outside Python
+holds the moved shard (a DLPack consumer) and the pool keeps the original for it, at the first
+check (the next forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
 planned anew, kept alive, skipped) go to the ``flatpool`` logger.
 
 FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
@@ -81,7 +81,7 @@ def lazy_init(module: nn.Module) -> None:
     tc.fsdp_lazy_init(module)
 
 
-def user_class(module: nn.Module) -> type:
+def _user_class(module: nn.Module) -> type:
     """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
     (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
@@ -180,7 +180,7 @@ class FusedModule:
         pools = sum(len(b.buckets) for b in self.buffers)
         kept = sum(len(b.kept) for b in self.buffers)
         hooks = "hooks installed" if self._handles else "no hooks"
-        name = user_class(self.module).__name__
+        name = _user_class(self.module).__name__
         return (f"FusedModule({name}: {adopted}/{len(self.groups)} groups "
                 f"fused in {pools} pool(s), valid={self.is_valid()}, {kept} original(s) kept "
                 f"alive, {self.readoptions} re-adoption(s), on_pinned={self.on_pinned!r}, "
