@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import slice_index, slices, state
 from .ownership.adopt import adopt
 from .ownership.meta import MetaTargets, materialize_into
 from .ownership.quickcheck import remember, still_in_place
@@ -108,6 +109,15 @@ class FlatPool(PoolState):
         new handle (old handles raise :class:`FreedSliceError`)."""
         return compact(self, on_pinned=on_pinned)
 
+
+# These modules name FlatPool in annotations but cannot import it (this module imports them):
+# give them the name, so that ``typing.get_type_hints`` (Sphinx, runtime type checkers, IDEs)
+# resolves their annotations (``Slice.pool``, ``live_pools()``) at run time. attrs evaluates
+# ``Slice.__init__``'s in a copy of the slices module's namespace made when the class was
+# defined: that copy gets the name too.
+for _namespace in (vars(slices), vars(slice_index), vars(state),
+                   getattr(Slice.__init__, "__globals__")):
+    _namespace["FlatPool"] = FlatPool
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "check_dtype", "check_shape",

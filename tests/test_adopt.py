@@ -844,3 +844,27 @@ def test_specs_of_columns_equal_validated_specs() -> None:
         specs_of_columns(ts[:1], [views[0][0]], holders[:1], [None])  # type: ignore[list-item]
     with pytest.raises(flatpool.InvalidTypeError, match="flatpool.Holder"):
         specs_of_columns(ts[:1], views[:1], [(("owner", "key"),)], [None])  # type: ignore[list-item]
+
+
+def test_report_repr_leads_with_the_summary() -> None:
+    """Issue 32.8: ``repr(report)`` was one line of every item's fields. It now leads with what
+    a user asks first (how many tensors, bytes moved and freed, all released?), then lists the
+    first items, one a line, and says how many more ``.items`` holds."""
+    pool = flatpool.FlatPool(name="bucket")
+    tensors = [torch.randn(6, 8) for _ in range(20)]
+    lines = repr(pool.adopt(tensors)).splitlines()
+    assert lines[0] == ("AdoptionReport(20 tensors into pool 'bucket': 3.75 KiB moved, "
+                        "3.75 KiB freed, all released)")
+    assert lines[1] == "  #0: slice 0 (float32 6x8, 192 B), original 192 B released"
+    assert len(lines) == 1 + 8 + 1 and lines[-1] == "  ... 12 more in .items"
+    assert all(len(line) < 100 for line in lines)
+
+    one = torch.randn(10)
+    keep = one.view(2, 5)
+    with pytest.warns(flatpool.FlatPoolWarning):
+        text = repr(flatpool.FlatPool(name="held").adopt([one], on_pinned="warn"))
+    first, item = text.splitlines()
+    assert first == "AdoptionReport(1 tensor into pool 'held': 40 B moved, 0 B freed, 1 kept alive)"
+    assert "original 40 B kept alive, held by" in item and "keep" in item
+    del keep
+    assert repr(flatpool.AdoptionReport(())) == "AdoptionReport(nothing adopted)"

@@ -192,6 +192,10 @@ class ItemTable(Sequence[AdoptedItem]):
         return self._slices
 
 
+REPR_ITEMS = 8
+"""How many items ``repr(AdoptionReport)`` lists, one a line, under its summary."""
+
+
 @define(frozen=True)
 class AdoptionReport:
     """The result of :meth:`FlatPool.adopt`: one item per original storage, in input order."""
@@ -215,6 +219,49 @@ class AdoptionReport:
         if isinstance(self.items, ItemTable):
             return self.items.slices
         return tuple(i.slice for i in self.items)
+
+    def __repr__(self) -> str:
+        """The summary first (tensors, bytes moved, freed, released), then the first items."""
+        n = len(self.items)
+        if not n:
+            return "AdoptionReport(nothing adopted)"
+        slices = self.slices
+        released = sum(i.released for i in self.items) if not self.all_released else n
+        status = "all released" if released == n else f"{n - released} kept alive"
+        lines = [f"AdoptionReport({n} tensor{'s' * (n != 1)} into pool {slices[0].pool.name!r}: "
+                 f"{_size(sum(s.nbytes for s in slices))} moved, {_size(self.freed_bytes)} "
+                 f"freed, {status})"]
+        for k, item in enumerate(self.items[:REPR_ITEMS]):
+            lines.append(f"  #{k}: {_describe(item)}")
+        if n > REPR_ITEMS:
+            lines.append(f"  ... {n - REPR_ITEMS} more in .items")
+        return "\n".join(lines)
+
+
+def _describe(item: AdoptedItem) -> str:
+    slc = item.slice
+    dtype = str(slc.dtype).removeprefix("torch.")
+    shape = "x".join(map(str, slc.shape)) or "scalar"
+    if item.external:
+        fate = "its memory belongs to another owner (not freed here)"
+    elif item.released:
+        fate = f"original {_size(item.original_nbytes)} released"
+    else:
+        held = "; ".join(item.pinned_by) or "unknown"
+        fate = f"original {_size(item.original_nbytes)} kept alive, held by {held}"
+    return f"slice {slc.slice_id} ({dtype} {shape}, {_size(slc.nbytes)}), {fate}"
+
+
+_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def _size(n: int) -> str:
+    """Bytes as :func:`flatpool.memory.units.fmt_bytes` writes them (which this module cannot
+    import: :mod:`flatpool.memory` imports the package this module is part of)."""
+    for unit, name in _UNITS:
+        if n >= unit:
+            return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"
+    return f"{n} B"
 
 
 __all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "ItemTable", "OnPinned",

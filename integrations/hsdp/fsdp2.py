@@ -17,9 +17,12 @@ layer re-validates (and re-adopts what moved) at the two points that matter:
 
 Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
 ``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
-raise; the original is kept alive, reported once, counted in :attr:`FusedModule.kept_alive`,
-and released at the first step after the user drops it. Events (adopted, re-adopted, planned
-anew, kept alive, skipped) go to the ``flatpool`` logger.
+raise; the original is kept alive, reported once and counted in
+:attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
+(it dies by reference count; the next check forgets it), or, when something outside Python
+holds the moved shard (a DLPack consumer) and the pool keeps the original for it, at the first
+check (the next forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
+planned anew, kept alive, skipped) go to the ``flatpool`` logger.
 
 FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
 private state (``FSDPState``, lazy init, param groups) is read through
@@ -76,6 +79,12 @@ def lazy_init(module: nn.Module) -> None:
             "torch.distributed.fsdp.fully_shard(module) first"
         )
     tc.fsdp_lazy_init(module)
+
+
+def _user_class(module: nn.Module) -> type:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
+    (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _world_size(group: FSDPParamGroup) -> int:
@@ -171,7 +180,8 @@ class FusedModule:
         pools = sum(len(b.buckets) for b in self.buffers)
         kept = sum(len(b.kept) for b in self.buffers)
         hooks = "hooks installed" if self._handles else "no hooks"
-        return (f"FusedModule({type(self.module).__name__}: {adopted}/{len(self.groups)} groups "
+        name = _user_class(self.module).__name__
+        return (f"FusedModule({name}: {adopted}/{len(self.groups)} groups "
                 f"fused in {pools} pool(s), valid={self.is_valid()}, {kept} original(s) kept "
                 f"alive, {self.readoptions} re-adoption(s), on_pinned={self.on_pinned!r}, "
                 f"{hooks})")
