@@ -36,7 +36,6 @@ def _rank(n: int, rows: int, cols: int, reps: int) -> dict[str, list[float]]:
     from torch.distributed.fsdp import fully_shard
 
     from flatpool import FlatPool
-    from flatpool import torch_compat as tc
     from flatpool.integrations.hsdp import adopt_group, is_valid
     from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
 
@@ -121,9 +120,6 @@ def _rank(n: int, rows: int, cols: int, reps: int) -> dict[str, list[float]]:
             if r:
                 times.setdefault(name, []).append(dt)
     assert fused.is_valid() and fused.readoptions == 0
-    fast = buffers.wrapper_kinds.fast or ()
-    times["vectorized"] = [float(bool(fast) and all(r.raw is not None for r in fast)
-                                 and tc.sole_thread())]
     return times
 
 
@@ -155,6 +151,5 @@ def run(quick: bool) -> list[Result]:
             if name == "revalidate" else f"hsdp is_valid per member, {n} FSDP2 members",
             f"{median(t[name]) / n * 1e9:.0f} ns", f"{median(base) / n * 1e9:.0f} ns (data_ptr)",
             ratio, f"<= {CHECK_TARGET:.2f}", None if quick else ratio <= CHECK_TARGET,
-            rounds=2 * reps, note="vectorized impl read " + (
-                "on" if all(r["vectorized"][0] for r in per_rank) else "OFF (per-field reads)")))
+            rounds=2 * reps))
     return out

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from .ownership.adopt import adopt
 from .ownership.meta import MetaTargets, materialize_into
-from .ownership.quickcheck import remember, still_in_place
-from .ownership.readopt import moved, orphaned, readopt
+from .ownership.readopt import readopt
+from .ownership.validity import is_valid, moved
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
 from .ownership.validate import AdoptTargets
@@ -78,18 +78,11 @@ class FlatPool(PoolState):
         return list(seen.values())
 
     def is_valid(self) -> bool:
-        """True when every adopted tensor still aliases its slice, and no slice lost all the
-        parameters adopted into it (a module that replaced them, ``load_state_dict(assign=True)``:
-        :meth:`readopt` then warns and says how to re-adopt). While nothing changed since the
-        last full check passed, a few C-level passes over what it read
-        (:mod:`flatpool.ownership.quickcheck`); otherwise the full check decides."""
-        if still_in_place(self):
-            return True
-        with self.lock:
-            if moved(self) or orphaned(self):
-                return False
-            remember(self)
-            return True
+        """True when every adopted tensor is in place (on its slice, with the shape, strides and
+        dtype it was adopted with) and no slice lost all the parameters adopted into it (a
+        module that replaced them, ``load_state_dict(assign=True)``: :meth:`readopt` then warns
+        and says how to re-adopt): exactly when :meth:`moved` is empty and nothing is orphaned."""
+        return is_valid(self)
 
     def materialize_into(
         self, targets: MetaTargets, slices: Sequence[Slice] | None = None

@@ -68,15 +68,6 @@ class TensorRef(ParamRef):
     __slots__ = ()
 
 
-REF_CLASSES = frozenset({ParamRef, TensorRef})
-"""The classes whose slot word the fast validity read reads (the same layout)."""
-
-
-held_param: Callable[[ParamRef], torch.Tensor | None] = attrgetter("_obj")
-"""What a :class:`ParamRef` holds, its rule not applied (C level): for a reader that applies
-the rule to many at once (:func:`flatpool.torch_compat.impl_unchanged`)."""
-
-
 def tensor_ref(t: torch.Tensor) -> Ref:
     """How a record refers to ``t``: a Python weak reference, a :class:`ParamRef` for a
     parameter (which ``nn.Module._apply`` may have to swap)."""
@@ -254,7 +245,7 @@ class AdoptionRegistry:
         it is cleared (copy on write), so a restore finds the run as it was."""
         self.version = 0
         """Bumped *before* every change (an interrupt in between costs a recheck, never a
-        stale answer): what the fast validity check (:mod:`.ownership.quickcheck`) keys on."""
+        stale answer)."""
 
     def _run_of(self, slice_id: int) -> _Run | None:
         if not isinstance(slice_id, int) or slice_id in self._dead:
@@ -378,5 +369,5 @@ class AdoptionRegistry:
         self._records, self._runs, self._dead = dict(snap), list(runs), set(dead)
 
 
-__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "REF_CLASSES", "Record", "TensorRef", "current", "held_param",
+__all__ = ["AdoptionRegistry", "Binding", "RegistrySnapshot", "Geometry", "ParamRef", "Record", "TensorRef", "current",
            "make_record", "plain_ref", "record_holder", "tensor_ref"]

@@ -310,6 +310,14 @@ class PoolState:
             return self._buffer_key
 
     @property
+    def storage_nbytes(self) -> int:
+        """Bytes the pool's storage holds now (0 before materialization): its capacity, unless
+        a tensor on it shrank it (``untyped_storage().resize_()``)."""
+        with self._lock:  # (the size only: never the bytes, which may be freed)
+            buf = self._buffer
+            return 0 if buf is None else tc.storage_nbytes(tc.impl_untyped_storage(buf))
+
+    @property
     def base_address(self) -> int | None:
         """The data pointer of the pool's storage; ``None`` before materialization."""
         with self._lock:  # a reference to the old buffer, even a brief one, would pin it
@@ -700,7 +708,8 @@ class PoolState:
                 if nbytes != self.capacity:
                     raise PoolInvariantError(
                         f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
-                        f"{self.capacity}: a tensor was placed past its end"
+                        f"{self.capacity}: a tensor placed past its end grew it, or a tensor on it "
+                        "shrank it (untyped_storage().resize_())"
                     )
             if not self._index.consistent():
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")

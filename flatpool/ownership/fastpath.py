@@ -35,7 +35,6 @@ from .columns import Interned
 from .copying import COPY_CHUNK, copy_all
 from .faults import checkpoint
 from .moves import SetMoves, place_columns
-from .prefault import prefault
 from .proof import held_outside_python
 from .settle import Outside, Placed, check_moved, keep_unreleased, release, settle_pins
 from .spec import AdoptionReport, AdoptSpec, ItemTable, OnPinned
@@ -97,16 +96,6 @@ _storage_of, _dtype_of = tc.impl_untyped_storage, tc.impl_dtype_of
 _version_of = attrgetter("_version")  # (exact tensors: torch's own descriptor, at C speed)
 _data_ptr, _nbytes, _detach = tc.storage_data_ptr, tc.storage_nbytes, tc.impl_detach
 _resizable, _is_shared, _key_of = tc.storage_resizable, tc.storage_is_shared, tc.storage_key_of
-PREFAULT_MEAN_BYTES = 1 << 20
-"""Batches whose tensors average less than this map their pages in bulk first
-(:mod:`flatpool.ownership.prefault`); larger copies already fault in parallel inside torch,
-overlapped with the copying, which a prefault would only serialize (16 x 16 MiB: 1.04x the
-hand loop's wall time with it, 0.98-1.03x without; 1,000 x 256 KiB: 0.95x with it)."""
-SERIAL_COPY_BYTES = 128 << 10
-"""Below this a tensor's copy runs in one thread inside torch (its 32,768-element grain, fp32),
-so its page faults were serial anyway: those batches map their pages in one thread, which saves
-the trap per page without the contention of parallel mapping (CPU time); larger ones in
-``torch.get_num_threads()`` threads, as torch's parallel copy would have faulted them."""
 _PLAIN_FLAGS = (None, torch.strided, False, False)
 """``(_base, layout, is_nested, is_quantized)`` of a tensor the lean path takes."""
 
@@ -156,8 +145,7 @@ def _eligible(pool: PoolState, tensors: list[torch.Tensor]) -> _Batch | None:
                 return None  # (no tensor here is empty: a null pointer is a placeholder)
         except tc.UNREADABLE_STORAGE:
             return None  # a C++ functional tensor's placeholder: validate() names it
-        if not all(map(_resizable, storages)) and not all(
-                _resizable(s) or tc.torch_allocated(s) is True for s in storages):
+        if not all(map(_resizable, storages)):
             return None  # external memory: the general path reports it external
         if cpu and any(map(_is_shared, storages)):
             return None  # shared memory: another process may map it
@@ -247,11 +235,6 @@ def _adopt(
     slices, starts = pool.allocate_spans(b.spans, b.shapes, b.dtypes)
     b.shapes = []  # placed: not kept through the rest of the batch (peak heap)
     target = pool.storage
-    if isinstance(slices, SliceRun) and len(starts):  # one run: exactly the batch's bytes
-        end = starts[-1] + b.spans[-1]
-        if end - starts[0] < PREFAULT_MEAN_BYTES * len(starts):  # (see PREFAULT_MEAN_BYTES)
-            parallel = end - starts[0] >= SERIAL_COPY_BYTES * len(starts)
-            prefault(pool.base_address or 0, starts[0], end, pool.device, parallel=parallel)
     # In chunks, so a batch of thousands never holds all its source aliases at once: journal
     # the moves (write-ahead), move, check where each tensor landed, then copy into it from an
     # alias that still reads the original.

@@ -31,61 +31,7 @@ from .settle import check_placed, keep_unreleased, outside_by_key, release, sett
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
 from .transaction import Transaction, atomic
 from .validate import data_storage
-
-Moved = tuple[Slice, Record, torch.Tensor]
-
-
-def is_in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None) -> bool:
-    """True when ``obj`` sits exactly where ``rec`` says inside ``slc`` (TensorImpl geometry)."""
-    if obj is None:
-        return True  # the object is gone: nothing to keep valid
-    with tc.no_torch_function():
-        if tc.impl_is_meta(obj):
-            return False  # (a storage-less wrapper's placeholder storage is never the pool's)
-        dtype = tc.impl_dtype(obj)
-        return (
-            tc.storage_address(obj) == pool_key
-            and tc.impl_storage_offset(obj) * dtype.itemsize == slc.offset + rec[1]
-            and tuple(tc.impl_size(obj)) == rec[2]
-            and tuple(tc.impl_stride(obj)) == rec[3]
-            and dtype == rec[4]
-        )
-
-
-def moved(pool: PoolState) -> list[Moved]:
-    """Every bound tensor object that no longer sits at its place in the pool."""
-    with pool.lock:
-        key = pool.storage_key
-        if key is None:
-            return []
-        out: list[Moved] = []
-        for slice_id, records in pool.registry.items():
-            slc = pool.live_slice(slice_id)
-            if slc is None:
-                continue
-            for rec in records:
-                obj = current(rec)
-                if obj is not None and not is_in_place(key, slc, rec, obj):
-                    out.append((slc, rec, obj))
-        return out
-
-
-def orphaned(pool: PoolState) -> list[Slice]:
-    """Live slices that had adopted *parameters* and none of whose bound objects lives now.
-
-    A module that replaced its parameters (``load_state_dict(assign=True)``, ``p = nn.Parameter
-    (...)``) drops the adopted objects; what it holds now is not on the pool and the pool cannot
-    see it (only holders named at adoption, ``AdoptSpec(holders=...)``, lead to a replacement).
-    Such a slice is memory nothing uses, and the pool is not what the model trains on."""
-    with pool.lock:
-        out = []
-        for slice_id, records in pool.registry.items():
-            slc = pool.live_slice(slice_id)
-            if (slc is not None and any(type(r[0]) is ParamRef for r in records)  # parameters
-                    and all(current(r) is None for r in records)):
-                out.append(slc)
-        return out
-
+from .validity import Moved, moved, orphaned
 
 def orphan_message(slices: Sequence[Slice]) -> str:
     ids = ", ".join(str(s.slice_id) for s in slices)
@@ -263,4 +209,4 @@ def _readopt(
     return AdoptionReport(tuple(items))
 
 
-__all__ = ["is_in_place", "moved", "readopt"]
+__all__ = ["readopt"]

@@ -20,7 +20,7 @@ from .adopt import check_not_in_backward, check_policy
 from .copying import copy_all
 from .faults import checkpoint
 from .moves import Place, SetMove, place_many
-from .readopt import is_in_place
+from .validity import in_place
 from .proof import held_outside_python
 from .settle import Placed, check_placed, keep_unreleased, release, settle_pins
 from .spec import OnPinned
@@ -81,6 +81,7 @@ def _relocate(
         pool.install(None, alloc, list(mapping.values()))
         return mapping
 
+    pool.check_invariants()  # a storage shrunk through a tensor on it has no bytes to move
     checkpoint("allocate")
     new_buffer = empty_storage_tensor(capacity, pool.device, pool.name)
     old_key = txn.track(pool.storage)
@@ -132,7 +133,7 @@ def _move_bound(
                 obj = current(rec)
                 if obj is None:
                     continue
-                if is_in_place(old_key, s, rec, obj):
+                if in_place(old_key, s, rec, obj):
                     item = rec[4].itemsize
                     records.append(SetMove(obj, old_key, (s.offset + rec[1]) // item, rec[2],
                                            rec[3], tc.impl_version(obj)))

@@ -312,8 +312,7 @@ def _eligible(pool: PoolState, cols: SpecColumns, spec_holders: list[Holder | No
         keys = list(map(tc.storage_key_of, storages))
         if len(set(keys)) != n:
             return None  # two shards on one storage
-        if not all(map(tc.storage_resizable, storages)) and not all(
-                tc.storage_resizable(st) or tc.torch_allocated(st) is True for st in storages):
+        if not all(map(tc.storage_resizable, storages)):
             return None  # external memory: the general path reports it external
         if cpu and any(map(tc.storage_is_shared, storages)):
             return None  # shared memory: another process may map it

@@ -231,11 +231,12 @@ def validate(pool: PoolState, spec: AdoptSpec, index: int) -> Primary:
         raise InvalidRequestError(
             f"{p.label} already lives in {where}; use readopt() to bring moved members back"
         )
-    # Memory another owner keeps: numpy's (from_numpy), a buffer's (frombuffer), or shared
+    # Memory another owner may keep: numpy's (from_numpy), a buffer's (frombuffer), or shared
     # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
-    # A storage t.numpy() once marked non-resizable still holds torch's own memory: freed.
-    p.external = (not storage.resizable() and tc.torch_allocated(storage) is not True) or (
-        device.type == "cpu" and storage.is_shared())
+    # torch marks such storages non-resizable; it also marks a storage t.numpy() once viewed,
+    # whose memory is its own, but it does not say which allocator made a storage: every
+    # non-resizable storage counts as external (the safe answer: nothing is reported freed).
+    p.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     p.storage = storage
     return p
 

@@ -16,8 +16,6 @@ parameter with a Python or C++ weak reference); the group holds its parameters a
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from flatpool import Slice
@@ -34,13 +32,11 @@ class WrapperKinds:
     """Per member index: the wrapper last found storage-less, and its storage key then; per
     bucket, the rows to check."""
 
-    __slots__ = ("_known", "_rows", "fast")
+    __slots__ = ("_known", "_rows")
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._rows: dict[int, tuple[Bucket, list[Row]]] = {}
-        self.fast: tuple[Any, ...] | None = None
-        """What the full rules read when they last passed (:mod:`.quickcheck`), per bucket."""
 
     def rows(self, bucket: Bucket) -> list[Row]:
         """The members of ``bucket`` that have a slice, as flat tuples (made once)."""
