@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .ownership.adopt import adopt
+from .ownership.adopt import AdoptTargets, adopt
 from .ownership.meta import MetaTargets, materialize_into
 from .ownership.readopt import readopt
 from .ownership.validity import is_valid, moved
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
-from .ownership.validate import AdoptTargets
 from .slices import Slice
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools

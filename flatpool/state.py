@@ -46,7 +46,7 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .pool import FlatPool
-    from .registry import Record
+    from .registry import Binding
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -152,7 +152,7 @@ class PoolSnapshot:
     alloc: AllocSnapshot
     index: SliceIndex
     buffer_key: int | None
-    registry: dict[int, list[Record]]
+    registry: dict[int, list[Binding]]
     traces: list[Trace]
 
     def __init__(self, pool: PoolState) -> None:
@@ -214,8 +214,8 @@ class PoolState:
         self._slice_ids = itertools.count()
         self._index = SliceIndex()
         self.live_version = 0
-        """Bumped *before* every change of the live handles: what ``FlatPool.is_valid()``'s
-        fast path keys on (one compare, not :meth:`all_live`'s look at every slice)."""
+        """Bumped *before* every change of the live handles (an interrupt in between costs a
+        reader a recheck, never a stale answer): what ``flatpool.optim`` keys its layouts on."""
         self._registry = AdoptionRegistry()
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
@@ -286,13 +286,6 @@ class PoolState:
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             result = self._index.get(slice_id)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
-
-    def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
-        """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
-        pass under one lock (per-step validity checks ask this of thousands of slices)."""
-        with self._lock:
-            result = self._index.all_live(slice_ids, slices)
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
     @property
@@ -377,31 +370,6 @@ class PoolState:
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
 
-    def allocate_spans(
-        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> tuple[Sequence[Slice], Sequence[int]]:
-        """:meth:`allocate_many` for a lean batch: slices of ``spans`` bytes (each > 0, its
-        ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts. The slices
-        are a :class:`~flatpool.slice_index.SliceRun` when placed in one step (handles made
-        when read)."""
-        return self._all_or_nothing(self._allocate_spans, spans, shapes, dtypes)
-
-    def _allocate_spans(
-        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> tuple[Sequence[Slice], Sequence[int]]:
-        if all(d.itemsize <= self.alignment for d in set(dtypes)):
-            before = self._alloc.snapshot()
-            starts = self._alloc.append_run(spans)
-            if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
-                run = self._index_run(starts, shapes, dtypes)
-                return run, run.starts
-            if starts is not None:  # over the address limit: undo, report per request
-                self._alloc.restore(before)
-        out = [self.allocate_checked(d, t) for d, t in zip(shapes, dtypes)]
-        return out, [s.offset for s in out]
-
     def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
         with self._lock:
@@ -476,7 +444,7 @@ class PoolState:
 
     def _drop(self, slc: Slice) -> None:
         """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
-        records = self._registry.records(slc.slice_id)
+        bound = self._registry.bindings(slc.slice_id)
         with self._alloc.journaled():
             try:
                 self._remove(slc)
@@ -484,8 +452,8 @@ class PoolState:
                 self._registry.unbind(slc.slice_id)  # bindings whose tensors died
             except BaseException:
                 self._reindex(slc)
-                if records and not self._registry.records(slc.slice_id):
-                    self._registry.bind(slc.slice_id, list(records))
+                if bound and not self._registry.bindings(slc.slice_id):
+                    self._registry.bind(slc.slice_id, list(bound))
                 raise
 
     def disown(self, slc: Slice) -> None:

@@ -28,7 +28,6 @@ from operator import attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
-from attrs import define
 from torch.torch_version import TorchVersion
 
 from ._warn import warn
@@ -295,11 +294,9 @@ def storage_pointer_valid(storage: torch.UntypedStorage) -> bool:
     return ptr != 0 or storage.nbytes() == 0
 
 
-def is_functional(t: torch.Tensor) -> bool:
-    """A C++ functional tensor (``torch.func.functionalize``, compile tracing): its storage is a
-    placeholder; the data lives in the tensor it wraps."""
-    check = cast(Callable[[torch.Tensor], bool], getattr(torch, "_is_functional_tensor"))
-    return bool(check(t))
+is_functional: Callable[[torch.Tensor], bool] = getattr(torch, "_is_functional_tensor")
+"""A C++ functional tensor (``torch.func.functionalize``, compile tracing): its storage is a
+placeholder; the data lives in the tensor it wraps. (Its Python type may be ``torch.Tensor``.)"""
 
 
 def _refcount_in_a_call(obj: object) -> int:

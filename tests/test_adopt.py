@@ -815,28 +815,3 @@ def test_aliases_keep_sharing_a_version_counter_through_readopt() -> None:
     v = data._version
     local.add_(0)
     assert data._version == v + 1
-
-
-def test_specs_of_columns_equal_validated_specs() -> None:
-    """A fusion group's specs built from columns are the specs ``AdoptSpec(...)`` makes; a
-    column not already in the converted form goes through the validating constructor."""
-    from flatpool import Holder
-    from flatpool.ownership.spec import specs_of_columns
-
-    class Owner:
-        pass
-
-    owners = [Owner() for _ in range(3)]
-    ts = [torch.randn(4) for _ in owners]
-    views = [(t.detach(),) for t in ts]
-    holders = [(Holder(o, "data"),) for o in owners]
-    fast = specs_of_columns(ts, views, holders, [None] * 3)
-    slow = [flatpool.AdoptSpec(t, v, h) for t, v, h in zip(ts, views, holders)]
-    assert all(type(s) is flatpool.AdoptSpec for s in fast)
-    for a, b in zip(fast, slow):  # (attrs' == would compare the tensors by value)
-        assert a.tensor is b.tensor and a.views == b.views and a.slice is b.slice
-        assert type(a.views) is tuple and a.views[0] is b.views[0] and a.holders == b.holders
-    with pytest.raises(flatpool.InvalidTypeError, match="single tensor"):
-        specs_of_columns(ts[:1], [views[0][0]], holders[:1], [None])  # type: ignore[list-item]
-    with pytest.raises(flatpool.InvalidTypeError, match="flatpool.Holder"):
-        specs_of_columns(ts[:1], views[:1], [(("owner", "key"),)], [None])  # type: ignore[list-item]

@@ -18,16 +18,16 @@ from __future__ import annotations
 import torch
 
 from .. import torch_compat as tc
-from ..registry import ParamRef, Record, current
+from ..registry import Binding, ParamRef
 from ..slices import Slice
 from ..state import PoolState
 
-Moved = tuple[Slice, Record, torch.Tensor]
+Moved = tuple[Slice, Binding, torch.Tensor]
 """A bound object that is not in place: its slice, its binding, the object now."""
 
 
-def in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None) -> bool:
-    """``obj`` (what ``rec`` binds now) sits exactly where ``rec`` says inside ``slc``, by its
+def in_place(pool_key: int, slc: Slice, b: Binding, obj: torch.Tensor | None) -> bool:
+    """``obj`` (what ``b`` binds now) sits exactly where ``b`` says inside ``slc``, by its
     TensorImpl; a gone object (``None``) has nothing to keep in place."""
     if obj is None:
         return True
@@ -37,10 +37,10 @@ def in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None) -
         dtype = tc.impl_dtype(obj)
         result = (
             tc.storage_address(obj) == pool_key
-            and tc.impl_storage_offset(obj) * dtype.itemsize == slc.offset + rec[1]
-            and tuple(tc.impl_size(obj)) == rec[2]
-            and tuple(tc.impl_stride(obj)) == rec[3]
-            and dtype == rec[4]
+            and tc.impl_storage_offset(obj) * dtype.itemsize == slc.offset + b.byte_offset
+            and tuple(tc.impl_size(obj)) == b.shape
+            and tuple(tc.impl_stride(obj)) == b.stride
+            and dtype == b.dtype
         )
         return result  # not `return f()`: see flatpool.ownership.interrupts
 
@@ -56,14 +56,14 @@ def moved(pool: PoolState) -> list[Moved]:
             return []
         held = pool.storage_nbytes
         out: list[Moved] = []
-        for slice_id, records in pool.registry.items():
+        for slice_id, bound in pool.registry.items():
             slc = pool.live_slice(slice_id)
             if slc is None:
                 continue
-            for rec in records:
-                obj = current(rec)
-                if obj is not None and (slc.end > held or not in_place(key, slc, rec, obj)):
-                    out.append((slc, rec, obj))
+            for b in bound:
+                obj = b.current()
+                if obj is not None and (slc.end > held or not in_place(key, slc, b, obj)):
+                    out.append((slc, b, obj))
         return out
 
 
@@ -76,10 +76,10 @@ def orphaned(pool: PoolState) -> list[Slice]:
     Such a slice is memory nothing uses, and the pool is not what the model trains on."""
     with pool.lock:
         out = []
-        for slice_id, records in pool.registry.items():
+        for slice_id, bound in pool.registry.items():
             slc = pool.live_slice(slice_id)
-            if (slc is not None and any(type(r[0]) is ParamRef for r in records)  # parameters
-                    and all(current(r) is None for r in records)):
+            if (slc is not None and any(type(b.ref) is ParamRef for b in bound)  # parameters
+                    and all(b.current() is None for b in bound)):
                 out.append(slc)
         return out
 

@@ -40,7 +40,7 @@ from flatpool import FlatPoolError, OnPinned
 from flatpool import torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
-from flatpool.ownership.adopt import check_policy
+from flatpool.ownership.spec import check_policy
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group

@@ -28,14 +28,11 @@ from flatpool import torch_compat as tc
 from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
-from flatpool.ownership.moves import fresh_on, place_many
-from flatpool.ownership.adopt import adopt
-from flatpool.ownership.sharded import SpecColumns
-from flatpool.pool import contiguous_strides
+from flatpool.ownership.adopt import adopt_many
 
 from .kept import KeptAlive
 from .layout import Bucket, MemberLayout
-from .members import data_all, data_of, has_memory, impl_device, impl_requires_grad, impl_size
+from .members import data_all, data_of, impl_device, impl_size
 from .members import local_of, member_name, padded_size, shard_dim
 from .protocol import ShardedParam
 from .wrappers import WrapperKinds
@@ -234,40 +231,22 @@ def _adopt_group(
     dev = resolve_device(device) if device is not None else impl_device(data[0])
     plans = plan_buckets(params, dev, alignment, name, data)
 
-    done: list[tuple[FlatPool, list[MemberLayout]]] = []
-    reports = []
-    freed = 0
-    try:
-        for _, pool, layouts in plans:
-            specs = _specs(params, layouts, data)
-            if len(specs):
-                report = adopt(pool, specs, on_pinned=on_pinned)  # (pool.adopt, columns taken)
-                freed += report.freed_bytes
-                reports.append((pool, report, layouts))
-            done.append((pool, layouts))
-    except BaseException:
-        for pool, layouts in done:
-            evict(pool, [params[m.index] for m in layouts], layouts)
-        raise
+    # One transaction over every bucket's pool: all of them adopted, or every member as it was.
+    reports = adopt_many([(pool, _specs(params, layouts)) for _, pool, layouts in plans],
+                         on_pinned=on_pinned)
     kept = kept if kept is not None else KeptAlive()
-    for pool, report, layouts in reports:
-        if not report.all_released:  # something kept alive: name its members
+    freed = sum(report.freed_bytes for report in reports)
+    for (_, pool, layouts), report in zip(plans, reports):
+        if report.items and not report.all_released:  # something kept alive: name its members
             kept.note(pool, report, [member_name(params[m.index], m.index)
                                      for m in layouts if m.slice is not None])
     buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
 
-def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout],
-           data: Sequence[torch.Tensor]) -> list[AdoptSpec] | SpecColumns:
-    """:func:`adopt_spec` of each member with a slice; when every member has one, the same
-    batch as columns (shard, wrapper, the member as the shard's holder, slice: no object a
-    member; ``data``: the members' padded data, read once for the whole call)."""
-    if not all(map(_slice_of, layouts)):
-        return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
-    ps = [params[m.index] for m in layouts]
-    return SpecColumns([data[m.index] for m in layouts], list(map(_wrapper, ps)), ps, _DATA,
-                       list(map(_slice_of, layouts)))
+def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout]) -> list[AdoptSpec]:
+    """:func:`adopt_spec` of each member with a slice."""
+    return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
 
 
 _DATA = "_sharded_param_data"
@@ -356,32 +335,7 @@ def plan_buckets(
     return plans
 
 
-def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[MemberLayout]) -> None:
-    """Undo an adoption: give each member a private storage again (rollback of a later bucket).
-
-    The member's data is copied out of its slice into a fresh padded tensor; the padded data,
-    the local tensor and a wrapper with memory of its own are pointed at it, exactly as FSDP2
-    lays a member out after ``fully_shard``.
-    """
-    for p, m in zip(params, layouts):
-        if m.slice is None:
-            continue
-        fresh = pool.view(m.slice).clone()  # padded shape, like FSDP2's padded tensor
-        storage = fresh.untyped_storage()
-        stride = contiguous_strides(m.sharded_size)
-        wrapper = p.sharded_param
-        local = local_of(wrapper)
-        p._sharded_param_data = fresh.view(-1)
-        if local is not wrapper:
-            new_local = fresh_on(storage, 0, m.sharded_size, stride, fresh.dtype,
-                                 impl_requires_grad(local))
-            setattr(wrapper, "_local_tensor", new_local)
-        if local is wrapper or has_memory(wrapper):
-            place_many([(wrapper, storage, 0, tuple(m.sharded_size), stride)])
-        pool.disown(m.slice)
-
-
 __all__ = [
-    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict",
+    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members",
     "layout_of", "plan_buckets", "skip_reason",
 ]

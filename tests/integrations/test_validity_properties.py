@@ -235,6 +235,7 @@ def context(kind: str) -> Iterator[None]:
 CONTEXTS = ("alone", "thread", "settrace", "setprofile")
 
 
+@pytest.mark.filterwarnings("ignore::flatpool.ExternalMemoryWarning")  # (the same-address aliases)
 @settings(max_examples=40, deadline=None)
 @given(
     kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=4),
