@@ -16,12 +16,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import operator
 import os
 import sys
 import traceback
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter
@@ -186,21 +184,10 @@ impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
 impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
 impl_untyped_storage: Callable[[torch.Tensor], torch.UntypedStorage] = _Base.untyped_storage
 impl_is_inference: Callable[[torch.Tensor], bool] = _Base.is_inference
-impl_is_conj: Callable[[torch.Tensor], bool] = _Base.is_conj
 impl_detach: Callable[[torch.Tensor], torch.Tensor] = _Base.detach
-impl_is_neg: Callable[[torch.Tensor], bool] = _Base.is_neg
-storage_data_ptr: Callable[[torch.UntypedStorage], int] = torch._C.StorageBase.data_ptr  # type: ignore[attr-defined]
 storage_nbytes: Callable[[torch.UntypedStorage], int] = torch._C.StorageBase.nbytes  # type: ignore[attr-defined]
-storage_resizable: Callable[[torch.UntypedStorage], bool] = torch._C.StorageBase.resizable  # type: ignore[attr-defined]
-storage_is_shared: Callable[[torch.UntypedStorage], bool] = torch._C.StorageBase.is_shared  # type: ignore[attr-defined]
-storage_key_of: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata")
-"""The C-level reads of a batch's facts (``map`` over a chunk, no bytecode per tensor): the
-unbound methods of ``torch._C.TensorBase``/``StorageBase`` themselves, so no subclass override
-or ``__torch_function__`` runs; ``storage_key_of`` is :func:`storage_key` as a C callable."""
+"""The storage's own size, past any subclass: how many bytes it still holds."""
 impl_set_: Callable[..., torch.Tensor] = _Base.set_
-impl_key: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
-                                              operator.attrgetter("_cdata"))
-""":func:`impl_address` as a C callable, for ``map`` over many tensors (no bytecode per tensor)."""
 impl_dtype_of: Callable[[torch.Tensor], torch.dtype] = _Base.__dict__["dtype"].__get__
 """:func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
 
@@ -238,10 +225,6 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
 
 
 _use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
-
-
-impl_use_count: Callable[[torch.Tensor], int] = _use_count
-""":func:`tensor_impl_users` as a C callable, for ``map`` over a batch."""
 
 
 def tensor_impl_users(t: torch.Tensor) -> int:
@@ -399,54 +382,6 @@ def weak_free(ref: int) -> None:
     _free_weak(ref)
 
 
-# Bulk forms, one C-level pass each (a batch adoption proves 100,000 originals dead at once).
-def weak_storages(storages: Iterable[torch.UntypedStorage]) -> Iterator[int]:
-    """:func:`weak_storage` of each storage, lazily (no list of them at a batch's peak)."""
-    return map(_weak_ref, storages)
-
-
-def weak_expired_each(refs: Iterable[int]) -> Iterator[bool]:
-    """:func:`weak_expired` of each reference, lazily."""
-    return map(_expired, refs)
-
-
-def weak_free_each(refs: Iterable[int]) -> None:
-    """:func:`weak_free` of each reference."""
-    deque(map(_free_weak, refs), maxlen=0)
-
-
-_storage_use_count = cast(Callable[[int], int], getattr(torch._C, "_storage_Use_Count"))
-_ONE_HOLDER = next(map(sys.getrefcount, [object()]))
-"""What ``getrefcount`` reads in a ``map`` pass over a container for an object that container
-alone holds (the pass's own reference included), measured, not assumed."""
-
-
-def storages_held_once(storages: Iterable[torch.UntypedStorage]) -> bool:
-    """Every storage is used by nothing but its one Python object, which nothing but the
-    iterated container holds: two C-level passes. ``False`` means only "look closer" (the
-    per-storage count decides); ``True`` is what that count would say of each."""
-    return storages_used_as(list(storages), 1, 1)
-
-
-def storages_used_as(storages: list[torch.UntypedStorage], users: int, refs: int) -> bool:
-    """Every storage of the list has exactly ``users`` owners of its StorageImpl and ``refs``
-    Python references beside the list's own: two C-level passes (``False`` also wherever a
-    3.10 tracer's ``f_locals`` copies would skew the counts: "look closer")."""
-    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
-        return False  # a 3.10 tracer's f_locals copies: only the per-object count sees them
-    return (all(map(operator.eq, map(_storage_use_count, map(storage_key_of, storages)),
-                    repeat(users)))
-            and all(map(operator.eq, map(sys.getrefcount, storages), repeat(_ONE_HOLDER + refs))))
-
-
-def tensors_referenced(tensors: list[torch.Tensor], refs: int) -> bool:
-    """Every tensor object of the list has exactly ``refs`` Python references beside the list's
-    own (one C-level pass; ``False`` under a 3.10 tracer, as :func:`storages_used_as`)."""
-    if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
-        return False
-    return all(map(operator.eq, map(sys.getrefcount, tensors), repeat(_ONE_HOLDER + refs)))
-
-
 def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     return cast(Callable[..., torch.UntypedStorage], torch.UntypedStorage)(nbytes, device=device)
 
@@ -558,20 +493,19 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 __all__ = [
-    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "all_gather_single", "reduce_scatter_single", "PRESERVED_TENSOR_REF", "SILENCE_ENV", "SUPPORTED_TORCH",
-    "UnsupportedTorchError", "check_supported", "missing_apis",
-    "clone", "foreach_copy", "impl_base", "impl_data_ptr", "impl_device", "impl_dtype",
-    "copy_tensor_flags", "fsdp_state_param_groups", "impl_address", "impl_element_size", "impl_is_contiguous", "impl_is_inference", "impl_is_leaf",
-    "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout", "impl_numel",
-    "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset", "impl_stride",
-    "impl_untyped_storage", "impl_version", "in_backward", "is_wrapper_subclass",
-    "outside_inference",
-    "is_functional", "new_storage", "no_torch_dispatch", "no_torch_function", "python_refs",
-    "impl_dtype_of", "impl_key", "set_versions", "storage_address", "storage_has_data",
-    "storage_key",
-    "storage_pointer_valid", "storage_users", "UNREADABLE_STORAGE", "subclass_alias", "swap_impl", "swap_tensors",
-    "tensor_impl_users",
-    "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
+    "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV",
+    "SUPPORTED_TORCH", "UNREADABLE_STORAGE", "UnsupportedTorchError", "all_gather_single",
+    "check_supported", "clone", "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups",
+    "impl_address", "impl_base", "impl_data_ptr", "impl_detach", "impl_device", "impl_dtype",
+    "impl_dtype_of", "impl_element_size", "impl_is_contiguous", "impl_is_inference",
+    "impl_is_leaf", "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout",
+    "impl_numel", "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset",
+    "impl_stride", "impl_untyped_storage", "impl_version", "in_backward", "is_functional",
+    "is_wrapper_subclass", "missing_apis", "new_storage", "no_torch_dispatch",
+    "no_torch_function", "outside_inference", "python_refs", "reduce_scatter_single",
+    "set_versions", "storage_address", "storage_has_data", "storage_key", "storage_nbytes",
+    "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
+    "tensor_impl_users", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
 ]
 
 

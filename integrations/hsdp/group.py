@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
-from itertools import compress, repeat
-from operator import attrgetter, eq, floordiv, is_, itemgetter, or_
 
 import torch
 from attrs import define, field
@@ -97,13 +94,12 @@ def skip_reason(
         return "empty group: nothing to fuse"
     if world_size is not None and world_size <= 1:
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
-    if any(map(_offload, params)):
+    if any(p.offload_to_cpu for p in params):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
     data = data_all(params) if data is None else data
-    with tc.no_torch_function():  # C-level passes of TensorImpl reads
-        on_meta = map(or_, map(tc.impl_is_meta, data),
-                      map(tc.impl_is_meta, map(local_of, map(_wrapper, params))))
-        meta = list(compress(range(len(params)), on_meta))
+    with tc.no_torch_function():
+        meta = [i for i, (d, p) in enumerate(zip(data, params))
+                if tc.impl_is_meta(d) or tc.impl_is_meta(local_of(p.sharded_param))]
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
@@ -249,40 +245,7 @@ def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout]) -> list[
     return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
 
 
-_DATA = "_sharded_param_data"
-_slice_of, _wrapper = attrgetter("slice"), attrgetter("sharded_param")
-_offload = attrgetter("offload_to_cpu")
-_sharded_attr = attrgetter("sharded_size")
-_first = itemgetter(0)
-
 BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]
-
-
-def _padded_all(ps: list[ShardedParam], indices: list[int]) -> list[torch.Size]:
-    """:func:`padded_size` of each member: one attribute pass when every member says its
-    padded size as a ``torch.Size`` (FSDP2's do), else member by member."""
-    found = list(map(getattr, ps, repeat("padded_sharded_param_size"), repeat(None)))
-    if all(map(is_, map(type, found), repeat(torch.Size))):
-        return cast("list[torch.Size]", found)
-    return [padded_size(p, i) for p, i in zip(ps, indices)]
-
-
-def _layouts(ps: list[ShardedParam], indices: list[int], offsets: list[int],
-             padded: list[torch.Size], sizes: list[torch.Size], counts: list[int],
-             slices: list[Slice]) -> list[MemberLayout] | None:
-    """:func:`layout_of` of a bucket whose members all have a slice, in C-level passes; ``None``
-    when a member needs the per-member form (its checks name what is wrong)."""
-    if not (all(map(eq, map(len, sizes), repeat(1))) and list(map(_first, sizes)) == counts):
-        return None
-    origs = list(map(getattr, ps, repeat("_orig_size"), repeat(None)))
-    sharded = list(map(_sharded_attr, ps))
-    if not (all(map(is_, map(type, origs), repeat(torch.Size)))
-            and all(map(is_, map(type, sharded), repeat(torch.Size)))):
-        return None
-    placements = list(map(getattr, ps, repeat("fsdp_placement"), repeat(None)))
-    dims = (list(map(int, map(getattr, placements, repeat("dim"), repeat(0))))
-            if all(placements) else list(map(shard_dim, ps)))
-    return list(map(MemberLayout, indices, offsets, counts, padded, sharded, origs, dims, slices))
 
 
 def plan_buckets(
@@ -305,23 +268,13 @@ def plan_buckets(
         # place the whole bucket in one step.
         pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
                         name=f"{name}/{str(dtype).replace('torch.', '')}")
-        ps = [params[i] for i in indices]
-        padded = _padded_all(ps, indices)
-        with tc.no_torch_function():  # one pass of TensorImpl reads
-            sizes = list(map(tc.impl_size, [data[i] for i in indices]))
+        padded = [padded_size(params[i], i) for i in indices]
+        with tc.no_torch_function():
+            sizes = [tc.impl_size(data[i]) for i in indices]
         counts = list(map(math.prod, padded))
         item = dtype.itemsize
-        if all(counts):  # every member gets a slice: the layouts in C-level passes
-            placed = pool.allocate_many(list(zip(map(tuple, padded), repeat(dtype))))
-            offsets = list(map(floordiv, map(attrgetter("offset"), placed), repeat(item)))
-            fast = _layouts(ps, indices, offsets, padded, sizes, counts, list(placed))
-            if fast is not None:
-                plans.append((dtype, pool, fast))
-                continue
-            slices = iter(placed)
-        else:
-            slices = iter(pool.allocate_many([(tuple(shape), dtype)
-                                              for shape, n in zip(padded, counts) if n]))
+        slices = iter(pool.allocate_many([(tuple(shape), dtype)
+                                          for shape, n in zip(padded, counts) if n]))
         end = pool.capacity
         layouts = []
         for i, shape, n, size in zip(indices, padded, counts, sizes):
