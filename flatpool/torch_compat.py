@@ -169,9 +169,9 @@ def no_torch_dispatch() -> AbstractContextManager[Any]:
     return cast(AbstractContextManager[Any], torch._C._DisableTorchDispatch())
 
 
-def no_torch_function() -> AbstractContextManager[Any]:
-    """Stop subclasses' ``__torch_function__`` for the block (it may raise or lie)."""
-    return cast(AbstractContextManager[Any], torch._C.DisableTorchFunctionSubclass())
+no_torch_function: Callable[[], AbstractContextManager[Any]] = (
+    torch._C.DisableTorchFunctionSubclass)
+"""Stop subclasses' ``__torch_function__`` for the block (it may raise or lie)."""
 
 
 impl_size: Callable[[torch.Tensor], torch.Size] = _Base.size
@@ -227,11 +227,10 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
 _use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
 
 
-def tensor_impl_users(t: torch.Tensor) -> int:
-    """Owners of ``t``'s TensorImpl: its Python object, plus every C++ holder (an autograd view's
-    base link, a saved tensor, a DLPack capsule). DLPack consumers hold raw pointers into the
-    storage, so an unexplained owner must stop a move that would free it."""
-    return _use_count(t)
+tensor_impl_users: Callable[[torch.Tensor], int] = _use_count
+"""Owners of ``t``'s TensorImpl: its Python object, plus every C++ holder (an autograd view's
+base link, a saved tensor, a DLPack capsule). DLPack consumers hold raw pointers into the
+storage, so an unexplained owner must stop a move that would free it."""
 
 
 # -- storages ------------------------------------------------------------------------------
@@ -363,12 +362,10 @@ _from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._n
 _free_weak = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
 
 
-def weak_storage(storage: torch.UntypedStorage) -> int:
-    return _weak_ref(storage)
-
-
-def weak_expired(ref: int) -> bool:
-    return bool(_expired(ref))
+weak_storage: Callable[[torch.UntypedStorage], int] = _weak_ref
+"""A weak reference to ``storage`` (an int: free it with :func:`weak_free`)."""
+weak_expired: Callable[[int], bool] = _expired
+weak_free: Callable[[int], None] = _free_weak
 
 
 def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
@@ -376,10 +373,6 @@ def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
     if _expired(ref):
         return None
     return _from_weak(ref)
-
-
-def weak_free(ref: int) -> None:
-    _free_weak(ref)
 
 
 def new_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:

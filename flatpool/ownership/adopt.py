@@ -123,7 +123,7 @@ class Original:
             self.slice: Slice | None = target.slice
         else:
             self.tensor, self.views, self.holders, self.slice = target, (), (), None
-        self.primary: torch.Tensor = self.tensor
+        self.primary: torch.Tensor = local_tensor(self.tensor)
         """The tensor that holds the data (a wrapper's local tensor, else the target's)."""
         self.key = 0
         self.extent = ByteRange(0, 0)
@@ -212,12 +212,13 @@ def _binding(o: Original, m: Member) -> Binding:
 
 def _copies_into_itself(o: Original) -> bool:
     """``o``'s fresh slice holds exactly its primary's elements (an exact tensor or parameter,
-    contiguous, no lazy conj/neg bit): its bytes are copied into the moved primary itself, from an alias of the original
-    taken before the move, with no byte view made on either side (they cost more than the rest
-    of a small tensor's copy). Call under ``no_torch_function()``."""
+    contiguous, no lazy conj/neg bit): its bytes are copied into the moved primary itself,
+    from an alias of the original taken before the move, with no byte view made on either side
+    (they cost more than the rest of a small tensor's copy). Call under
+    ``no_torch_function()``."""
     t = o.primary
     return (o.allocated and type(t) in _PLAIN and tc.impl_is_contiguous(t)
-            and not tc.has_math_bits(t))
+            and not t.is_conj() and not t.is_neg())
 
 
 def _copy(txn: Transaction, pool: PoolState, originals: list[Original],
@@ -266,9 +267,11 @@ def _move(txn: Transaction, pool: PoolState, originals: list[Original],
     bounds = []
     for o in originals:
         assert o.slice is not None
+        lo = o.slice.offset
+        hi = lo + o.extent.nbytes  # (the slice's end: it holds the extent)
         for m in (o.members if members is None else members):
             item = m.dtype.itemsize
-            at = o.slice.offset + m.byte_offset - o.extent.start
+            at = lo + m.offset * item - o.extent.start
             if at % item:
                 raise AdoptionError(
                     f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: not a "
@@ -276,7 +279,7 @@ def _move(txn: Transaction, pool: PoolState, originals: list[Original],
                 )
             moving.append(m)
             places.append((target, at // item, m.size, m.stride))
-            bounds.append((m.obj, o.slice.offset, o.slice.end, at // item, m.size, m.stride))
+            bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
     move(txn.journal, moving, places)
     return bounds
 
@@ -285,14 +288,14 @@ def _move(txn: Transaction, pool: PoolState, originals: list[Original],
 def plan(txn: Transaction, pool: PoolState, targets: list[Adoptable], discover: bool,
          into_bound: bool) -> list[Original]:
     """Validate every target and work out its members; nothing is changed."""
-    originals: list[Original] = []
+    originals = [Original(pool, target, i) for i, target in enumerate(targets)]
     seen: set[int] = set()
-    for i, target in enumerate(targets):
-        o, storage = validate(pool, target, i)
+    for o, facts in zip(originals, read_facts([o.primary for o in originals])):
+        storage = validate(o, facts)
         if id(o.primary) in seen:
             raise InvalidRequestError(f"{o.label} was given twice; name it once")
         seen.add(id(o.primary))
-        o.key = txn.track(storage, pool)
+        txn.track(storage, pool, o.key)
         del storage
         slc = o.slice
         if slc is not None:
@@ -306,7 +309,6 @@ def plan(txn: Transaction, pool: PoolState, targets: list[Adoptable], discover: 
                 raise InvalidRequestError(
                     f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
                 )
-        originals.append(o)
     for o in originals:
         o.members = members(o, discover)
     return originals
@@ -534,8 +536,11 @@ def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.Unty
     by value, before anything is allocated or moved. ``t`` is already known to be strided,
     not a wrapper subclass and not meta.
     """
-    with tc.no_torch_function():
+    if type(t) in _PLAIN:  # (no __torch_function__ to stop)
         storage = tc.impl_untyped_storage(t)
+    else:
+        with tc.no_torch_function():
+            storage = tc.impl_untyped_storage(t)
     if tc.is_functional(t):
         raise InvalidTypeError(
             f"{what} is a functional tensor (made by torch.func.functionalize or compile "
@@ -565,63 +570,87 @@ def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.Unty
     return storage
 
 
-def validate(pool: PoolState, target: Adoptable, index: int,
-             ) -> tuple[Original, torch.UntypedStorage]:
-    """Check one target's primary: the :class:`Original` it stands for, and its storage."""
-    o = Original(pool, target, index)
-    inner = o.primary = local_tensor(o.tensor)
+Facts = tuple[bool, bool, torch.device, int, bool, torch.dtype, int, tuple[int, ...],
+              tuple[int, ...], bool]
+"""What the rules read of a primary's TensorImpl: quantized, meta, device, element count,
+inference, dtype, storage offset, size, stride, contiguous."""
+_READERS = (tc.impl_is_quantized, tc.impl_is_meta, tc.impl_device, tc.impl_numel,
+            tc.impl_is_inference, tc.impl_dtype, tc.impl_storage_offset, tc.impl_size,
+            tc.impl_stride, tc.impl_is_contiguous)
+
+
+def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
+    """Each tensor's :data:`Facts` (``None`` for one whose layout has no single strided storage,
+    which the rules refuse first), read a fact at a time over the whole batch: each a C-level
+    pass, where a Python frame per tensor per fact cost several times the read itself."""
     with tc.no_torch_function():
-        if tc.impl_layout(inner) != torch.strided or tc.impl_is_nested(inner):
-            check_strided(inner, o)
+        dense = [layout is torch.strided and not nested for layout, nested
+                 in zip(map(tc.impl_layout, ts), map(tc.impl_is_nested, ts))]
+        readable = [t for t, ok in zip(ts, dense) if ok]
+        facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
+        return [next(facts) if ok else None for ok in dense]
+
+
+def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
+    """Check ``o``'s primary against the rules (its :data:`Facts` read already); fill in what
+    the adoption needs to know of it, and return its storage."""
+    inner = o.primary
+    if facts is None:
+        check_strided(inner, o)
+        raise AssertionError("read_facts reads every strided tensor")  # pragma: no cover
     if type(inner) not in _PLAIN:  # (an exact tensor or parameter is no wrapper subclass)
         check_no_wrapper(inner, o)
-    with tc.no_torch_function():
-        if tc.impl_is_quantized(inner):
-            check_dtype(tc.impl_dtype(inner), o)  # raises the same error as allocate()
-        if tc.impl_is_meta(inner):
-            raise InvalidRequestError(
-                f"{o} is a meta tensor (or a fake one) and has no data to adopt; use "
-                "pool.materialize_into() to give it pool storage"
-            )
-        device = tc.impl_device(inner)
-        if device != pool.device:
-            raise InvalidRequestError(
-                f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
-                "move it to the pool's device first or use a pool on its device"
-            )
-        if tc.impl_numel(inner) == 0:
-            raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
-        if tc.impl_is_inference(inner):
-            raise InvalidRequestError(
-                f"{o} is an inference tensor (made under torch.inference_mode()); it "
-                "cannot be rebound in place: adopt a clone() made outside inference mode"
-            )
-        o.dtype = check_dtype(tc.impl_dtype(inner), o)
-        o.geometry = (tc.impl_storage_offset(inner), tuple(tc.impl_size(inner)),
-                      tuple(tc.impl_stride(inner)))
-        contiguous = tc.impl_is_contiguous(inner)
-        why = None if contiguous else overlap(inner)
+    quantized, meta, device, numel, inference, dtype, offset, size, stride, contiguous = facts
+    if quantized:
+        check_dtype(dtype, o)  # raises the same error as allocate()
+    if meta:
+        raise InvalidRequestError(
+            f"{o} is a meta tensor (or a fake one) and has no data to adopt; use "
+            "pool.materialize_into() to give it pool storage"
+        )
+    pool = o.pool
+    if device != pool.device:
+        raise InvalidRequestError(
+            f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
+            "move it to the pool's device first or use a pool on its device"
+        )
+    if numel == 0:
+        raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
+    if inference:
+        raise InvalidRequestError(
+            f"{o} is an inference tensor (made under torch.inference_mode()); it "
+            "cannot be rebound in place: adopt a clone() made outside inference mode"
+        )
+    o.dtype = check_dtype(dtype, o)
+    size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
+    o.geometry = (offset, size, stride)
+    item = dtype.itemsize
+    if contiguous:  # (its span is its element count)
+        o.extent = ByteRange(offset * item, (offset + numel) * item)
+        o.shape = size
+    else:
+        with tc.no_torch_function():
+            why = overlap(inner)
+            o.extent = extent_of(inner)
         if why == "expanded":
             raise InvalidRequestError(
-                f"{o} overlaps itself (an expanded/broadcast view, strides "
-                f"{tuple(tc.impl_stride(inner))}); adopt the tensor it was expanded from"
+                f"{o} overlaps itself (an expanded/broadcast view, strides {stride}); adopt "
+                "the tensor it was expanded from"
             )
         if why == "shared":
             raise InvalidRequestError(
-                f"{o} overlaps itself (strides {tuple(tc.impl_stride(inner))} over sizes "
-                f"{tuple(tc.impl_size(inner))} reach some elements twice: an as_strided view); "
-                "adopt the tensor it views, or a contiguous() copy"
+                f"{o} overlaps itself (strides {stride} over sizes {size} reach some elements "
+                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy"
             )
         if why == "unproven":
             raise InvalidRequestError(
-                f"{o} has interleaved strides {tuple(tc.impl_stride(inner))} over sizes "
-                f"{tuple(tc.impl_size(inner))}: more than {EXACT_OVERLAP_ELEMENTS} elements to "
-                "check that no two share memory; adopt a contiguous() copy"
+                f"{o} has interleaved strides {stride} over sizes {size}: more than "
+                f"{EXACT_OVERLAP_ELEMENTS} elements to check that no two share memory; adopt "
+                "a contiguous() copy"
             )
-        o.extent = extent_of(inner)
-        o.shape = o.geometry[1] if contiguous else (o.extent.nbytes // o.dtype.itemsize,)
+        o.shape = (o.extent.nbytes // item,)
     storage = data_storage(inner, o.extent, o)
-    key = tc.storage_key(storage)
+    key = o.key = tc.storage_key(storage)
     if inner is not o.tensor:
         wrapper = own_storage(o.tensor)
         if wrapper is not None and tc.storage_key(wrapper) != key:
@@ -642,7 +671,7 @@ def validate(pool: PoolState, target: Adoptable, index: int,
     # whose memory is its own, but it does not say which allocator made a storage: every
     # non-resizable storage counts as external (the safe answer: nothing is reported freed).
     o.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
-    return o, storage
+    return storage
 
 
 def _external_message(labels: list[str]) -> str:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import enum
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import starmap
 from typing import Any, Union
 
 import torch
@@ -287,8 +289,7 @@ def set_many(places: Iterable[Place]) -> None:
     """``set_`` every tensor object onto its place, in place (identity and impl kept): the only
     ``set_`` loop of flatpool's moves (a move, and its rollback)."""
     with tc.no_torch_function(), tc.outside_inference(), torch.no_grad():
-        for obj, storage, offset, size, stride in places:
-            tc.impl_set_(obj, storage, offset, size, stride)
+        deque(starmap(tc.impl_set_, places), maxlen=0)  # (one C-level pass)
 
 
 def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:

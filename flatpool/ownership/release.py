@@ -68,11 +68,20 @@ OUTSIDE_PYTHON = (
 
 
 # -- the pools' invariants -------------------------------------------------------------------
-def check_placed(pool: PoolState, placed: Iterable[Placed]) -> None:
+def check_placed(pool: PoolState, placed: Sequence[Placed]) -> None:
     """Raise :class:`PoolInvariantError` unless the pool is consistent and every moved member,
-    read back from its TensorImpl, sits inside its slice, exactly where the move put it."""
+    read back from its TensorImpl, sits exactly where the move put it (inside its slice: the
+    moves place each member inside its slice; the message says where one landed instead)."""
     pool.check_invariants()
     key = pool.storage_key
+    objs = [p[0] for p in placed]
+    with tc.no_torch_function():  # (one pass a fact over every member)
+        landed = list(zip(map(tc.storage_address, objs), map(tc.impl_storage_offset, objs),
+                          map(tuple, map(tc.impl_size, objs)),
+                          map(tuple, map(tc.impl_stride, objs))))
+    del objs
+    if landed == [(key, *p[3:]) for p in placed]:
+        return
     with tc.no_torch_function():
         for t, lo, hi, offset, size, stride in placed:
             item = tc.impl_element_size(t)

@@ -120,9 +120,10 @@ class Transaction:
         self.phase = Phase.OPEN
 
     # -- originals -------------------------------------------------------------------------
-    def track(self, storage: torch.UntypedStorage, pool: PoolState) -> int:
-        """Hold ``storage`` as an original moving into ``pool``; its key."""
-        key = tc.storage_key(storage)
+    def track(self, storage: torch.UntypedStorage, pool: PoolState, key: int | None = None) -> int:
+        """Hold ``storage`` (whose key the caller may know) as an original moving into ``pool``;
+        its key."""
+        key = tc.storage_key(storage) if key is None else key
         if key not in self.originals:
             self.originals[key] = storage
             self.nbytes[key] = storage.nbytes()
