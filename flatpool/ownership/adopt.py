@@ -323,28 +323,34 @@ def members(o: Original, discover: bool) -> list[Member]:
         # moved in place; everything below would find exactly that, at several times the cost.
         return [Member(o.tensor, Move.IN_PLACE, o.key, *o.geometry, o.dtype,
                        tc.impl_version(o.tensor), None, True)]
-    found = _expand(o.tensor, o.key, True)
+    unique: dict[int, Member] = {}  # each object once, by identity
+
+    def add(more: list[Member], holder: Holder | None = None) -> None:
+        for m in more:
+            prev = unique.setdefault(id(m.obj), m)
+            prev.holder = prev.holder or m.holder or holder
+            prev.primary = prev.primary or m.primary
+
+    add(_expand(o.tensor, o.key, True))
     for v in o.views:
+        if id(v) in unique:
+            continue
         more = _expand(v, o.key, False)
         if not more:
             raise InvalidRequestError(f"a view given for {o.label} does not share its storage")
-        found += more
+        add(more)
     for h in o.holders:
-        more = _expand(_held(h, o), o.key, False)
+        held = _held(h, o)
+        known = unique.get(id(held))
+        if known is not None:  # (what a holder holds is often the primary itself)
+            known.holder = known.holder or h
+            continue
+        more = _expand(held, o.key, False)
         if not more:
             raise InvalidRequestError(
                 f"holder {h.describe()} of {o.label} does not hold a tensor on its storage"
             )
-        for m in more:
-            m.holder = m.holder or h
-        found += more
-    unique: dict[int, Member] = {}
-    for m in found:
-        prev = unique.get(id(m.obj))
-        if prev is not None:
-            m.holder = m.holder or prev.holder
-            m.primary = m.primary or prev.primary
-        unique[id(m.obj)] = m
+        add(more, h)
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
     _keep_views_with_their_base(unique.values())
@@ -369,8 +375,14 @@ def _moves_alone(o: Original) -> bool:
 
 
 def _on_key(t: torch.Tensor, key: int) -> bool:
-    s = own_storage(t)
-    return s is not None and tc.storage_key(s) == key
+    """``t``'s own storage is original ``key`` (a live original's key is no other storage's:
+    a placeholder, meta or freed one never equals it)."""
+    with tc.no_torch_function():
+        try:
+            result = tc.storage_address(t) == key
+        except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
+            result = False
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = None) -> Member:
