@@ -59,7 +59,7 @@ class FlatPool(PoolState):
     def readopt(
         self, specs: Sequence[AdoptSpec] | None = None, *, on_pinned: OnPinned = "raise"
     ) -> AdoptionReport:
-        """Bring every adopted tensor that left the pool back into its slice (idempotent).
+        """Bring every adopted tensor that is not in place back into its slice (idempotent).
 
         Use after a framework re-materialized on its own (``to_empty``, lazy init,
         ``load_state_dict``): current values are copied into the existing slices and the
@@ -70,7 +70,8 @@ class FlatPool(PoolState):
         return readopt(self, specs, on_pinned=on_pinned)
 
     def moved(self) -> list[Slice]:
-        """Slices some of whose adopted tensors no longer sit in the pool."""
+        """Slices some of whose adopted tensors are not in place (see
+        [Note: flatpool terms] in :mod:`flatpool.ownership`)."""
         seen: dict[int, Slice] = {}
         for slc, _, _ in moved(self):
             seen.setdefault(slc.slice_id, slc)

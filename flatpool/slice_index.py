@@ -1,8 +1,7 @@
 """Which slice handles of one pool are live, by id and by offset, with batches kept as columns.
 
-A batch adoption places thousands of slices in one step. A :class:`~flatpool.Slice` object and
-three index entries for each cost ~175 B a slice (issue 20), and most pools never read most of
-them. So a batch is one :class:`SliceRun`: its first id, its starts (``array('q')``), shapes
+A batch adoption places thousands of slices in one step, and three index entries for each
+would cost more than the handles. So a batch is one :class:`SliceRun`: its first id, its starts (``array('q')``), shapes
 and dtypes. A handle is made the first time someone asks for it and then kept, so an id always
 gives the same object (readers compare handles by identity). Slices allocated one at a time are
 *singles*: a dict by id, a dict by offset and a sorted list of offsets, as before.

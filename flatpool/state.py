@@ -84,12 +84,6 @@ def pool_of_storage(key: int) -> PoolState | None:
     return pool if pool is not None and pool._buffer_key == key else None
 
 
-def pool_index() -> dict[int, weakref.ref[PoolState]]:
-    """The storage-key index :func:`pool_of_storage` reads (a key absent from it belongs to no
-    pool), for a batch check to skip the call on the common miss."""
-    return _by_storage
-
-
 _pool_storages: dict[int, int] = {}
 """The current storage of every pool that has one, and the last storage of every pool object
 that died: key -> raw weak reference. A storage outlives its pool object while tensors still
@@ -746,5 +740,5 @@ class PoolState:
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_pools", "pool_index", "pool_of_storage",
+    "empty_storage_tensor", "live_pools", "pool_of_storage",
 ]

@@ -194,7 +194,9 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
     external = [o.label for o in every if o.external]
     if external:
         warn(_external_message(external), ExternalMemoryWarning)
-    return [AdoptionReport(tuple(_item(txn, o, expired, pinned) for o in originals))
+    # (tuples from lists, not from generators: a tuple a generator fills is resized at its end,
+    # which fails with SystemError if another thread's gc.get_objects(), a census, holds it)
+    return [AdoptionReport(tuple([_item(txn, o, expired, pinned) for o in originals]))
             for originals in batch]
 
 
@@ -600,7 +602,8 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
                  in zip(map(tc.impl_layout, ts), map(tc.impl_is_nested, ts))]
         readable = [t for t, ok in zip(ts, dense) if ok]
         facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
-        return [next(facts) if ok else None for ok in dense]
+        result = [next(facts) if ok else None for ok in dense]
+        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
 def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:

@@ -124,7 +124,7 @@ class AdoptionReport:
 
     @property
     def slices(self) -> tuple[Slice, ...]:
-        return tuple(i.slice for i in self.items)
+        return tuple([i.slice for i in self.items])  # (see adopt.adopt_in: not a generator)
 
 
 __all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "OnPinned", "check_policy"]

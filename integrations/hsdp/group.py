@@ -236,7 +236,7 @@ def _adopt_group(
         if report.items and not report.all_released:  # something kept alive: name its members
             kept.note(pool, report, [member_name(params[m.index], m.index)
                                      for m in layouts if m.slice is not None])
-    buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
+    buckets = tuple([Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans])
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
 

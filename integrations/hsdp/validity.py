@@ -197,7 +197,7 @@ def readopt_group(
     step of its own (if the second step then fails, those members stay repaired).
 
     Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
-    changed for it), or is still out of place afterwards. ``on_pinned`` is passed to
+    changed for it), or is still not in place afterwards. ``on_pinned`` is passed to
     :meth:`FlatPool.readopt`; what a ``"warn"`` re-adoption keeps alive goes to
     ``buffers.kept``. A member whose dtype, device or padded size changed
     (``module.double()``, ``.to(device)``) cannot go back into its slice: see
@@ -223,7 +223,7 @@ def readopt_group(
         left = {i: found for i, found in left.items() if found}
         if left:
             raise AdoptionError(
-                f"re-adoption left member(s) out of place: {left}; the pool's registry does not "
+                f"re-adoption left member(s) not in place: {left}; the pool's registry does not "
                 "know the objects they hold now. Call adopt_group() on the group anew."
             )
         moved += len(stale)

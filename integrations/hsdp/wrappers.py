@@ -5,7 +5,7 @@ layout), and which parameter wrappers have no memory of their own.
 
 A torch DTensor wrapper sits on a placeholder storage that is never the pool's; telling it
 apart from a storage-sharing wrapper that left the pool takes a Python storage object and a
-raised error (about 8 us). The verdict depends only on the wrapper's TensorImpl, so it is
+raised error, several times the rest of a member's check. The verdict depends only on the wrapper's TensorImpl, so it is
 remembered per member for the wrapper object *and* its storage at the time: a different object
 (``load_state_dict(assign=True)``) or a new impl (``swap_tensors``, ``to_empty``) is judged
 again. Only "storage-less" verdicts are remembered; a wrapper with memory off the pool is a
