@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import SupportsInt, cast
 
 import torch
@@ -78,12 +78,6 @@ def private_format(t: torch.Tensor, device: torch.device | None = None) -> str |
     return None if code in PLAIN_FORMATS else format_name(code)
 
 
-def any_private_format(tensors: Iterable[torch.Tensor], device: torch.device) -> bool:
-    """Some tensor of ``tensors`` (all on ``device``) is in a private format."""
-    query = _format_query(device)
-    return query is not None and any(_code(query, t) not in PLAIN_FORMATS for t in tensors)
-
-
 def check_plain_format(t: torch.Tensor, what: str, device: torch.device | None = None) -> None:
     """Raise :class:`NpuFormatError` if ``t`` (named ``what``) is in a private NPU format."""
     name = private_format(t, device)
@@ -116,5 +110,5 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
     return buffer
 
 
-__all__ = ["ACL_FORMAT_ND", "FORMAT_NAMES", "PLAIN_FORMATS", "any_private_format",
+__all__ = ["ACL_FORMAT_ND", "FORMAT_NAMES", "PLAIN_FORMATS",
            "check_plain_format", "check_pool_storage", "format_name", "private_format"]

@@ -2,7 +2,7 @@
 
 FSDP2 rebinds a member's storage in two places, both through ``FSDPParam.reset_sharded_param``:
 ``nn.Module._apply`` (``to_empty``, ``.to``) and a ``load_state_dict`` post-hook. An in-place
-``load_state_dict`` leaves the member on its slice (``reset_sharded_param`` sees the same storage
+``load_state_dict`` leaves the member in place (``reset_sharded_param`` sees the same storage
 and does nothing); ``to_empty`` and ``load_state_dict(assign=True)`` install new storages. So the
 layer re-validates (and re-adopts what moved) at the two points that matter:
 
@@ -43,7 +43,7 @@ from flatpool import FlatPoolError, OnPinned
 from flatpool import torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
-from flatpool.ownership.adopt import check_policy
+from flatpool.ownership.spec import check_policy
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group
@@ -158,7 +158,7 @@ class FusedModule:
             self.readoptions += moved
 
     def is_valid(self) -> bool:
-        """Every adoptable group adopted, and every member on its slice."""
+        """Every adoptable group adopted, and every member in place."""
         return all(
             b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers)
         )
