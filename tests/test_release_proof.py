@@ -117,6 +117,34 @@ def test_module_attribute_and_shared_parameter_are_named() -> None:
     assert report.all_released and pool.owns(other.weight)
 
 
+def test_python_holders_come_first_and_a_views_base_is_not_called_cpp_only() -> None:
+    """Issue 32.2: a view of a detached alias (``m.weight.detach()[0]``) keeps the alias alive
+    only through autograd's view link, which gc cannot see. The message named that alias "held
+    only from C++" first, before the dict entry that really holds it (and the kept-alive
+    warning opened with it). The user's holders are named first, and an alias that is only
+    some found view's base is not called a C++ holder."""
+    pool = FlatPool(capacity=CAP)
+    model = torch.nn.Linear(4, 4)
+    model.mine = {"w": model.weight.detach()[0]}  # type: ignore[assignment]
+    kept = (model.bias.detach()[:2],)
+    state = State(pool, [model.weight, model.bias])
+    err = _raises_pinned(pool, [model.weight, model.bias])
+    lines = str(err).splitlines()
+    assert lines[1].split("is held by: ")[1].startswith("Linear.mine['w'] (tensor (4,) float32)")
+    assert lines[2].split("is held by: ")[1].startswith("tuple[0] (tensor (2,) float32)")
+    assert "held only from C++" not in str(err)
+    state.check(pool, [model.weight, model.bias])
+    # A holder that really is C++-only beside a Python one: the Python one first.
+    w = torch.randn(6)
+    a = torch.randn(3, requires_grad=True)
+    loss = (a * w[:3]).sum()  # the graph saved w[:3]
+    stash = [w[3:].detach()]
+    err = _raises_pinned(pool, w)
+    held = str(err).splitlines()[1].split("is held by: ")[1].split("; ")
+    assert held[0].startswith("list[0]") and held[-1].startswith("held only from C++"), held
+    del loss, stash, kept
+
+
 def test_optimizer_state_key_is_named() -> None:
     pool = FlatPool(capacity=CAP)
     model = torch.nn.Linear(4, 1)

@@ -638,6 +638,16 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is an inference tensor (made under torch.inference_mode()); it "
             "cannot be rebound in place: adopt a clone() made outside inference mode"
         )
+    if not _is_leaf(o.tensor):
+        with tc.no_torch_function():
+            computed_by = type(o.tensor.grad_fn).__name__
+        raise InvalidRequestError(
+            f"{o} is not a leaf of autograd: it was computed "
+            f"({computed_by}) from tensors that require grad, and its "
+            "graph may still read its storage. Adopt the leaf it was computed from (a "
+            "parameter, a buffer), or compute it without a graph (under torch.no_grad(), or "
+            "adopt a .detach()ed value once nothing else refers to the original)"
+        )
     o.dtype = check_dtype(dtype, o)
     size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
     o.geometry = (offset, size, stride)
@@ -689,6 +699,16 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
     # non-resizable storage counts as external (the safe answer: nothing is reported freed).
     o.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     return storage
+
+
+def _is_leaf(t: torch.Tensor) -> bool:
+    """``t.is_leaf``, read past a subclass's ``__torch_function__`` (an exact tensor or
+    parameter has none to pass)."""
+    if type(t) in _PLAIN:
+        return tc.impl_is_leaf(t)
+    with tc.no_torch_function():
+        leaf = tc.impl_is_leaf(t)
+    return leaf  # (not a return inside the block: see flatpool.ownership.interrupts)
 
 
 def _external_message(labels: list[str]) -> str:

@@ -647,6 +647,13 @@ def _inference_tensor(c: Ctx) -> Call:
     return lambda: p.adopt(t)
 
 
+def _non_leaf(c: Ctx) -> Call:
+    p = c.pool()
+    w = c.tensor("w", torch.ones(4, requires_grad=True))
+    y = c.tensor("y", w * 2)
+    return lambda: p.adopt([y])
+
+
 def _inference_mode_pool(c: Ctx) -> Call:
     p = c.pool()
     a, b, w = ints(4), ints(8), nn.Parameter(ints(4))
@@ -1242,6 +1249,8 @@ ROWS: tuple[Row, ...] = (
     # Inference mode.
     Row("inference-tensor", "adopt() of an inference tensor (made under torch.inference_mode())",
         _inference_tensor, flatpool.InvalidRequestError, r"inference tensor.*clone"),
+    Row("non-leaf", "adopt() of a tensor autograd computed (`w * 2` with `w` requiring grad)",
+        _non_leaf, flatpool.InvalidRequestError, r"not a leaf of autograd.*MulBackward.*no_grad"),
     Row("inference-mode-pool", "a pool materialized by an adoption, compacted, grown, viewed and "
         "materialized into under torch.inference_mode(), then used outside", _inference_mode_pool, None, "",
         "works: the pool's storage is never an inference tensor (a later adoption outside "
