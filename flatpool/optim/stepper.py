@@ -1,0 +1,228 @@
+"""One optimizer step, decided by torch's own state, group by group.
+
+:meth:`Stepper.prepare` reads what torch reads (each member's ``.grad``, its
+``optimizer.state`` entries) and decides, per param group:
+
+* **flat**: the group's members with a gradient, in runs of adjacent members whose state is
+  pooled (or made now, as torch would make it) and whose ``step`` counts agree, each run one
+  call of torch's functional kernel over one flat tensor per list;
+* **torch's own step** for the rest of the group, per parameter (a sub-group of the same
+  options): parameters outside the pools, members whose dtype has no exact flat form
+  (:data:`flatpool.optim.layout.FLAT_DTYPES`); and for the *whole* group when its options, a
+  gradient (sparse, another shape) or its state (a missing key, a tensor of another dtype) are
+  torch's to handle, so torch's own step raises or handles it exactly as without flatpool.
+
+Gradients and state installed elsewhere are adopted on the way (copied into the pooled places).
+Members without a gradient are skipped, as torch skips them. Nothing is stepped until every
+group is prepared; :meth:`Stepper.run` then steps the groups in order, torch's part of a group
+first (if it raises, nothing of that group was stepped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from attrs import define
+
+from ..ownership.interrupts import signals_guarded
+from ._torch import foreach_choice, raw_step
+from .companions import Companions, StepSlots
+from .grads import Grads, unpoolable
+from .layout import Segment
+from .plan import GroupPlan, Plan
+from .rules import Rule
+from .state import FRESH, POOLED, State
+
+Say = Callable[[int, str], None]
+
+
+@define
+class Run:
+    """A run of adjacent members of one segment, stepped with one kernel call."""
+
+    seg: Segment
+    members: list[int]
+    start: int
+    end: int
+    fresh: bool
+    step: float
+    slots: StepSlots | None
+    slot: int
+
+
+@define
+class GroupWork:
+    g: int
+    torch_group: dict[str, Any] | None
+    """What torch's own step runs first: the group itself, a sub-group, or nothing."""
+    runs: list[Run]
+
+
+class Stepper:
+    """The step over one plan (made again with every plan)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, rule: Rule, plan: Plan, grads: Grads,
+                 state: State, companions: Companions, fused_policy: str, say: Say) -> None:
+        self.opt, self.rule, self.plan = opt, rule, plan
+        self.grads, self.state, self.companions = grads, state, companions
+        self.fused_policy, self.say = fused_policy, say
+        index = {id(m): i for i, m in enumerate(plan.members)}
+        self.segments: dict[int, list[tuple[Segment, list[int]]]] = {}
+        for seg in plan.segments:
+            self.segments.setdefault(seg.group, []).append((seg, [index[id(m)] for m in seg.members]))
+        self._choice: dict[int, bool] = {}
+
+    def foreach(self, g: int, gp: GroupPlan) -> bool:
+        if g not in self._choice:
+            self._choice[g] = foreach_choice(gp.params, gp.group)
+        return self._choice[g]
+
+    # -- deciding ---------------------------------------------------------------------------
+    def prepare(self) -> list[GroupWork]:
+        opt = self.opt
+        scaled = getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
+        works = []
+        for g, gp in enumerate(self.plan.groups):
+            group = gp.group
+            work: GroupWork | str | None = gp.refusal
+            if work is None and scaled and not self._fused(group):
+                work = ("a GradScaler's grad_scale/found_inf for a fused optimizer: torch's fused "
+                        "step reads them")
+            if work is None:
+                work = self._group(g, gp)
+            if isinstance(work, str):
+                self.say(g, work)
+                work = GroupWork(g, group, [])
+            works.append(work)
+        return works
+
+    def _fused(self, group: dict[str, Any]) -> bool:
+        return bool(group.get("fused")) and self.fused_policy == "fused"
+
+    def _group(self, g: int, gp: GroupPlan) -> GroupWork | str:
+        group, lo, hi = gp.group, gp.lo, gp.hi
+        grads, members = self.grads, self.plan.members
+        on = grads.pooled(lo, hi)
+        absorb = []
+        for k in [k for k, ok in enumerate(on) if not ok]:
+            grad = grads.params[lo + k].grad
+            if grad is None:
+                continue
+            why = unpoolable(grad, members[lo + k])
+            if why is not None:
+                return why
+            absorb.append(lo + k)
+            on[k] = True
+        for i in gp.others:
+            grad = gp.params[i].grad
+            if grad is not None and grad.layout != torch.strided:
+                return f"a {grad.layout} gradient"
+        grads.absorb(absorb)
+        fresh: set[int] = set()
+        active = [lo + k for k, a in enumerate(on) if a]
+        if active and not self.state.all_pooled(lo, hi, group):
+            adopt: list[tuple[int, str, torch.Tensor]] = []
+            for i in active:
+                status = self.state.classify(i, group, adopt)
+                if status == FRESH:
+                    fresh.add(i)
+                elif status != POOLED:
+                    return status
+            self.state.adopt(adopt, lambda i: group)
+        torch_params = [gp.params[i] for i in gp.others]
+        runs: list[Run] = []
+        for seg, idx in self.segments.get(g, []):
+            if seg.flat:
+                runs += self._runs(seg, idx, on, lo, fresh, group)
+            else:
+                torch_params += [members[i].param for i in idx if on[i - lo]]
+        return GroupWork(g, dict(group, params=torch_params) if torch_params else None, runs)
+
+    def _runs(self, seg: Segment, idx: list[int], on: list[bool], lo: int, fresh: set[int],
+              group: dict[str, Any]) -> list[Run]:
+        """Split a segment into runs of active members with one state status and one step."""
+        flags = [on[i - lo] for i in idx]
+        slots: StepSlots | None = None
+        first = 0
+        steps = [0.0] * len(idx)
+        if self.rule.has_step:
+            slots, first = self.state.step_slot(idx[0], group)
+            steps = slots.span(first, first + len(idx)).tolist()
+        if all(flags) and not fresh.intersection(idx) and steps.count(steps[0]) == len(steps):
+            return [self._run(seg, idx, 0, len(idx), False, steps[0], slots, first)]
+        out: list[Run] = []
+        a = None
+        key: tuple[bool, float] | None = None
+        for k, i in enumerate(idx + [-1]):
+            this = None if k == len(idx) or not flags[k] else (
+                (True, 0.0) if i in fresh else (False, steps[k]))
+            if a is not None and this != key:
+                assert key is not None
+                out.append(self._run(seg, idx, a, k, key[0], key[1], slots, first))
+                a = None
+            if this is not None and a is None:
+                a, key = k, this
+        return out
+
+    @staticmethod
+    def _run(seg: Segment, idx: list[int], a: int, b: int, fresh: bool, step: float,
+             slots: StepSlots | None, first: int) -> Run:
+        return Run(seg, idx[a:b], seg.members[a].offset, seg.members[b - 1].end, fresh, step,
+                   slots, first + a)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def run(self, works: list[GroupWork]) -> None:
+        for w in works:
+            if w.torch_group is not None:
+                self.torch_step(w.torch_group)
+            if w.runs:
+                gp = self.plan.groups[w.g]
+                foreach = self.foreach(w.g, gp)
+                for r in w.runs:
+                    self._kernel(gp.group, r, foreach)
+
+    def torch_step(self, group: dict[str, Any]) -> None:
+        """torch's own step (no hooks: they ran around the flat step) over one group."""
+        opt = self.opt
+        saved = opt.param_groups
+        with signals_guarded() as guard:  # the groups are put back whatever lands
+            guard.open()
+            try:
+                opt.param_groups = [group]
+                raw_step(opt)(opt, None)
+            finally:
+                guard.finishing()
+                opt.param_groups = saved
+
+    def _kernel(self, group: dict[str, Any], r: Run, foreach: bool) -> None:
+        seg, rule, state = r.seg, self.rule, self.state
+        pool, dtype = seg.pool, seg.dtype
+        n = (r.end - r.start) // dtype.itemsize
+        kinds = rule.kinds(group)
+        if r.fresh and not rule.made_by_kernel:
+            state.make_fresh(r.members, group)
+        made_now = r.fresh and rule.made_by_kernel
+        lists: dict[str, list[torch.Tensor | None]] = {
+            k: [None] if made_now else [self.companions.get(pool, k).view_at(r.start, (n,), dtype)]
+            for k in kinds}
+        steps: list[torch.Tensor] = []
+        if r.slots is not None:
+            steps = [torch.full((), r.step, dtype=r.slots.dtype, device=r.slots.device)]
+        fused = self._fused(group)
+        rule.run(group, [pool.view_at(r.start, (n,), dtype)], [self.grads.range(pool, r.start, n, dtype)],
+                 lists, steps, foreach=foreach, fused=fused,
+                 grad_scale=getattr(self.opt, "grad_scale", None) if fused else None,
+                 found_inf=getattr(self.opt, "found_inf", None) if fused else None)
+        if r.slots is not None:  # each member's own step, as torch's kernel left the run's
+            r.slots.span(r.slot, r.slot + len(r.members)).fill_(steps[0])
+        if made_now:
+            for k in kinds:
+                made = lists[k][0]
+                assert made is not None
+                self.companions.get(pool, k).view_at(r.start, (n,), dtype).copy_(made)
+                state.install_made(r.members, k, group)
+
+
+__all__ = ["GroupWork", "Run", "Stepper"]
