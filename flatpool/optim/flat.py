@@ -139,7 +139,9 @@ class FlatOptimizer:
         self._plan = plan
         self.pools = plan.pools
         self._companions = Companions()
+        sparse = self._sparse_params()
         self.grads = Grads(plan.members)
+        self.grads.sparse = {i for i, m in enumerate(plan.members) if id(m.param) in sparse}
         self.state = State(self.optimizer, self.rule, plan.members, self._companions)
         self._stepper = Stepper(self.optimizer, self.rule, plan, self.grads, self.state,
                                 self._companions, self.fused, self._say)
@@ -162,6 +164,17 @@ class FlatOptimizer:
                  "foreach=True; fused per parameter differs from it by a few ulp, see "
                  "docs/optim.md); pass fused='fused' to run torch's fused kernel flat",
                  FlatStepWarning, past_torch=True)
+
+    def _sparse_params(self) -> set[int]:
+        """Parameters that get sparse gradients: the weights of the module's sparse embeddings,
+        and those seen with one."""
+        old: Grads | None = getattr(self, "grads", None)
+        found = {id(old.params[i]) for i in old.sparse} if old is not None else set()
+        if self.module is not None:
+            for m in self.module.modules():
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                    found.add(id(m.weight))
+        return found
 
     def _say(self, g: int, why: str) -> None:
         """Warn once per group and reason that (part of) the group is stepped by torch."""
@@ -216,6 +229,11 @@ class FlatOptimizer:
         self.replans += 1
 
     # -- what is where ----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups (what ``GradScaler.unscale_``/``step`` read)."""
+        return self.optimizer.param_groups
+
     @property
     def segments(self) -> list[Segment]:
         """The segments (:mod:`.layout` glossary) of the current plan."""

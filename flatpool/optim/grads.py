@@ -60,6 +60,8 @@ class Grads:
         self.objs: list[torch.Tensor | None] = [None] * n
         """Per member: its view's local tensor and the object installed as ``.grad``."""
         self.addrs: list[int | None] = [None] * n
+        self.sparse: set[int] = set()
+        """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
         self.unwritten_at: list[int] = []
         self.unwritten_version: list[int] = []
         """Pre-installed views not known to be written: member index, install-time version."""
@@ -103,10 +105,13 @@ class Grads:
         return dirty
 
     def install_missing(self) -> None:
-        """Before a forward: a zeroed view for every member that requires grad and has none."""
+        """Before a forward: a zeroed view for every member that requires grad and has none
+        (not for those that get sparse gradients: accumulating one into a dense view would
+        make it dense)."""
+        sparse = self.sparse
         todo = [i for i, (g, rg) in enumerate(zip(map(_grad_of, self.params),
                                                   map(_requires_grad_of, self.params)))
-                if g is None and rg]
+                if g is None and rg and i not in sparse]
         if not todo:
             return
         with torch.no_grad():
@@ -152,9 +157,9 @@ class Grads:
         if not indices:
             return
         src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
-        with torch.no_grad():
-            self._place([i for i in indices if self.locals[i] is None
-                         or self._pools.get(id(self.members[i].pool)) is None])
+        with torch.no_grad():  # our own view moved (``.grad.data = x``): the user's now
+            self._place([i for i in indices if self._pools.get(id(self.members[i].pool)) is None
+                         or not self._at_place(i)])
             torch._foreach_copy_([self.locals[i] for i in indices], src)  # type: ignore[misc]
         del src
         self._forget_unwritten(indices)

@@ -60,22 +60,25 @@ class Journal:
             run_undo(self._undo[-1])
             self._undo.pop()
 
-    def forget(self) -> None:
-        """The commit is done: drop the record (and the old values it keeps alive)."""
-        self._undo.clear()
-
 
 @contextmanager
 def committed() -> Iterator[Journal]:
-    """A journal whose changes stand only if the block finishes (module doc)."""
+    """A journal whose changes stand only if the block finishes (module doc). A signal deferred
+    during the block is delivered when it ends; if that raises, the changes are rolled back too
+    (the caller sees the interrupt and an unchanged world). The journal, and the old values it
+    holds, go when the block's context manager does."""
     journal = Journal()
-    with signals_guarded():  # never opened: signals wait until the commit or rollback ends
-        try:
-            yield journal
-        except BaseException:
+    try:
+        with signals_guarded():  # never opened: signals wait until the block or rollback ends
+            try:
+                yield journal
+            except BaseException:
+                journal.rollback()
+                raise
+    except BaseException:
+        with signals_guarded():  # a signal delivered at the end: undo all (again: no-op)
             journal.rollback()
-            raise
-        journal.forget()
+        raise
 
 
 __all__ = ["Journal", "committed"]

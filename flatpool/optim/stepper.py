@@ -112,6 +112,8 @@ class Stepper:
                 continue
             why = unpoolable(grad, members[lo + k])
             if why is not None:
+                if grad.layout != torch.strided:
+                    grads.sparse.add(lo + k)  # never pre-install a dense view for it again
                 return why
             absorb.append(lo + k)
             on[k] = True
