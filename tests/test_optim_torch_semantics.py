@@ -200,12 +200,14 @@ def test_case3_setup_interrupted_anywhere_leaves_the_optimizer_as_it_was(
         tracer, seen = interrupt_at_line(k)
         sys.settrace(tracer)
         try:
-            FlatOptimizer(opt, [pool], module=model).close()
+            fo = FlatOptimizer(opt, [pool], module=model)
             done = True
         except KeyboardInterrupt:
             done = False
         finally:
             sys.settrace(None)
+        if done:
+            fo.close()
         return model, opt, before, seen, done
 
     *_, seen, done = setup(None)

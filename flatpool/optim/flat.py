@@ -16,11 +16,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from attrs import define
+
 from .._warn import logger, warn
 from ..aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
 from ._torch import after_backward, is_dtensor
+from . import clip
 from .companions import Companions
 from .dropin import DropIn
 from .grads import Grads, unpoolable
@@ -36,12 +39,6 @@ Verify = Literal["step", "forward"]
 Pools = Sequence[FlatPool] | Callable[[], Sequence[FlatPool]]
 
 
-def _norm_input(grad: torch.Tensor) -> torch.Tensor:
-    """What torch's norm reads: a torch DTensor as it is (its reduction runs), the local tensor
-    of any other wrapper (a HyperParallel-style DTensor's ops on lists cannot dispatch)."""
-    return grad if is_dtensor(grad) else local_tensor(grad)
-
-
 def _output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out] if out.requires_grad else []
@@ -50,6 +47,16 @@ def _output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _output_tensors(o)]
     return []
+
+
+@define(frozen=True)
+class _Current:
+    """What one plan made; replaced whole when the optimizer is planned again."""
+
+    plan: Plan
+    grads: Grads
+    state: State
+    stepper: Stepper
 
 
 class FlatOptimizer:
@@ -65,9 +72,11 @@ class FlatOptimizer:
             :class:`UnsupportedOptimizerError`).
         pools: the pools holding the parameters, or a function returning them now (the HSDP
             layer's pools can appear later: :func:`flatpool.integrations.hsdp.optim.flat_optimizer`).
-        module: when given, its forward pre-hook installs zeroed pooled gradients before the
-            forward (only for parameters that require grad), so backward writes into the pool;
-            those nothing wrote to are given back as ``None`` when the backward ends.
+        module: when given, a hook on its outputs installs zeroed pooled gradients when a
+            backward pass reaches them (for parameters that require grad and have none), so the
+            backward writes into the pool; those nothing wrote to are given back as ``None`` when
+            the backward ends. Its forward pre-hook checks the plan (members put back into their
+            pools).
         fused: for groups created with ``fused=True``: ``"foreach"`` (default) runs the foreach
             math, bit-identical to ``foreach=True``; ``"fused"`` runs torch's fused kernel over
             the flat tensors (not bit-identical to fused per parameter; see docs/optim.md).
@@ -86,7 +95,7 @@ class FlatOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidTypeError(f"FlatOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._pool_source = pools if callable(pools) else tuple(pools)
-        self.pools = self._current_pools()
+        first_pools = self._current_pools()
         if fused not in ("foreach", "fused"):
             raise InvalidTypeError(f"fused must be 'foreach' or 'fused', got {fused!r}")
         if verify not in ("step", "forward"):
@@ -115,7 +124,7 @@ class FlatOptimizer:
         self._closed = False
         self._backward_queued = False
         self._handles: list[Any] = []
-        self._adopt_plan(make_plan(optimizer, self.rule, self.pools))
+        self._adopt_plan(make_plan(optimizer, self.rule, first_pools))
         self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
         self._dropin.step.__func__._flatpool_dropin = self._dropin  # type: ignore[attr-defined]
         with committed() as journal:
@@ -125,6 +134,25 @@ class FlatOptimizer:
                 self._install_hooks(module, journal)
 
     # -- planning ---------------------------------------------------------------------------
+    @property
+    def _plan(self) -> Plan:
+        return self._now.plan
+
+    @property
+    def grads(self) -> Grads:
+        """The pooled gradients (:mod:`.grads`)."""
+        return self._now.grads
+
+    @property
+    def state(self) -> State:
+        """The pooled optimizer state (:mod:`.state`)."""
+        return self._now.state
+
+    @property
+    def pools(self) -> list[FlatPool]:
+        """The parameter pools of the current plan."""
+        return self._now.plan.pools
+
     def _current_pools(self) -> list[FlatPool]:
         src = self._pool_source
         pools = list(src() if callable(src) else src)
@@ -136,15 +164,14 @@ class FlatOptimizer:
     def _adopt_plan(self, plan: Plan) -> None:
         """Make ``plan`` current: new companion pools (old state is copied over from the entries
         that still hold it), new gradient bookkeeping, warnings for what is not flat."""
-        self._plan = plan
-        self.pools = plan.pools
-        self._companions = Companions()
+        companions = Companions()
         sparse = self._sparse_params()
-        self.grads = Grads(plan.members)
-        self.grads.sparse = {i for i, m in enumerate(plan.members) if id(m.param) in sparse}
-        self.state = State(self.optimizer, self.rule, plan.members, self._companions)
-        self._stepper = Stepper(self.optimizer, self.rule, plan, self.grads, self.state,
-                                self._companions, self.fused, self._say)
+        grads = Grads(plan.members)
+        grads.sparse = {i for i, m in enumerate(plan.members) if id(m.param) in sparse}
+        state = State(self.optimizer, self.rule, plan.members, companions)
+        stepper = Stepper(self.optimizer, self.rule, plan, grads, state, companions, self.fused,
+                          self._say)
+        self._now = _Current(plan, grads, state, stepper)  # one store: never half a plan
         self.reasons = {}
         for g, gp in enumerate(plan.groups):
             if gp.refusal is not None:
@@ -168,8 +195,8 @@ class FlatOptimizer:
     def _sparse_params(self) -> set[int]:
         """Parameters that get sparse gradients: the weights of the module's sparse embeddings,
         and those seen with one."""
-        old: Grads | None = getattr(self, "grads", None)
-        found = {id(old.params[i]) for i in old.sparse} if old is not None else set()
+        now: _Current | None = getattr(self, "_now", None)
+        found = {id(now.grads.params[i]) for i in now.grads.sparse} if now is not None else set()
         if self.module is not None:
             for m in self.module.modules():
                 if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
@@ -262,16 +289,19 @@ class FlatOptimizer:
     def _pre_forward(self, *_: Any) -> None:
         if torch.is_grad_enabled() and not self._closed:
             self._ensure_plan()
-            self.grads.install_missing()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and not self._closed and self.grads.unwritten_at:
+        if torch.is_grad_enabled() and not self._closed:
             for t in _output_tensors(output):
                 t.register_hook(self._backward_started)  # type: ignore[no-untyped-call]
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        if not self._backward_queued:
+        """The backward reached the module's output: before any gradient of its parameters is
+        made, install the pooled views (so nothing but a running backward ever sees one that
+        nothing wrote to), and settle them when the backward ends."""
+        if not self._backward_queued and not self._closed:
             self._backward_queued = True
+            self.grads.install_missing()
             after_backward(lambda: after_backward(self._backward_ended))  # after FSDP2's
 
     def _backward_ended(self) -> None:
@@ -287,8 +317,8 @@ class FlatOptimizer:
         with torch.no_grad():
             self.grads.settle()
             self._ensure_plan()
-            works = self._stepper.prepare()
-            self._stepper.run(works)
+            stepper = self._now.stepper
+            stepper.run(stepper.prepare())
         return loss
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -317,27 +347,26 @@ class FlatOptimizer:
     # -- gradient norm ----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False, exact: bool = True) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (in param_groups
-        order), with the scaling done once per run of pooled gradients.
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)`` over the
+        optimizer's parameters (in param_groups order): the same norm and the same scaled
+        gradients bit for bit, the pooled ones scaled once per run (:mod:`.clip`).
 
-        ``exact`` (default): the norm is torch's own over the gradients, so norm and result are
-        bit-identical to clipping those parameters. ``exact=False``: the norm is taken over the
-        flat gradient ranges (one norm a segment), equal up to rounding (docs/optim.md gives the
-        measured difference); single-process plain tensors only.
+        ``exact=False``: the norm is taken over the flat gradient ranges (one norm a run), equal
+        up to rounding (docs/optim.md gives the measured difference); single-process plain
+        tensors only.
         """
         with torch.no_grad():
             self.grads.settle()
             if not self._closed:
                 self._ensure_plan()
                 self._absorb_grads()
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None]
             if not grads:
                 return torch.tensor(0.0)
             runs, others = self._grad_runs()
             if exact:
-                total = torch.nn.utils.get_total_norm([_norm_input(g) for g in grads], norm_type,
-                                                      error_if_nonfinite, foreach=True)
+                total = clip.total_norm(grads, norm_type, error_if_nonfinite)
             else:
                 if any(is_dtensor(g) or local_tensor(g) is not g for g in grads):
                     raise InvalidRequestError(
@@ -345,14 +374,7 @@ class FlatOptimizer:
                         "buffers: sharded (DTensor) parameters need the reduction of exact=True")
                 total = torch.nn.utils.get_total_norm(runs + others, norm_type,
                                                       error_if_nonfinite, foreach=True)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            local = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
-            dtensors = [g for g in others if is_dtensor(g)]
-            plain = runs + [g for g in others if not is_dtensor(g)]
-            if plain:
-                torch._foreach_mul_(plain, local.to(plain[0].device))
-            if dtensors:
-                torch._foreach_mul_(dtensors, coef)
+            clip.scale(runs + others, clip.coefficient(max_norm, total))
         return total
 
     def _absorb_grads(self) -> None:
@@ -365,8 +387,8 @@ class FlatOptimizer:
         grads.absorb(todo)
 
     def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The gradients to scale: pooled ones as flat ranges (runs of adjacent members that all
-        have one, float32/float64), every other gradient as it is."""
+        """The gradients to scale: pooled ones of float32/float64 members as flat ranges (runs of
+        adjacent members that all have one), every other gradient as it is."""
         grads = self.grads
         pooled = grads.pooled(0, len(grads.members)) if not self._closed else []
         runs: list[torch.Tensor] = []
@@ -376,8 +398,8 @@ class FlatOptimizer:
             for seg in self._plan.segments:
                 if not seg.flat:
                     continue
-                a = None
                 ms = seg.members
+                a = None
                 for k in range(len(ms) + 1):
                     ok = k < len(ms) and pooled[index[id(ms[k])]]
                     if ok and a is None:
@@ -386,13 +408,10 @@ class FlatOptimizer:
                         start, end = ms[a].offset, ms[k - 1].end
                         runs.append(grads.range(seg.pool, start, (end - start) // seg.dtype.itemsize,
                                                 seg.dtype))
-                        covered.update(index[id(m)] for m in ms[a:k])
+                        covered.update(id(m.param) for m in ms[a:k])
                         a = None
-        mine = {id(grads.params[i]) for i in covered}
-        others = [local_tensor(p.grad) if not is_dtensor(p.grad) and local_tensor(p.grad) is not p.grad
-                  else p.grad
-                  for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in mine]
+        others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None and id(p) not in covered]
         return runs, others
 
 

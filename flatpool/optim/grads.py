@@ -3,7 +3,8 @@
 Every member's ``.grad`` is a view of one gradient pool per parameter pool (``<pool>/grad``, the
 member at its own offset), so the flat step and the flat clip read one range per segment.
 Autograd and FSDP2 add into an existing ``.grad`` in place (FSDP2: ``grad._local_tensor +=
-reduce-scatter output``), so a zeroed view installed before the forward makes backward write
+reduce-scatter output``), so a zeroed view installed when a backward pass starts (a hook on the
+module's output fires before any parameter's gradient is made) makes the backward write
 straight into the pool. Three rules keep this torch's ``.grad``:
 
 * **Written or not.** A pre-installed view that nothing wrote to would make a parameter that
@@ -62,9 +63,9 @@ class Grads:
         self.addrs: list[int | None] = [None] * n
         self.sparse: set[int] = set()
         """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
-        self.unwritten_at: list[int] = []
-        self.unwritten_version: list[int] = []
-        """Pre-installed views not known to be written: member index, install-time version."""
+        self.unwritten: tuple[list[int], list[int]] = ([], [])
+        """Pre-installed views not known to be written: member indices, install-time versions
+        (one attribute, replaced whole: an interrupt never leaves the two lists apart)."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -105,7 +106,7 @@ class Grads:
         return dirty
 
     def install_missing(self) -> None:
-        """Before a forward: a zeroed view for every member that requires grad and has none
+        """When a backward starts: a zeroed view for every member that requires grad and has none
         (not for those that get sparse gradients: accumulating one into a dense view would
         make it dense)."""
         sparse = self.sparse
@@ -119,35 +120,34 @@ class Grads:
             if dirty:
                 torch._foreach_zero_([self.locals[i] for i in dirty])  # type: ignore[misc]
         versions = list(map(_version_of, [self.locals[i] for i in todo]))
-        self._forget_unwritten(todo)
-        self.unwritten_at += todo
-        self.unwritten_version += versions
+        at, vs = self._without(todo)
+        self.unwritten = (at + todo, vs + versions)
         for i in todo:  # installed last: an interrupt before leaves .grad None, as it was
             self.params[i].grad = self.objs[i]
 
     def settle(self) -> None:
         """Give every pre-installed view nothing wrote to back as ``None`` (torch's state: no
         gradient reached the parameter). C-level passes; a loop only over those given back."""
-        at = self.unwritten_at
+        at, versions = self.unwritten
         if not at:
             return
         objs = [self.objs[i] for i in at]
         grads = list(map(_grad_of, [self.params[i] for i in at]))
         kept = map(operator.is_, grads, objs)
-        same = map(operator.eq, map(_version_of, [self.locals[i] for i in at]),
-                   self.unwritten_version)
+        same = map(operator.eq, map(_version_of, [self.locals[i] for i in at]), versions)
         back = [i for i, k, s in zip(at, kept, same) if k and s]
-        self.unwritten_at, self.unwritten_version = [], []
-        for i in back:
+        for i in back:  # before forgetting them: an interrupt here leaves the rest to the next
             self.params[i].grad = None
+        self.unwritten = ([], [])
 
-    def _forget_unwritten(self, indices: Iterable[int]) -> None:
+    def _without(self, indices: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The unwritten record without ``indices``."""
         drop = set(indices)
-        if drop and self.unwritten_at:
-            kept = [(i, v) for i, v in zip(self.unwritten_at, self.unwritten_version)
-                    if i not in drop]
-            self.unwritten_at = [i for i, _ in kept]
-            self.unwritten_version = [v for _, v in kept]
+        at, versions = self.unwritten
+        if not drop or not at:
+            return at, versions
+        kept = [(i, v) for i, v in zip(at, versions) if i not in drop]
+        return [i for i, _ in kept], [v for _, v in kept]
 
     def absorb(self, indices: Sequence[int],
                assign: Callable[[Any, str, Any], None] = setattr) -> None:
@@ -162,7 +162,7 @@ class Grads:
                          or not self._at_place(i)])
             torch._foreach_copy_([self.locals[i] for i in indices], src)  # type: ignore[misc]
         del src
-        self._forget_unwritten(indices)
+        self.unwritten = self._without(indices)
         for i in indices:
             assign(self.params[i], "grad", self.objs[i])
 
@@ -199,7 +199,7 @@ class Grads:
         self.locals = [None] * n
         self.objs = [None] * n
         self.addrs = [None] * n
-        self.unwritten_at, self.unwritten_version = [], []
+        self.unwritten = ([], [])
         return True
 
 

@@ -53,8 +53,8 @@ class State:
         self.params = [m.param for m in self.members]
         self.companions = companions
         n = len(self.members)
-        self.views: dict[str, list[torch.Tensor | None]] = {}
-        self.locals: dict[str, list[torch.Tensor | None]] = {}
+        self._kinds: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
+        """kind -> (each member's entry, its local tensor); None: not made yet."""
         self.dicts: list[dict[str, Any] | None] = [None] * n
         """Per member: the state dict object last seen with every entry pooled."""
         self.slots: dict[tuple[int, torch.dtype, torch.device], StepSlots] = {}
@@ -62,10 +62,10 @@ class State:
 
     # -- where --------------------------------------------------------------------------
     def _kind(self, kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        if kind not in self.views:
-            self.views[kind] = [None] * len(self.members)
-            self.locals[kind] = [None] * len(self.members)
-        return self.views[kind], self.locals[kind]
+        pair = self._kinds.get(kind)
+        if pair is None:  # one store: an interrupt never leaves half of it
+            pair = self._kinds[kind] = ([None] * len(self.members), [None] * len(self.members))
+        return pair
 
     def step_slot(self, i: int, group: dict[str, Any]) -> tuple[StepSlots, int]:
         """Member ``i``'s element of its pool's step companion, of the dtype and device torch
@@ -77,8 +77,9 @@ class State:
         device = m.pool.device if fused else torch.device("cpu")
         if have is not None and have[0].dtype == dtype and have[0].device == device:
             return have
-        if "step" in self.views:  # a group that switched fused: new step tensors
-            self.views["step"][i] = self.locals["step"][i] = None
+        if "step" in self._kinds:  # a group that switched fused: new step tensors
+            views, locals_ = self._kinds["step"]
+            views[i] = locals_[i] = None
         key = (id(m.pool), dtype, device)
         slots = self.slots.get(key)
         if slots is None:
@@ -107,10 +108,9 @@ class State:
         return v
 
     def local_of(self, i: int, kind: str, group: dict[str, Any]) -> torch.Tensor:
-        self.view_of(i, kind, group)
-        local = self.locals[kind][i]
-        assert local is not None
-        return local
+        view = self.view_of(i, kind, group)
+        local = self._kinds[kind][1][i]
+        return view if local is None else local
 
     def keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The entries torch keeps for a parameter of ``group``, in its order."""
@@ -126,9 +126,10 @@ class State:
         if not all(map(operator.is_, sts, self.dicts[lo:hi])):
             return False
         for k in keys:
-            views = self.views.get(k)
-            if views is None:
+            pair = self._kinds.get(k)
+            if pair is None:
                 return False
+            views = pair[0]
             try:
                 got = list(map(operator.itemgetter(k), sts))  # type: ignore[arg-type]
             except (KeyError, TypeError):
