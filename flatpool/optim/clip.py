@@ -13,6 +13,7 @@ gradient) is multiplied by its local value, as DTensor's ``mul`` does shard by s
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -22,9 +23,25 @@ from ..aliasing import local_tensor
 from ._torch import is_dtensor
 
 
-def _grouped(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+_local_of = operator.attrgetter("_local_tensor")
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+
+
+def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors' local tensors (one C-level pass when all are wrappers)."""
+    try:
+        return list(map(_local_of, tensors))
+    except AttributeError:
+        return [local_tensor(t) for t in tensors]
+
+
+def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` by (device, dtype), groups in order of first appearance (torch's
     ``_group_tensors_by_device_and_dtype`` order)."""
+    dtypes, devices = set(map(_dtype_of, tensors)), set(map(_device_of, tensors))
+    if len(dtypes) == 1 and len(devices) == 1:
+        return [tensors] if tensors else []
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
@@ -51,7 +68,7 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float, error_if_nonfini
 
     first: Any = grads[0]
     norms: list[torch.Tensor] = []
-    for group in _grouped([local_tensor(g) for g in grads]):
+    for group in _grouped(_locals(grads)):
         norms.extend(torch._foreach_norm(group, norm_type))
     placements = torch._foreach_norm([first], norm_type)[0].placements  # type: ignore[attr-defined]
     stacked = DTensor.from_local(torch.stack(norms), first.device_mesh, placements, run_check=False)
@@ -73,7 +90,7 @@ def coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
 
 def scale(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply each (local) tensor by ``coef``, one foreach call per device and dtype."""
-    for group in _grouped([local_tensor(t) for t in tensors]):
+    for group in _grouped(_locals(tensors)):
         torch._foreach_mul_(group, coef.to(group[0].device))
 
 

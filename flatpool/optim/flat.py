@@ -359,12 +359,11 @@ class FlatOptimizer:
             self.grads.settle()
             if not self._closed:
                 self._ensure_plan()
-                self._absorb_grads()
+            runs, others = self._grad_runs()  # gradients installed elsewhere absorbed first
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
             if not grads:
                 return torch.tensor(0.0)
-            runs, others = self._grad_runs()
             if exact:
                 total = clip.total_norm(grads, norm_type, error_if_nonfinite)
             else:
@@ -377,42 +376,47 @@ class FlatOptimizer:
             clip.scale(runs + others, clip.coefficient(max_norm, total))
         return total
 
-    def _absorb_grads(self) -> None:
-        grads = self.grads
-        todo = []
-        for i, ok in enumerate(grads.pooled(0, len(grads.members))):
-            g = grads.params[i].grad
-            if not ok and g is not None and unpoolable(g, grads.members[i]) is None:
-                todo.append(i)
-        grads.absorb(todo)
-
     def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients to scale: pooled ones of float32/float64 members as flat ranges (runs of
-        adjacent members that all have one), every other gradient as it is."""
-        grads = self.grads
-        pooled = grads.pooled(0, len(grads.members)) if not self._closed else []
+        adjacent members that all have one; gradients installed elsewhere are absorbed first),
+        every other gradient as it is."""
         runs: list[torch.Tensor] = []
         covered: set[int] = set()
-        if pooled:
-            index = {id(m): i for i, m in enumerate(grads.members)}
-            for seg in self._plan.segments:
-                if not seg.flat:
-                    continue
-                ms = seg.members
-                a = None
-                for k in range(len(ms) + 1):
-                    ok = k < len(ms) and pooled[index[id(ms[k])]]
-                    if ok and a is None:
-                        a = k
-                    elif not ok and a is not None:
-                        start, end = ms[a].offset, ms[k - 1].end
-                        runs.append(grads.range(seg.pool, start, (end - start) // seg.dtype.itemsize,
-                                                seg.dtype))
-                        covered.update(id(m.param) for m in ms[a:k])
-                        a = None
+        if not self._closed:
+            grads = self.grads
+            pooled = grads.pooled(0, len(grads.members))
+            todo = [i for i, ok in enumerate(pooled) if not ok
+                    and (g := grads.params[i].grad) is not None
+                    and unpoolable(g, grads.members[i]) is None]
+            grads.absorb(todo)
+            for i in todo:
+                pooled[i] = True
+            for segs in self._now.stepper.segments.values():
+                for seg, idx in segs:
+                    if seg.flat:
+                        runs += self._ranges(seg, idx, pooled, covered)
         others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
                   if p.grad is not None and id(p) not in covered]
         return runs, others
+
+    def _ranges(self, seg: Segment, idx: list[int], pooled: list[bool], covered: set[int]
+                ) -> list[torch.Tensor]:
+        """A segment's gradient ranges over its runs of members with pooled gradients."""
+        grads, ms = self.grads, seg.members
+        itemsize = seg.dtype.itemsize
+        flags = list(map(pooled.__getitem__, idx))
+        out = []
+        a = None
+        for k in range(len(ms) + 1):
+            ok = k < len(ms) and flags[k]
+            if ok and a is None:
+                a = k
+            elif not ok and a is not None:
+                start, end = ms[a].offset, ms[k - 1].end
+                out.append(grads.range(seg, start, (end - start) // itemsize))
+                covered.update(id(m.param) for m in ms[a:k])
+                a = None
+        return out
 
 
 __all__ = ["FlatOptimizer", "FusedPolicy", "Verify"]

@@ -44,6 +44,7 @@ _grad_of = operator.attrgetter("grad")
 _version_of = operator.attrgetter("_version")
 _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
+_local_of = operator.attrgetter("_local_tensor")  # our own wrappers: DTensor(local), from_local
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -56,6 +57,8 @@ class Grads:
         self.wrapped = [local_tensor(p) is not p for p in self.params]
         self._pools: dict[int, FlatPool] = {}
         """The current gradient pool of each parameter pool (absent: released)."""
+        self._flat: dict[int, torch.Tensor] = {}
+        """Each segment's gradient range in the current gradient pools (dropped with them)."""
         n = len(self.members)
         self.locals: list[torch.Tensor | None] = [None] * n
         self.objs: list[torch.Tensor | None] = [None] * n
@@ -84,10 +87,17 @@ class Grads:
         self._pools[id(pool)] = made
         return made, True
 
-    def range(self, pool: FlatPool, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """``n`` elements of ``pool``'s gradient pool from byte ``start`` (its members there have
-        pooled gradients, so the gradient pool exists)."""
-        return self._pools[id(pool)].view_at(start, (n,), dtype)
+    def range(self, seg: Segment, start: int, n: int) -> torch.Tensor:
+        """``n`` elements of a segment's gradients from byte ``start`` (its members there have
+        pooled gradients, so the gradient pool exists): a slice of the segment's range, made
+        once per gradient pool."""
+        key = id(seg)
+        flat = self._flat.get(key)
+        if flat is None:
+            flat = self._flat[key] = self._pools[id(seg.pool)].view_at(
+                seg.start, (seg.numel,), seg.dtype)
+        a = (start - seg.start) // seg.dtype.itemsize
+        return flat if n == seg.numel else flat[a:a + n]
 
     # -- views -----------------------------------------------------------------------------
     def _place(self, indices: Iterable[int]) -> list[int]:
@@ -176,7 +186,7 @@ class Grads:
         if all(same):
             locals_ = self.locals[lo:hi]
             wrapped = self.wrapped[lo:hi]
-            if ((not any(wrapped) or all(map(operator.is_, map(local_tensor, objs), locals_)))  # type: ignore[arg-type]
+            if ((not any(wrapped) or all(map(operator.is_, map(_local_of, objs), locals_)))
                     and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
                 return same
         return [s and self._at_place(lo + k) for k, s in enumerate(same)]
@@ -195,6 +205,7 @@ class Grads:
         if any(g is not None for g in map(_grad_of, self.params)):
             return False
         self._pools.clear()
+        self._flat.clear()
         n = len(self.members)
         self.locals = [None] * n
         self.objs = [None] * n

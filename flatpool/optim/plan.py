@@ -45,6 +45,8 @@ class GroupPlan:
     refusal: str | None
     options: tuple[Any, ...]
     locals_of: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    members: list[torch.Tensor]
+    """The members' parameters, in member order."""
     addrs: list[int]
     recheck: list[int] = field(factory=list)
     """Indices of ``others`` to look up again at every step (:data:`PLACE_REASONS`)."""
@@ -98,10 +100,11 @@ def make_plan(opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[FlatPool])
             plan_group(g, group, places, taken)
         lo = len(members)
         members.extend(found)
-        locals_of = _locals_of([m.param for m in found])
+        mparams = [m.param for m in found]
+        locals_of = _locals_of(mparams)
         groups.append(GroupPlan(
             group, params, lo, len(members), others, refusal, options(group, rule), locals_of,
-            list(map(_data_ptr, locals_of([m.param for m in found]))),
+            mparams, list(map(_data_ptr, locals_of(mparams))),
             [i for i, why in others.items() if why.startswith(PLACE_REASONS)]))
     by_pool: dict[int, tuple[list[int], list[Any]]] = {}
     for m in members:
@@ -139,8 +142,7 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
             return f"param_groups[{g}]['params'] changed"
         if options(group, rule) != gp.options:
             return f"param_groups[{g}]'s options changed"
-        members = [m.param for m in plan.members[gp.lo:gp.hi]]
-        if list(map(_data_ptr, gp.locals_of(members))) != gp.addrs:
+        if list(map(_data_ptr, gp.locals_of(gp.members))) != gp.addrs:
             return f"a parameter of param_groups[{g}] left its pooled place"
         for i in gp.recheck:
             if not isinstance(plan.places.of(params[i]), str):

@@ -48,6 +48,11 @@ class Rule(Protocol):
         """torch makes this parameter's state at its next step."""
         ...
 
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """The group options :meth:`run` passes to the kernel (groups with equal ones can share
+        one kernel call)."""
+        ...
+
     def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
             state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
@@ -72,6 +77,10 @@ class AdamRule:
 
     def fresh(self, state: dict[str, Any] | None, group: dict[str, Any]) -> bool:
         return not state  # torch: ``if len(state) == 0`` makes step, exp_avg, exp_avg_sq
+
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (tuple(group["betas"]), group["lr"], group["weight_decay"], group["eps"],
+                group["amsgrad"], group["maximize"], group.get("decoupled_weight_decay"))
 
     def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
             state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
@@ -100,6 +109,10 @@ class SGDRule:
 
     def fresh(self, state: dict[str, Any] | None, group: dict[str, Any]) -> bool:
         return group["momentum"] != 0 and (not state or state.get("momentum_buffer") is None)
+
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                group["nesterov"], group["maximize"])
 
     def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
             state: State, steps: list[Tensor], *, foreach: bool, fused: bool,

@@ -73,6 +73,10 @@ class Stepper:
         for seg in plan.segments:
             self.segments.setdefault(seg.group, []).append((seg, [index[id(m)] for m in seg.members]))
         self._choice: dict[int, bool] = {}
+        self._flat: dict[tuple[int, str], torch.Tensor] = {}
+        """A segment's range of a state companion."""
+        self._param_bufs: dict[int, torch.Tensor] = {}
+        """The parameter pools' byte buffers, during one step."""
 
     def foreach(self, g: int, gp: GroupPlan) -> bool:
         if g not in self._choice:
@@ -176,14 +180,30 @@ class Stepper:
 
     # -- stepping ---------------------------------------------------------------------------
     def run(self, works: list[GroupWork]) -> None:
-        for w in works:
-            if w.torch_group is not None:
-                self.torch_step(w.torch_group)
-            if w.runs:
-                gp = self.plan.groups[w.g]
-                foreach = self.foreach(w.g, gp)
-                for r in w.runs:
-                    self._kernel(gp.group, r, foreach)
+        """Step every group in order: torch's part of a group (after the flat runs of the groups
+        before it), then its runs. Runs of groups whose kernel arguments are equal go to torch's
+        kernel together, as lists of flat tensors (one Python call of the kernel for many runs;
+        each tensor is stepped on its own, with its own step count)."""
+        batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
+        try:
+            for w in works:
+                if w.torch_group is not None:
+                    self._flush(batches)
+                    self.torch_step(w.torch_group)
+                if w.runs:
+                    gp = self.plan.groups[w.g]
+                    key = (self.foreach(w.g, gp), self._fused(gp.group),
+                           self.rule.arguments(gp.group))
+                    for r in w.runs:
+                        batches.setdefault(key + (r.fresh,), []).append((gp.group, r))
+            self._flush(batches)
+        finally:
+            self._param_bufs.clear()
+
+    def _flush(self, batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]]) -> None:
+        for key, jobs in batches.items():
+            self._kernel(jobs, foreach=key[0], fused=key[1], fresh=key[-1])
+        batches.clear()
 
     def torch_step(self, group: dict[str, Any]) -> None:
         """torch's own step (no hooks: they ran around the flat step) over one group."""
@@ -198,33 +218,56 @@ class Stepper:
                 guard.finishing()
                 opt.param_groups = saved
 
-    def _kernel(self, group: dict[str, Any], r: Run, foreach: bool) -> None:
-        seg, rule, state = r.seg, self.rule, self.state
-        pool, dtype = seg.pool, seg.dtype
-        n = (r.end - r.start) // dtype.itemsize
+    def _range(self, r: Run, kind: str) -> torch.Tensor:
+        """The run's range of a state companion (a slice of the segment's, made once per plan)
+        or of the parameter pool (a slice of its byte buffer, held for this step only: a view
+        kept past it would pin the storage a relocation of the pool must prove dead)."""
+        seg = r.seg
+        if kind == "param":
+            buf = self._param_bufs.get(id(seg.pool))
+            if buf is None:
+                buf = self._param_bufs[id(seg.pool)] = seg.pool.byte_buffer()
+            return buf[r.start:r.end].view(seg.dtype)
+        key = (id(seg), kind)
+        flat = self._flat.get(key)
+        if flat is None:
+            pool = self.companions.get(seg.pool, kind)
+            flat = self._flat[key] = pool.view_at(seg.start, (seg.numel,), seg.dtype)
+        a = (r.start - seg.start) // seg.dtype.itemsize
+        n = (r.end - r.start) // seg.dtype.itemsize
+        return flat if n == seg.numel else flat[a:a + n]
+
+    def _kernel(self, jobs: list[tuple[dict[str, Any], Run]], *, foreach: bool, fused: bool,
+                fresh: bool) -> None:
+        """One call of torch's kernel over the runs of ``jobs`` (groups with equal arguments)."""
+        rule, state = self.rule, self.state
+        group = jobs[0][0]
         kinds = rule.kinds(group)
-        if r.fresh and not rule.made_by_kernel:
-            state.make_fresh(r.members, group)
-        made_now = r.fresh and rule.made_by_kernel
+        runs = [r for _, r in jobs]
+        made_now = fresh and rule.made_by_kernel
+        if fresh and not rule.made_by_kernel:
+            for g, r in jobs:
+                state.make_fresh(r.members, g)
         lists: dict[str, list[torch.Tensor | None]] = {
-            k: [None] if made_now else [self.companions.get(pool, k).view_at(r.start, (n,), dtype)]
-            for k in kinds}
+            k: [None] * len(runs) if made_now else [self._range(r, k) for r in runs] for k in kinds}
         steps: list[torch.Tensor] = []
-        if r.slots is not None:
-            steps = [torch.full((), r.step, dtype=r.slots.dtype, device=r.slots.device)]
-        fused = self._fused(group)
-        rule.run(group, [pool.view_at(r.start, (n,), dtype)], [self.grads.range(pool, r.start, n, dtype)],
+        if rule.has_step:  # each run's first member's own step: torch's kernel counts it
+            steps = [state.view_of(r.members[0], "step", g) for g, r in jobs]
+        rule.run(group, [self._range(r, "param") for r in runs],
+                 [self.grads.range(r.seg, r.start, (r.end - r.start) // r.seg.dtype.itemsize)
+                  for r in runs],
                  lists, steps, foreach=foreach, fused=fused,
                  grad_scale=getattr(self.opt, "grad_scale", None) if fused else None,
                  found_inf=getattr(self.opt, "found_inf", None) if fused else None)
-        if r.slots is not None:  # each member's own step, as torch's kernel left the run's
-            r.slots.span(r.slot, r.slot + len(r.members)).fill_(steps[0])
+        for r in runs:
+            if r.slots is not None and len(r.members) > 1:  # the others' steps, as torch counts
+                r.slots.span(r.slot + 1, r.slot + len(r.members)).add_(1.0)
         if made_now:
             for k in kinds:
-                made = lists[k][0]
-                assert made is not None
-                self.companions.get(pool, k).view_at(r.start, (n,), dtype).copy_(made)
-                state.install_made(r.members, k, group)
+                for (g, r), made in zip(jobs, lists[k]):
+                    assert made is not None
+                    self._range(r, k).copy_(made)
+                    state.install_made(r.members, k, g)
 
 
 __all__ = ["GroupWork", "Run", "Stepper"]
