@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..pool import FlatPool
+from .. import torch_compat as tc
+from ..pool import FlatPool, contiguous_strides
 from .layout import Member
 
 
@@ -35,6 +36,21 @@ def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
 def view(pool: FlatPool, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A base-less view (its own version counter) at byte ``offset`` of ``pool``."""
     return pool.view_at(offset, tuple(shape), dtype)
+
+
+def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]],
+          dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """:func:`view` for many places of one pool: the storage read once, one grad-mode switch
+    (a few microseconds a view instead of ``view_at``'s tens)."""
+    storage = pool.storage
+    device = pool.device
+    out = []
+    with tc.outside_inference(), torch.no_grad():
+        for offset, shape, dtype in zip(offsets, shapes, dtypes):
+            t = torch.empty(0, dtype=dtype, device=device)
+            t.set_(storage, offset // dtype.itemsize, tuple(shape), contiguous_strides(shape))
+            out.append(t)
+    return out
 
 
 class Companions:
@@ -74,12 +90,13 @@ class StepSlots:
         self.pool = new_pool(f"{pool.name}/step", max(1, len(members)) * dtype.itemsize, device)
         self.all = self.pool.view_at(0, (len(members),), dtype)
 
-    def view(self, i: int) -> torch.Tensor:
-        """Member ``i``'s step tensor: a 0-d view of its element."""
-        return self.pool.view_at(i * self.dtype.itemsize, (), self.dtype)
+    def views(self, ks: Sequence[int]) -> list[torch.Tensor]:
+        """The step tensors of members ``ks``: 0-d views of their elements."""
+        size = self.dtype.itemsize
+        return views(self.pool, [k * size for k in ks], [()] * len(ks), [self.dtype] * len(ks))
 
     def span(self, a: int, b: int) -> torch.Tensor:
         return self.all[a:b]
 
 
-__all__ = ["Companions", "StepSlots", "new_pool", "view"]
+__all__ = ["Companions", "StepSlots", "new_pool", "view", "views"]

@@ -19,6 +19,8 @@ from torch import nn
 from attrs import define
 
 from .._warn import logger, warn
+from ..ownership.gcpause import gc_paused
+from ..ownership.interrupts import guarded_call
 from ..aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
@@ -31,7 +33,7 @@ from .journal import Journal, committed
 from .layout import Segment
 from .plan import Plan, make_plan, stale
 from .rules import rule_for
-from .state import FRESH, POOLED, State
+from .state import State, plain_assign
 from .stepper import Stepper
 
 FusedPolicy = Literal["foreach", "fused"]
@@ -124,14 +126,20 @@ class FlatOptimizer:
         self._closed = False
         self._backward_queued = False
         self._handles: list[Any] = []
-        self._adopt_plan(make_plan(optimizer, self.rule, first_pools))
         self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
         self._dropin.step.__func__._flatpool_dropin = self._dropin  # type: ignore[attr-defined]
+        guarded_call(lambda: self._setup(first_pools), gc_paused())
+
+    def _setup(self, pools: list[FlatPool]) -> None:
+        """Plan, pool what the members hold, install: everything others see changes in one
+        journaled commit (:mod:`.journal`). The gc is paused: setup makes tens of thousands of
+        small objects, and each automatic collection would walk all of them."""
+        self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
         with committed() as journal:
             self._absorb_existing(journal.set_attr, journal.set_item)
             self._dropin.install(journal)
-            if module is not None:
-                self._install_hooks(module, journal)
+            if self.module is not None:
+                self._install_hooks(self.module, journal)
 
     # -- planning ---------------------------------------------------------------------------
     @property
@@ -168,7 +176,8 @@ class FlatOptimizer:
         sparse = self._sparse_params()
         grads = Grads(plan.members)
         grads.sparse = {i for i, m in enumerate(plan.members) if id(m.param) in sparse}
-        state = State(self.optimizer, self.rule, plan.members, companions)
+        state = State(self.optimizer, self.rule, plan.members,
+                      [plan.groups[m.group].group for m in plan.members], companions)
         stepper = Stepper(self.optimizer, self.rule, plan, grads, state, companions, self.fused,
                           self._say)
         self._now = _Current(plan, grads, state, stepper)  # one store: never half a plan
@@ -212,28 +221,17 @@ class FlatOptimizer:
                  f"by torch's own step, not flat: {why}", FlatStepWarning, past_torch=True)
 
     def _absorb_existing(self, set_attr: Callable[[Any, str, Any], None] = setattr,
-                         set_item: Callable[[dict[Any, Any], str, Any], None] | None = None) -> None:
+                         set_item: Callable[[dict[Any, Any], str, Any], None] = plain_assign) -> None:
         """Copy every gradient and every state entry the members already have into the pools
         and rebind them (setup, and after a re-plan)."""
         plan, grads, state = self._plan, self.grads, self.state
         absorb = [i for i, m in enumerate(plan.members) if m.param.grad is not None
                   and unpoolable(m.param.grad, m) is None]
         grads.absorb(absorb, set_attr)
-        adopt: list[tuple[int, str, torch.Tensor]] = []
+        adopt = []
         for gp in plan.groups:
-            for i in range(gp.lo, gp.hi):
-                if self.optimizer.state.get(plan.members[i].param):
-                    found: list[tuple[int, str, torch.Tensor]] = []
-                    if state.classify(i, gp.group, found) == POOLED:
-                        adopt += found
-        group_of = self._group_of
-        if set_item is None:
-            state.adopt(adopt, group_of)
-        else:
-            state.adopt(adopt, group_of, set_item)
-
-    def _group_of(self, i: int) -> dict[str, Any]:
-        return self._plan.groups[self._plan.members[i].group].group
+            adopt += state.existing(range(gp.lo, gp.hi), gp.group)
+        state.adopt(adopt, set_item)
 
     def _ensure_plan(self) -> None:
         pools = self._current_pools()
@@ -241,18 +239,20 @@ class FlatOptimizer:
         if why is None:
             return
         self.grads.settle()
-        self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
-        self._absorb_existing()
+        guarded_call(lambda: self._replan(pools), gc_paused())
         self.replans += 1
         logger.info("flatpool.optim: planned again (%s): %d segment(s)", why,
                     len(self._plan.segments))
+
+    def _replan(self, pools: list[FlatPool]) -> None:
+        self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
+        self._absorb_existing()
 
     def readopt(self) -> None:
         """Plan again now and copy current gradients and state into the pooled places (the
         step does this by itself whenever something it relies on changed)."""
         self.grads.settle()
-        self._adopt_plan(make_plan(self.optimizer, self.rule, self._current_pools()))
-        self._absorb_existing()
+        guarded_call(lambda: self._replan(self._current_pools()), gc_paused())
         self.replans += 1
 
     # -- what is where ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 
 from ..aliasing import local_tensor
 from ..pool import FlatPool
-from .companions import new_pool, view
+from .companions import new_pool, views
 from .layout import Member, Segment
 from .wrap import wrap_like
 
@@ -66,6 +66,8 @@ class Grads:
         self.addrs: list[int | None] = [None] * n
         self.sparse: set[int] = set()
         """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
+        self._all_placed = False
+        """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Pre-installed views not known to be written: member indices, install-time versions
         (one attribute, replaced whole: an interrupt never leaves the two lists apart)."""
@@ -104,15 +106,21 @@ class Grads:
         """Give each member a new view at its place; returns the indices whose place was not
         known to be zero (their pool already existed)."""
         dirty = []
+        by_pool: dict[int, list[int]] = {}
         for i in indices:
-            m = self.members[i]
-            gpool, made = self._pool(m.pool)
-            local = view(gpool, m.offset, m.shape, m.dtype)
-            self.locals[i] = local
-            self.objs[i] = wrap_like(m.param, local) if self.wrapped[i] else local
-            self.addrs[i] = _data_ptr(local)
+            by_pool.setdefault(id(self.members[i].pool), []).append(i)
+        for idx in by_pool.values():
+            ms = [self.members[i] for i in idx]
+            gpool, made = self._pool(ms[0].pool)
+            locals_ = views(gpool, [m.offset for m in ms], [m.shape for m in ms],
+                            [m.dtype for m in ms])
+            for i, m, local in zip(idx, ms, locals_):
+                self.locals[i] = local
+                self.objs[i] = wrap_like(m.param, local) if self.wrapped[i] else local
+                self.addrs[i] = _data_ptr(local)
             if not made:
-                dirty.append(i)
+                dirty += idx
+        self._all_placed = not any(map(_is_none, self.objs))
         return dirty
 
     def install_missing(self) -> None:
@@ -181,7 +189,7 @@ class Grads:
         by ``.grad.data = x`` or a rebound DTensor local). C-level passes when all are."""
         objs = self.objs[lo:hi]
         same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
-        if any(map(_is_none, objs)):
+        if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
             same = [s and o is not None for s, o in zip(same, objs)]
         if all(same):
             locals_ = self.locals[lo:hi]
@@ -204,6 +212,7 @@ class Grads:
         freed unless someone else still holds a gradient (as with torch's own gradients)."""
         if any(g is not None for g in map(_grad_of, self.params)):
             return False
+        self._all_placed = False
         self._pools.clear()
         self._flat.clear()
         n = len(self.members)

@@ -18,6 +18,7 @@ linear in the number of parameters whatever the number of pools.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,11 +81,25 @@ class Segment:
 
 
 class Places:
-    """The given pools, found by the identity of their storages."""
+    """The given pools, found by the identity of their storages; a slice by bisecting the
+    pool's slice starts (read once per plan)."""
 
     def __init__(self, pools: Sequence[FlatPool]) -> None:
         self.pools = list(pools)
         self.by_key = {p.storage_key: p for p in self.pools if p.storage_key is not None}
+        self._starts: dict[int, tuple[list[int], tuple[Slice, ...]]] = {}
+
+    def _slice_at(self, pool: FlatPool, start: int, nbytes: int) -> Slice | None:
+        """The live slice holding bytes ``[start, start + nbytes)`` of ``pool``."""
+        got = self._starts.get(id(pool))
+        if got is None:
+            slices = pool.slices()  # in storage order
+            got = self._starts[id(pool)] = ([s.offset for s in slices], slices)
+        k = bisect.bisect_right(got[0], start) - 1
+        if k < 0:
+            return None
+        slc = got[1][k]
+        return slc if start + nbytes <= slc.offset + slc.nbytes else None
 
     def of(self, param: torch.Tensor) -> tuple[FlatPool, Slice, int] | str:
         """``(pool, slice, byte offset)`` of ``param``'s data, or why it has no flat place."""
@@ -100,14 +115,15 @@ class Places:
         pool = self.by_key.get(tc.storage_address(local))
         if pool is None:
             return "in none of the given pools (adopt it first)"
-        slc = pool.slice_of(local)
-        if slc is None:
-            return f"in pool {pool.name!r} but in no live slice"
         if not local.is_contiguous():
             return "not contiguous in its slice"
+        start = int(local.storage_offset()) * local.dtype.itemsize
+        slc = self._slice_at(pool, start, local.numel() * local.dtype.itemsize)
+        if slc is None:
+            return f"in pool {pool.name!r} but in no live slice"
         if slc.dtype != local.dtype:
             return f"its slice holds {slc.dtype}, the parameter is {local.dtype}"
-        return pool, slc, int(local.storage_offset()) * local.dtype.itemsize
+        return pool, slc, start
 
 
 def plan_group(g: int, group: dict[str, Any], places: Places,

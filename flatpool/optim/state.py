@@ -7,13 +7,13 @@ element of ``<pool>/step``). So ``state_dict()``, ``load_state_dict``, ``deepcop
 ``torch.save`` and DCP see per-parameter state, and torch's own step (for the parameters the
 flat step leaves to it) updates the pooled views in place.
 
-Before every flat step :meth:`State.classify` compares each entry with the view it expects
-(identity; C-level passes while all match). An entry torch or the user replaced (a
-``load_state_dict``, ``opt.state[p]["exp_avg"] = t``, state torch made on its own step) is
-*adopted*: its values are copied into the member's place and the entry rebound to the pooled
-view, values first (an interrupt in between leaves the user's tensor, adopted again next
-time). A parameter without state gets it as torch would make it at this step
-(:meth:`State.make_fresh`). Anything else (a missing key, a tensor of another shape or
+Before every flat step :meth:`State.all_pooled` compares each entry with the view it expects
+(identity, C-level passes); on a mismatch :meth:`State.classify` looks at the member. An entry
+torch or the user replaced (a ``load_state_dict``, ``opt.state[p]["exp_avg"] = t``, state torch
+made on its own step) is *adopted*: its values are copied into the member's place and the entry
+rebound to the pooled view, values first (an interrupt in between leaves the user's tensor,
+adopted again next time). A parameter without state gets it as torch would make it at this
+step (:meth:`State.make_fresh`). Anything else (a missing key, a tensor of another shape or
 dtype) is torch's to handle: the group is stepped by torch's own step.
 """
 
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from ..aliasing import local_tensor, same_storage
+from .. import torch_compat as tc
+from ..aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
-from .companions import Companions, StepSlots, view
+from .companions import Companions, StepSlots, views
 from .layout import Member
 from .rules import Rule
 from .wrap import wrap_like
@@ -41,16 +42,21 @@ def plain_assign(d: dict[Any, Any], key: str, value: Any) -> None:
 
 
 POOLED, FRESH = "pooled", "fresh"
+_local_of = operator.attrgetter("_local_tensor")
+Entry = tuple[int, str, torch.Tensor]
+"""(member index, state key, the entry found there)."""
 
 
 class State:
-    """The pooled state of ``members`` (every member of every group, in plan order)."""
+    """The pooled state of ``members`` (every member of every group, in plan order);
+    ``groups[i]`` is member ``i``'s param group."""
 
     def __init__(self, opt: torch.optim.Optimizer, rule: Rule, members: Sequence[Member],
-                 companions: Companions) -> None:
+                 groups: Sequence[dict[str, Any]], companions: Companions) -> None:
         self.opt, self.rule = opt, rule
         self.members = list(members)
         self.params = [m.param for m in self.members]
+        self.wrapped = [local_tensor(p) is not p for p in self.params]
         self.companions = companions
         n = len(self.members)
         self._kinds: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
@@ -59,6 +65,30 @@ class State:
         """Per member: the state dict object last seen with every entry pooled."""
         self.slots: dict[tuple[int, torch.dtype, torch.device], StepSlots] = {}
         self._slot_of: list[tuple[StepSlots, int] | None] = [None] * n
+        self._seen: tuple[list[Any], list[Any]] | None = None
+        """``optimizer.state``'s keys and values when :meth:`_dicts_unchanged` last held."""
+        if rule.has_step:
+            self._plan_steps(groups)
+
+    def _plan_steps(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Each member's element of its pool's step companion, of the dtype and device torch
+        gives its group's step tensors (CPU, its scalar dtype; the device for ``fused``)."""
+        by_pool: dict[int, list[int]] = {}
+        for i, m in enumerate(self.members):
+            by_pool.setdefault(id(m.pool), []).append(i)
+        for idx in by_pool.values():
+            idx.sort(key=lambda i: self.members[i].offset)
+            order = [self.members[i] for i in idx]
+            for i in idx:
+                fused = bool(groups[i].get("fused"))
+                m = self.members[i]
+                dtype = step_dtype(fused)
+                device = m.pool.device if fused else torch.device("cpu")
+                key = (id(m.pool), dtype, device)
+                slots = self.slots.get(key)
+                if slots is None:
+                    slots = self.slots[key] = StepSlots(m.pool, order, dtype, device)
+                self._slot_of[i] = (slots, slots.index[id(m)])
 
     # -- where --------------------------------------------------------------------------
     def _kind(self, kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -67,48 +97,47 @@ class State:
             pair = self._kinds[kind] = ([None] * len(self.members), [None] * len(self.members))
         return pair
 
-    def step_slot(self, i: int, group: dict[str, Any]) -> tuple[StepSlots, int]:
-        """Member ``i``'s element of its pool's step companion, of the dtype and device torch
-        gives this group's step tensors."""
-        have = self._slot_of[i]
-        m = self.members[i]
-        fused = bool(group.get("fused"))
-        dtype = step_dtype(fused)
-        device = m.pool.device if fused else torch.device("cpu")
-        if have is not None and have[0].dtype == dtype and have[0].device == device:
-            return have
-        if "step" in self._kinds:  # a group that switched fused: new step tensors
-            views, locals_ = self._kinds["step"]
-            views[i] = locals_[i] = None
-        key = (id(m.pool), dtype, device)
-        slots = self.slots.get(key)
-        if slots is None:
-            same = sorted((x for x in self.members if x.pool is m.pool), key=lambda x: x.offset)
-            slots = self.slots[key] = StepSlots(m.pool, same, dtype, device)
-        got = (slots, slots.index[id(m)])
-        self._slot_of[i] = got
+    def step_slot(self, i: int) -> tuple[StepSlots, int]:
+        got = self._slot_of[i]
+        assert got is not None
         return got
 
-    def view_of(self, i: int, kind: str, group: dict[str, Any]) -> torch.Tensor:
+    def ensure(self, kind: str, indices: Sequence[int]) -> None:
+        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet (a few
+        calls per pool: :func:`flatpool.optim.companions.views`)."""
+        entries, locals_ = self._kind(kind)
+        todo = [i for i in indices if entries[i] is None]
+        if not todo:
+            return
+        by_pool: dict[int, list[int]] = {}
+        for i in todo:
+            key = id(self._slot_of[i][0]) if kind == "step" else id(self.members[i].pool)  # type: ignore[index]
+            by_pool.setdefault(key, []).append(i)
+        for idx in by_pool.values():
+            if kind == "step":
+                slots = self.step_slot(idx[0])[0]
+                made = slots.views([self.step_slot(i)[1] for i in idx])
+                for i, v in zip(idx, made):
+                    entries[i] = locals_[i] = v
+                continue
+            ms = [self.members[i] for i in idx]
+            made = views(self.companions.get(ms[0].pool, kind), [m.offset for m in ms],
+                         [m.shape for m in ms], [m.dtype for m in ms])
+            for i, m, local in zip(idx, ms, made):
+                locals_[i] = local
+                entries[i] = wrap_like(m.param, local) if self.wrapped[i] else local
+
+    def view_of(self, i: int, kind: str) -> torch.Tensor:
         """Member ``i``'s pooled ``kind`` entry (made on first use)."""
-        if kind == "step":
-            slots, k = self.step_slot(i, group)
-            views, locals_ = self._kind("step")
-            v = views[i]
-            if v is None:
-                views[i] = locals_[i] = v = slots.view(k)
-            return v
-        views, locals_ = self._kind(kind)
-        v = views[i]
+        v = self._kind(kind)[0][i]
         if v is None:
-            m = self.members[i]
-            local = view(self.companions.get(m.pool, kind), m.offset, m.shape, m.dtype)
-            locals_[i] = local
-            views[i] = v = wrap_like(m.param, local)
+            self.ensure(kind, [i])
+            v = self._kinds[kind][0][i]
+            assert v is not None
         return v
 
-    def local_of(self, i: int, kind: str, group: dict[str, Any]) -> torch.Tensor:
-        view = self.view_of(i, kind, group)
+    def local_of(self, i: int, kind: str) -> torch.Tensor:
+        view = self.view_of(i, kind)
         local = self._kinds[kind][1][i]
         return view if local is None else local
 
@@ -122,27 +151,44 @@ class State:
         keys = self.keys(group)
         if not keys:
             return True
-        sts = list(map(self.opt.state.get, self.params[lo:hi]))
+        sts = self.dicts[lo:hi] if self._dicts_unchanged() else list(
+            map(self.opt.state.get, self.params[lo:hi]))
         if not all(map(operator.is_, sts, self.dicts[lo:hi])):
             return False
         for k in keys:
             pair = self._kinds.get(k)
             if pair is None:
                 return False
-            views = pair[0]
             try:
                 got = list(map(operator.itemgetter(k), sts))  # type: ignore[arg-type]
             except (KeyError, TypeError):
                 return False
-            if not all(map(operator.is_, got, views[lo:hi])):
+            if not all(map(operator.is_, got, pair[0][lo:hi])):
                 return False
         return True
 
-    def classify(self, i: int, group: dict[str, Any], adopt: list[tuple[int, str, torch.Tensor]]
-                 ) -> str:
-        """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries adopted into
-        ``adopt`` as needed), :data:`FRESH` (torch makes its state now), or why torch's own step
-        must handle it."""
+    def _dicts_unchanged(self) -> bool:
+        """``optimizer.state`` maps the same parameters to the same dict objects as when last
+        seen (C-level identity passes over its keys and values: no tensor is hashed), so each
+        member's dict is the one recorded in :attr:`dicts`."""
+        state = self.opt.state
+        keys, values = list(state.keys()), list(state.values())
+        seen = self._seen
+        if (seen is not None and len(keys) == len(seen[0]) and all(map(operator.is_, keys, seen[0]))
+                and all(map(operator.is_, values, seen[1]))):
+            return True
+        known = {id(p): d for p, d in zip(self.params, self.dicts) if d is not None}
+        if all(known.get(id(p)) is d for p, d in zip(keys, values) if id(p) in known) and len(
+                known) == sum(1 for p in keys if id(p) in known):
+            self._seen = (keys, values)
+            return True
+        self._seen = None
+        return False
+
+    def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
+        """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries to adopt added
+        to ``adopt``), :data:`FRESH` (torch makes its state now), or why torch's own step must
+        handle it."""
         st = self.opt.state.get(self.params[i])
         if self.rule.fresh(st, group):
             return FRESH
@@ -155,33 +201,55 @@ class State:
             v = st.get(k)
             if v is None:
                 return f"its optimizer state has no {k!r} (torch's own step decides what that means)"
-            if v is self.view_of(i, k, group):
+            if v is self.view_of(i, k):
                 continue
-            why = self._foreign(i, k, v, group)
+            why = self._foreign(i, k, v)
             if why is not None:
                 return why
             found.append((i, k, v))
         adopt.extend(found)
         if not found:
+            self._seen = None  # first: the snapshot was checked against the old dicts
             self.dicts[i] = st
         return POOLED
 
-    def _foreign(self, i: int, kind: str, v: Any, group: dict[str, Any]) -> str | None:
+    def existing(self, indices: Sequence[int], group: dict[str, Any]) -> list[Entry]:
+        """The adoptable entries members ``indices`` hold now (setup, and after a re-plan; a
+        member whose state torch must handle keeps it as it is)."""
+        state = self.opt.state
+        keys = self.keys(group)
+        sts: list[tuple[int, dict[str, Any]]] = [
+            (i, st) for i in indices if (st := state.get(self.params[i]))]
+        out: list[Entry] = []
+        for k in keys:
+            self.ensure(k, [i for i, _ in sts])
+            mine = self._kinds[k][0] if k in self._kinds else []
+            for i, st in sts:
+                v = st.get(k)
+                if v is not None and v is not mine[i] and self._foreign(i, k, v) is None:
+                    out.append((i, k, v))
+        return out
+
+    def _foreign(self, i: int, kind: str, v: Any) -> str | None:
         """Why entry ``v`` cannot be adopted into member ``i``'s place, or ``None``."""
         m = self.members[i]
         if not isinstance(v, torch.Tensor):
             return f"state {kind!r} is a {type(v).__name__}, not a tensor"
         if kind == "step":
-            slots, _ = self.step_slot(i, group)
-            if (local_tensor(v) is not v or v.dim() != 0 or v.dtype != slots.dtype
+            slots, _ = self.step_slot(i)
+            if (type(v) is not torch.Tensor or v.dim() != 0 or v.dtype != slots.dtype
                     or v.device != slots.device or v.requires_grad):
                 return (f"state 'step' is a {tuple(v.shape)} {v.dtype} tensor on {v.device}, "
                         f"not torch's 0-d {slots.dtype} on {slots.device}")
             return None
-        if is_dtensor(m.param) != is_dtensor(v) or (local_tensor(m.param) is m.param) != (
-                local_tensor(v) is v):
-            return f"state {kind!r} is a {type(v).__name__}, the parameter a {type(m.param).__name__}"
-        local = local_tensor(v)
+        if self.wrapped[i]:
+            if is_dtensor(m.param) != is_dtensor(v) or not hasattr(v, "_local_tensor"):
+                return f"state {kind!r} is a {type(v).__name__}, the parameter a {type(m.param).__name__}"
+            local = v._local_tensor
+        elif hasattr(v, "_local_tensor"):
+            return f"state {kind!r} is a {type(v).__name__}, the parameter a plain tensor"
+        else:
+            local = v
         if (local.layout != torch.strided or local.shape != m.shape or local.dtype != m.dtype
                 or local.device != m.pool.device or v.requires_grad):
             return (f"state {kind!r} ({tuple(local.shape)}, {local.dtype}, {local.device}) is not "
@@ -189,46 +257,50 @@ class State:
         return None
 
     # -- changing ---------------------------------------------------------------------------
-    def adopt(self, items: Sequence[tuple[int, str, torch.Tensor]], group_of: Callable[[int], dict[str, Any]],
-              assign: Assign = plain_assign) -> None:
+    def adopt(self, items: Sequence[Entry], assign: Assign = plain_assign) -> None:
         """Copy each foreign entry into its member's place, then rebind the entry."""
         if not items:
             return
-        dst = [self.local_of(i, k, group_of(i)) for i, k, _ in items]
-        src = [local_tensor(v) for _, _, v in items]
+        dst = [self.local_of(i, k) for i, k, _ in items]
+        src = [_local_of(v) if self.wrapped[i] and k != "step" else v for i, k, v in items]
         with torch.no_grad():  # a view of the same companion at another place: copied first
-            torch._foreach_copy_(dst, [s.clone() if same_storage(s, d) else s
-                                       for d, s in zip(dst, src)])
+            torch._foreach_copy_(dst, [s.clone() if tc.storage_address(s) == tc.storage_address(d)
+                                       else s for d, s in zip(dst, src)])
         del dst, src
-        done: set[int] = set()
+        state = self.opt.state
+        done: dict[int, None] = {}
         for i, k, _ in items:
-            st = self.opt.state[self.params[i]]
-            assign(st, k, self.view_of(i, k, group_of(i)))
-            done.add(i)
+            assign(state[self.params[i]], k, self.view_of(i, k))
+            done[i] = None
+        self._seen = None  # first: the snapshot was checked against the old dicts
         for i in done:
-            self.dicts[i] = self.opt.state[self.params[i]]
+            self.dicts[i] = state[self.params[i]]
 
     def make_fresh(self, indices: Sequence[int], group: dict[str, Any]) -> None:
         """Adam's state as torch makes it at a parameter's first step (step 0, zeros), in the
         members' places; each member's entries appear at once (one ``dict.update``)."""
         keys = self.keys(group)
+        for k in keys:
+            self.ensure(k, indices)
         with torch.no_grad():
             for k in keys:
-                locals_ = [self.local_of(i, k, group) for i in indices]
-                torch._foreach_zero_(locals_)
+                torch._foreach_zero_([self.local_of(i, k) for i in indices])
         state = self.opt.state
         for i in indices:
-            entries = {k: self.view_of(i, k, group) for k in keys}
+            entries = {k: self.view_of(i, k) for k in keys}
             st = state[self.params[i]]  # torch: ``state = self.state[p]``
             st.update(entries)
+            self._seen = None  # first: the snapshot was checked against the old dicts
             self.dicts[i] = st
 
-    def install_made(self, indices: Sequence[int], kind: str, group: dict[str, Any]) -> None:
+    def install_made(self, indices: Sequence[int], kind: str) -> None:
         """After a kernel made ``kind`` (its values already copied into the places)."""
+        self.ensure(kind, indices)
         state = self.opt.state
         for i in indices:
             st = state[self.params[i]]
-            st[kind] = self.view_of(i, kind, group)
+            st[kind] = self.view_of(i, kind)
+            self._seen = None  # first: the snapshot was checked against the old dicts
             self.dicts[i] = st
 
     def pools(self) -> list[Any]:

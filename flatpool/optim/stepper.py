@@ -20,7 +20,9 @@ first (if it raises, nothing of that group was stepped).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 import torch
@@ -109,8 +111,9 @@ class Stepper:
         group, lo, hi = gp.group, gp.lo, gp.hi
         grads, members = self.grads, self.plan.members
         on = grads.pooled(lo, hi)
+        everyone = all(on)
         absorb = []
-        for k in [k for k, ok in enumerate(on) if not ok]:
+        for k in ([] if everyone else list(compress(range(len(on)), map(operator.not_, on)))):
             grad = grads.params[lo + k].grad
             if grad is None:
                 continue
@@ -127,37 +130,37 @@ class Stepper:
                 return f"a {grad.layout} gradient"
         grads.absorb(absorb)
         fresh: set[int] = set()
-        active = [lo + k for k, a in enumerate(on) if a]
-        if active and not self.state.all_pooled(lo, hi, group):
+        if (everyone or any(on)) and not self.state.all_pooled(lo, hi, group):
             adopt: list[tuple[int, str, torch.Tensor]] = []
-            for i in active:
+            for i in compress(range(lo, hi), on):
                 status = self.state.classify(i, group, adopt)
                 if status == FRESH:
                     fresh.add(i)
                 elif status != POOLED:
                     return status
-            self.state.adopt(adopt, lambda i: group)
+            self.state.adopt(adopt)
         torch_params = [gp.params[i] for i in gp.others]
         runs: list[Run] = []
+        everyone = all(on)
         for seg, idx in self.segments.get(g, []):
             if seg.flat:
-                runs += self._runs(seg, idx, on, lo, fresh, group)
+                runs += self._runs(seg, idx, on, lo, fresh, everyone)
             else:
                 torch_params += [members[i].param for i in idx if on[i - lo]]
         return GroupWork(g, dict(group, params=torch_params) if torch_params else None, runs)
 
     def _runs(self, seg: Segment, idx: list[int], on: list[bool], lo: int, fresh: set[int],
-              group: dict[str, Any]) -> list[Run]:
+              everyone: bool) -> list[Run]:
         """Split a segment into runs of active members with one state status and one step."""
-        flags = [on[i - lo] for i in idx]
         slots: StepSlots | None = None
         first = 0
         steps = [0.0] * len(idx)
         if self.rule.has_step:
-            slots, first = self.state.step_slot(idx[0], group)
+            slots, first = self.state.step_slot(idx[0])
             steps = slots.span(first, first + len(idx)).tolist()
-        if all(flags) and not fresh.intersection(idx) and steps.count(steps[0]) == len(steps):
+        if everyone and not fresh and steps.count(steps[0]) == len(steps):
             return [self._run(seg, idx, 0, len(idx), False, steps[0], slots, first)]
+        flags = [on[i - lo] for i in idx]
         out: list[Run] = []
         a = None
         key: tuple[bool, float] | None = None
@@ -252,7 +255,7 @@ class Stepper:
             k: [None] * len(runs) if made_now else [self._range(r, k) for r in runs] for k in kinds}
         steps: list[torch.Tensor] = []
         if rule.has_step:  # each run's first member's own step: torch's kernel counts it
-            steps = [state.view_of(r.members[0], "step", g) for g, r in jobs]
+            steps = [state.view_of(r.members[0], "step") for _, r in jobs]
         rule.run(group, [self._range(r, "param") for r in runs],
                  [self.grads.range(r.seg, r.start, (r.end - r.start) // r.seg.dtype.itemsize)
                   for r in runs],
@@ -267,7 +270,7 @@ class Stepper:
                 for (g, r), made in zip(jobs, lists[k]):
                     assert made is not None
                     self._range(r, k).copy_(made)
-                    state.install_made(r.members, k, g)
+                    state.install_made(r.members, k)
 
 
 __all__ = ["GroupWork", "Run", "Stepper"]
