@@ -3,10 +3,11 @@
 Both rows fuse the shards with :func:`fuse_fully_sharded`; they differ in the optimizer. Per
 parameter, every parameter has three AdamW state tensors of its own (``exp_avg``,
 ``exp_avg_sq``, ``step``) and a gradient (FSDP2's are views of one reduce-scatter output per
-group and step, kept alive until ``zero_grad``; ``.grad`` tensors made by autograd are one each). With :func:`flatpool.integrations.hsdp.optim.flat_optimizer` each
-(group, dtype) has one gradient buffer and one buffer per state kind, and the step is one
-foreach AdamW per group; the table also says whether the two trainings stayed bit-identical
-(step times: ``python -m benchmarks.run --only optim``).
+group and step, kept alive until ``zero_grad``; ``.grad`` tensors made by autograd are one
+each). With :func:`flatpool.integrations.hsdp.optim.flat_optimizer` each (group, dtype) has one
+gradient pool and one pool per state kind, and ``optimizer.step()`` is one AdamW kernel call per
+group; the table also says whether the two trainings stayed bit-identical (step times:
+``python -m benchmarks.run --only optim``).
 
     python -m flatpool.integrations.hsdp.optim_demo [--layers 8] [--hidden 64] [--steps 5]
     ./scripts/demo.sh --optim flat     # the same table after the main demo's
@@ -50,14 +51,15 @@ def _run(flat: bool, layers: int, hidden: int, steps: int) -> tuple[tuple[str, .
     fully_shard(model, mesh=mesh)
     fused = fuse_fully_sharded(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    fo = flat_optimizer(fused, opt) if flat else None
+    if flat:
+        flat_optimizer(fused, opt)  # from now on opt.step() is the flat step
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x = torch.randn(8, hidden, generator=g)
         loss = model(x).square().mean()
         loss.backward()
-        (fo.step if fo is not None else opt.step)()
+        opt.step()  # the flat step when a flat optimizer was set up
         losses.append(loss.item())
         if step < steps - 1:
             opt.zero_grad()
