@@ -13,8 +13,9 @@ Every optimizer has one param group per block. DTensor's first sharding propagat
 grows with the square of the list's length (``_propagate_use_strided_shard_flag`` over every
 argument, for every element): one group of 1,000 parameters costs 80-90 s at the first
 ``foreach`` step, one of 10,000 would cost hours. Identical blocks hit its cache after the first,
-so per-block groups keep every case's first step bounded; the warm-up (one full step, untimed)
-is reported for each.
+so per-block groups keep every case's first step bounded; the warm-up (one full step, untimed,
+with the gc paused: at 10,000 parameters the first ``foreach`` step took 513 s with it running,
+each collection walking the objects it makes) is reported for each.
 
 Timed, interleaved, medians of per-round ratios, a round's time being the slower rank's: the
 optimizer step, i.e. ``clip_grad_norm_`` (the flat optimizer's, or torch's over the parameters),
@@ -104,9 +105,15 @@ def _rank(n: int, reps: int) -> dict[str, Any]:
         dist.barrier()
         return time.perf_counter() - t
 
-    for name in cases:  # warm-up: the first step (DTensor's sharding propagation, state made)
-        backward(name)
-        out[f"warmup {name}"] = step(name)
+    import gc
+
+    gc.disable()  # the warm-up makes a great many objects: bound it (each gc pass walks them all)
+    try:
+        for name in cases:  # warm-up: the first step (DTensor's sharding propagation, state made)
+            backward(name)
+            out[f"warmup {name}"] = step(name)
+    finally:
+        gc.enable()
     names = list(cases)
     for r in range(reps):
         for name in names[r % 3:] + names[:r % 3]:

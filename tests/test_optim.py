@@ -596,3 +596,28 @@ def test_an_interrupted_replan_is_redone_at_the_next_step() -> None:
 def before_step(ref: nn.Module, o_ref: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The reference's parameters (not stepped yet)."""
     return [p.detach() for p in ref.parameters()]
+
+
+def test_grad_scaler_with_a_fused_group() -> None:
+    """A GradScaler hands a fused optimizer ``grad_scale``/``found_inf``: with the default policy
+    torch's own fused step handles the group (a warning says so); with ``fused="fused"`` the flat
+    fused kernel reads them. Both stay within fused's bound of per-parameter fused."""
+    for policy in ("foreach", "fused"):
+        ref, flat = mlp(), mlp()
+        pool = FlatPool()
+        pool.adopt(list(flat.parameters()))
+        o_ref = torch.optim.AdamW(ref.parameters(), fused=True, lr=1e-2)
+        o_flat = torch.optim.AdamW(flat.parameters(), fused=True, lr=1e-2)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            FlatOptimizer(o_flat, [pool], module=flat, fused=policy)  # type: ignore[arg-type]
+            scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 6) for _ in range(2)]
+            for step in range(4):
+                for m, o, s in ((ref, o_ref, scalers[0]), (flat, o_flat, scalers[1])):
+                    s.scale(m(batch(step)).square().mean()).backward()
+                    s.step(o)
+                    s.update()
+                    o.zero_grad()
+        assert any("grad_scale" in str(w.message) for w in said) == (policy == "foreach")
+        for a, b in zip(ref.parameters(), flat.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
