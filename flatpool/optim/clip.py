@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, cast
 
 import torch
@@ -48,13 +49,22 @@ def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+_mesh_of = operator.attrgetter("_spec.mesh")
+_placements_of = operator.attrgetter("_spec.placements")
+
+
 def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
-    """Every gradient a torch DTensor of one mesh and placements."""
-    if not grads or not all(map(is_dtensor, grads)):
+    """Every gradient a torch DTensor of one mesh (the same object, as FSDP2's are) and equal
+    placements (C-level passes)."""
+    if not grads or not is_dtensor(grads[0]):
         return False
-    first = grads[0]
-    mesh, placements = first.device_mesh, first.placements  # type: ignore[attr-defined]
-    return all(g.device_mesh == mesh and g.placements == placements for g in grads)  # type: ignore[attr-defined]
+    first: Any = grads[0]
+    if not all(map(operator.is_, map(type, grads), repeat(type(first)))):
+        return False
+    if not all(map(operator.is_, map(_mesh_of, grads), repeat(first._spec.mesh))):
+        return False
+    placements = first._spec.placements
+    return all(map(operator.eq, map(_placements_of, grads), repeat(placements)))
 
 
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:

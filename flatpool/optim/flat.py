@@ -10,7 +10,9 @@ parameter in companion pools (:mod:`.state`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any, Literal
 
 import torch
@@ -39,6 +41,9 @@ from .stepper import Stepper
 FusedPolicy = Literal["foreach", "fused"]
 Verify = Literal["step", "forward"]
 Pools = Sequence[FlatPool] | Callable[[], Sequence[FlatPool]]
+
+
+_grad_of = operator.attrgetter("grad")
 
 
 def _output_tensors(out: Any) -> list[torch.Tensor]:
@@ -360,8 +365,8 @@ class FlatOptimizer:
             if not self._closed:
                 self._ensure_plan()
             runs, others = self._grad_runs()  # gradients installed elsewhere absorbed first
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                     if p.grad is not None]
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grads = [g for g in map(_grad_of, params) if g is not None]
             if not grads:
                 return torch.tensor(0.0)
             if exact:
@@ -380,31 +385,40 @@ class FlatOptimizer:
         """The gradients to scale: pooled ones of float32/float64 members as flat ranges (runs of
         adjacent members that all have one; gradients installed elsewhere are absorbed first),
         every other gradient as it is."""
-        runs: list[torch.Tensor] = []
-        covered: set[int] = set()
-        if not self._closed:
-            grads = self.grads
-            pooled = grads.pooled(0, len(grads.members))
-            todo = [i for i, ok in enumerate(pooled) if not ok
-                    and (g := grads.params[i].grad) is not None
+        if self._closed:
+            return [], [g for p in self.optimizer.param_groups for g in map(_grad_of, p["params"])
+                        if g is not None]
+        grads = self.grads
+        pooled = grads.pooled(0, len(grads.members))
+        if not all(pooled):
+            todo = [i for i in compress(range(len(pooled)), map(operator.not_, pooled))
+                    if (g := grads.params[i].grad) is not None
                     and unpoolable(g, grads.members[i]) is None]
             grads.absorb(todo)
             for i in todo:
                 pooled[i] = True
-            for segs in self._now.stepper.segments.values():
-                for seg, idx in segs:
-                    if seg.flat:
-                        runs += self._ranges(seg, idx, pooled, covered)
-        others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in covered]
+        runs: list[torch.Tensor] = []
+        covered = [False] * len(pooled)
+        for segs in self._now.stepper.segments.values():
+            for seg, idx in segs:
+                if seg.flat:
+                    runs += self._ranges(seg, idx, pooled, covered)
+        others = [g for i in compress(range(len(covered)), map(operator.not_, covered))
+                  if (g := grads.params[i].grad) is not None]
+        others += [g for gp in self._plan.groups for i in gp.others
+                   if (g := gp.params[i].grad) is not None]
         return runs, others
 
-    def _ranges(self, seg: Segment, idx: list[int], pooled: list[bool], covered: set[int]
+    def _ranges(self, seg: Segment, idx: list[int], pooled: list[bool], covered: list[bool]
                 ) -> list[torch.Tensor]:
         """A segment's gradient ranges over its runs of members with pooled gradients."""
         grads, ms = self.grads, seg.members
         itemsize = seg.dtype.itemsize
         flags = list(map(pooled.__getitem__, idx))
+        if all(flags):  # the whole segment
+            for i in idx:
+                covered[i] = True
+            return [grads.range(seg, seg.start, seg.numel)]
         out = []
         a = None
         for k in range(len(ms) + 1):
@@ -414,7 +428,8 @@ class FlatOptimizer:
             elif not ok and a is not None:
                 start, end = ms[a].offset, ms[k - 1].end
                 out.append(grads.range(seg, start, (end - start) // itemsize))
-                covered.update(id(m.param) for m in ms[a:k])
+                for i in idx[a:k]:
+                    covered[i] = True
                 a = None
         return out
 

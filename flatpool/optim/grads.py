@@ -210,7 +210,7 @@ class Grads:
     def release(self) -> bool:
         """Drop the gradient pools and the views when no member has a gradient: their memory is
         freed unless someone else still holds a gradient (as with torch's own gradients)."""
-        if any(g is not None for g in map(_grad_of, self.params)):
+        if not all(map(_is_none, map(_grad_of, self.params))):
             return False
         self._all_placed = False
         self._pools.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -63,6 +64,13 @@ class Plan:
     segments: list[Segment]
     by_pool: dict[int, tuple[list[int], list[Any]]]
     """Per pool: its members' slice ids and slices (for ``all_live``)."""
+    all_params: list[torch.Tensor] = field(factory=list)
+    """Every group's params, one list (one identity pass checks them all)."""
+    member_params: list[torch.Tensor] = field(factory=list)
+    member_addrs: list[int] = field(factory=list)
+    member_locals_of: Callable[[list[torch.Tensor]], list[torch.Tensor]] = field(default=list)
+    rechecks: list[int] = field(factory=list)
+    """Groups with parameters to look up again at every step."""
 
 
 def options(group: dict[str, Any], rule: Rule) -> tuple[Any, ...]:
@@ -111,8 +119,13 @@ def make_plan(opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[FlatPool])
         ids, slices = by_pool.setdefault(id(m.pool), ([], []))
         ids.append(m.slice.slice_id)
         slices.append(m.slice)
+    mparams = [m.param for m in members]
+    locals_of = _locals_of(mparams)
     return Plan(list(pools), places, {id(p): _pool_state(p) for p in pools}, opt.state, groups,
-                members, segments_of(members), by_pool)
+                members, segments_of(members), by_pool,
+                [p for gp in groups for p in gp.params], mparams,
+                list(map(_data_ptr, locals_of(mparams))), locals_of,
+                [g for g, gp in enumerate(groups) if gp.recheck])
 
 
 def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[FlatPool]) -> str | None:
@@ -132,6 +145,28 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
     if opt.state is not plan.state:
         return "the optimizer's state was replaced (load_state_dict)"
     groups = opt.param_groups
+    lists = [g["params"] for g in groups]
+    if (len(groups) != len(plan.groups)
+            or not all(map(operator.is_, groups, [gp.group for gp in plan.groups]))
+            or list(map(len, lists)) != [len(gp.params) for gp in plan.groups]
+            or not all(map(operator.is_, chain.from_iterable(lists), plan.all_params))):
+        return _which_group_changed(plan, groups)
+    for g, (group, gp) in enumerate(zip(groups, plan.groups)):
+        if options(group, rule) != gp.options:
+            return f"param_groups[{g}]'s options changed"
+    if list(map(_data_ptr, plan.member_locals_of(plan.member_params))) != plan.member_addrs:
+        moved = next(gp for gp in plan.groups
+                     if list(map(_data_ptr, gp.locals_of(gp.members))) != gp.addrs)
+        return f"a parameter of param_groups[{plan.groups.index(moved)}] left its pooled place"
+    for g in plan.rechecks:
+        gp = plan.groups[g]
+        for i in gp.recheck:
+            if not isinstance(plan.places.of(gp.params[i]), str):
+                return f"param_groups[{g}]['params'][{i}] is in a pool now"
+    return None
+
+
+def _which_group_changed(plan: Plan, groups: list[dict[str, Any]]) -> str:
     if len(groups) != len(plan.groups):
         return "param groups were added or removed"
     for g, (group, gp) in enumerate(zip(groups, plan.groups)):
@@ -140,14 +175,7 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
         params = group["params"]
         if len(params) != len(gp.params) or not all(map(operator.is_, params, gp.params)):
             return f"param_groups[{g}]['params'] changed"
-        if options(group, rule) != gp.options:
-            return f"param_groups[{g}]'s options changed"
-        if list(map(_data_ptr, gp.locals_of(gp.members))) != gp.addrs:
-            return f"a parameter of param_groups[{g}] left its pooled place"
-        for i in gp.recheck:
-            if not isinstance(plan.places.of(params[i]), str):
-                return f"param_groups[{g}]['params'][{i}] is in a pool now"
-    return None
+    return "param groups changed"
 
 
 __all__ = ["GroupPlan", "PLACE_REASONS", "Plan", "make_plan", "stale"]

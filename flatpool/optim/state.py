@@ -65,6 +65,7 @@ class State:
         """Per member: the state dict object last seen with every entry pooled."""
         self.slots: dict[tuple[int, torch.dtype, torch.device], StepSlots] = {}
         self._slot_of: list[tuple[StepSlots, int] | None] = [None] * n
+        self._unchanged = False
         self._seen: tuple[list[Any], list[Any]] | None = None
         """``optimizer.state``'s keys and values when :meth:`_dicts_unchanged` last held."""
         if rule.has_step:
@@ -151,7 +152,7 @@ class State:
         keys = self.keys(group)
         if not keys:
             return True
-        sts = self.dicts[lo:hi] if self._dicts_unchanged() else list(
+        sts = self.dicts[lo:hi] if self._unchanged else list(
             map(self.opt.state.get, self.params[lo:hi]))
         if not all(map(operator.is_, sts, self.dicts[lo:hi])):
             return False
@@ -166,6 +167,12 @@ class State:
             if not all(map(operator.is_, got, pair[0][lo:hi])):
                 return False
         return True
+
+    def begin(self) -> None:
+        """Before a step's checks: whether ``optimizer.state`` still maps every member to the dict
+        recorded for it (one look for all groups; updates made while preparing the step keep
+        it true, as they record the dict ``optimizer.state`` holds)."""
+        self._unchanged = self._dicts_unchanged()
 
     def _dicts_unchanged(self) -> bool:
         """``optimizer.state`` maps the same parameters to the same dict objects as when last
@@ -184,6 +191,25 @@ class State:
             return True
         self._seen = None
         return False
+
+    def pooled_groups(self, spans: Sequence[tuple[int, int, dict[str, Any]]]) -> list[bool]:
+        """:meth:`all_pooled` of each ``(lo, hi, group)``, with one pass per state key over
+        every member when the groups keep the same keys."""
+        keys = {self.keys(g) for _, _, g in spans}
+        if self._unchanged and len(keys) == 1:
+            ok = [True] * len(self.members)
+            try:
+                for k in next(iter(keys)):
+                    pair = self._kinds.get(k)
+                    if pair is None:
+                        return [lo == hi for lo, hi, _ in spans]
+                    got = map(operator.itemgetter(k), self.dicts)  # type: ignore[arg-type]
+                    ok = list(map(operator.and_, ok, map(operator.is_, got, pair[0])))
+            except (KeyError, TypeError):  # a member without a recorded dict or entry
+                pass
+            else:
+                return [all(ok[lo:hi]) for lo, hi, _ in spans]
+        return [self.all_pooled(lo, hi, g) for lo, hi, g in spans]
 
     def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
         """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries to adopt added

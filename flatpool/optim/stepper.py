@@ -89,15 +89,19 @@ class Stepper:
     def prepare(self) -> list[GroupWork]:
         opt = self.opt
         scaled = getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
+        self.state.begin()
+        groups = self.plan.groups
+        pooled = self.grads.pooled(0, len(self.plan.members))  # one pass for all groups
+        states = self.state.pooled_groups([(gp.lo, gp.hi, gp.group) for gp in groups])
         works = []
-        for g, gp in enumerate(self.plan.groups):
+        for g, gp in enumerate(groups):
             group = gp.group
             work: GroupWork | str | None = gp.refusal
             if work is None and scaled and not self._fused(group):
                 work = ("a GradScaler's grad_scale/found_inf for a fused optimizer: torch's fused "
                         "step reads them")
             if work is None:
-                work = self._group(g, gp)
+                work = self._group(g, gp, pooled[gp.lo:gp.hi], states[g])
             if isinstance(work, str):
                 self.say(g, work)
                 work = GroupWork(g, group, [])
@@ -107,10 +111,12 @@ class Stepper:
     def _fused(self, group: dict[str, Any]) -> bool:
         return bool(group.get("fused")) and self.fused_policy == "fused"
 
-    def _group(self, g: int, gp: GroupPlan) -> GroupWork | str:
+    def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
+               ) -> GroupWork | str:
+        """``on``: per member, its gradient is pooled; ``state_pooled``: every member's state
+        entries are its pooled views."""
         group, lo, hi = gp.group, gp.lo, gp.hi
         grads, members = self.grads, self.plan.members
-        on = grads.pooled(lo, hi)
         everyone = all(on)
         absorb = []
         for k in ([] if everyone else list(compress(range(len(on)), map(operator.not_, on)))):
@@ -130,7 +136,7 @@ class Stepper:
                 return f"a {grad.layout} gradient"
         grads.absorb(absorb)
         fresh: set[int] = set()
-        if (everyone or any(on)) and not self.state.all_pooled(lo, hi, group):
+        if (everyone or any(on)) and not state_pooled:
             adopt: list[tuple[int, str, torch.Tensor]] = []
             for i in compress(range(lo, hi), on):
                 status = self.state.classify(i, group, adopt)
