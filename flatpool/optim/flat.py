@@ -368,8 +368,8 @@ class FlatOptimizer:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             grads = [g for g in map(_grad_of, params) if g is not None]
             if not grads:
-                return torch.tensor(0.0)
-            if exact:
+                total = torch.tensor(0.0)
+            elif exact:
                 total = clip.total_norm(grads, norm_type, error_if_nonfinite)
             else:
                 if any(is_dtensor(g) or local_tensor(g) is not g for g in grads):
@@ -378,7 +378,8 @@ class FlatOptimizer:
                         "buffers: sharded (DTensor) parameters need the reduction of exact=True")
                 total = torch.nn.utils.get_total_norm(runs + others, norm_type,
                                                       error_if_nonfinite, foreach=True)
-            clip.scale(runs + others, clip.coefficient(max_norm, total))
+            if grads:
+                clip.scale(runs + others, clip.coefficient(max_norm, total))
         return total
 
     def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
