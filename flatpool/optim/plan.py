@@ -63,7 +63,8 @@ class Plan:
     members: list[Member]
     segments: list[Segment]
     by_pool: dict[int, tuple[list[int], list[Any]]]
-    """Per pool: its members' slice ids and slices (for ``all_live``)."""
+    """Per pool: its members' slice ids and slices (checked live when the pool's
+    ``live_version`` moved)."""
     all_params: list[torch.Tensor] = field(factory=list)
     """Every group's params, one list (one identity pass checks them all)."""
     member_params: list[torch.Tensor] = field(factory=list)
@@ -138,8 +139,8 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
         if now[:2] != have[:2]:
             return f"pool {p.name!r} moved to another storage"
         if now[2] != have[2]:  # slices allocated or freed: are the members' still live?
-            ids, slices = plan.by_pool.get(id(p), ([], []))
-            if not p.all_live(ids, slices):
+            _, slices = plan.by_pool.get(id(p), ([], []))
+            if not all(map(p.is_live, slices)):
                 return f"a member's slice of pool {p.name!r} was freed"
             plan.pool_state[id(p)] = now
     if opt.state is not plan.state:
