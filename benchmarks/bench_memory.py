@@ -9,10 +9,13 @@ resets the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5), adopts, an
 Baseline: the RSS before adoption (originals alive). On a GPU the allocator's own counters
 (``max_memory_allocated``) would be used; this machine has none.
 
-The Python heap rows (issue 20's measure of per-tensor bookkeeping) run ``tracemalloc`` from
-just before the adoption (the originals and the empty pool object already exist): its peak
-during the adoption, and what stays traced once the report is dropped and ``gc`` ran, per
-tensor. ``tracemalloc`` sees Python's allocators only, not torch's C++ objects.
+The Python heap rows (per-tensor bookkeeping) run ``tracemalloc`` from just before the adoption
+(the originals and the empty pool object already exist): its peak during the adoption, and what
+stays traced once the report is dropped and ``gc`` ran, per tensor. ``tracemalloc`` sees
+Python's allocators only, not torch's C++ objects. Issue 20's 64-bytes-a-tensor target is
+retired (issue 31: the engine keeps an object per member, for readability); these rows and the
+peak rows are reported. What is judged: afterwards the process holds the pool and nothing of
+the originals, and materialization from meta allocates nothing but the pool.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from ._common import Result, fmt_bytes
 
 MiB = 1 << 20
 SLACK = 1 * MiB
-PER_TENSOR = 64
-"""Bytes of bookkeeping allowed per adopted tensor at the peak, above the pool (the target)."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -120,19 +121,15 @@ def run(quick: bool) -> list[Result]:
         per = r["heap_peak"] / n
         out.append(Result(
             "memory", f"adopt {n}: peak Python heap (tracemalloc) per tensor", f"{per:.0f} B",
-            f"{PER_TENSOR} B", per / PER_TENSOR, f"<= {PER_TENSOR} B per tensor",
-            None if quick else per <= PER_TENSOR, ratio_kind="bytes",
+            "-", None, "-", None, ratio_kind="bytes",
             note=f"{r['heap_after'] / n:.0f} B per tensor stay after gc (report dropped)",
         ))
     for n in counts:
         r = _spawn("adopt", n, total)
         extra = r["peak"] - r["rss0"]
-        allowed = max(SLACK, PER_TENSOR * n)
-        ok = extra <= r["pool"] + allowed
         out.append(Result(
             "memory", f"adopt {n} x {fmt_bytes(total // n)}: peak above originals",
-            fmt_bytes(extra), f"pool {fmt_bytes(r['pool'])}", extra / r["pool"],
-            f"<= pool + {fmt_bytes(allowed)}", None if quick else ok,
+            fmt_bytes(extra), f"pool {fmt_bytes(r['pool'])}", extra / r["pool"], "-", None,
             note=f"{(extra - r['pool']) / n:.0f} B per tensor above the pool", ratio_kind="bytes",
         ))
         held = r["mal1"] - r["mal_pre"]  # malloc'd bytes after, over the start (no originals)

@@ -3,12 +3,13 @@
 A group of N members (FSDP2-shaped: padded data, a Parameter sharing its storage; 1,000 and
 10,000) is adopted with ``adopt_group``; then the check a group runs before each all-gather is
 timed, interleaved with the cheapest conceivable per-member check (one ``data_ptr()`` read per
-member, what a pointer-based check such as HyperParallel's would cost per member).
-``FlatPool.is_valid()`` (every binding of the registry) is timed against the same loop.
-Targets (issue 20): is_valid <= 2x the loop, ``FlatPool.is_valid()`` <= 3x. CPU time
-(``time.process_time``) is measured in the same rounds; its ratio is in each row's note. The
-check's share of a training step is measured in ``bench_step``; the check on real FSDP2
-DTensor members, and ``FusedModule.revalidate()``, in ``bench_fuse``.
+member, what a pointer-based check such as HyperParallel's would cost per member, and which a
+tensor on another storage at the same address fools). ``FlatPool.is_valid()`` (every binding
+of the registry) is timed against the same loop. Reported only: issue 20's targets (2x and 3x
+the loop) are retired (issue 31: the checks are the rules, storage identity and geometry, with
+no faster form to disagree with them); the check's share of a training step is judged in
+``bench_step``. CPU time (``time.process_time``) is measured in the same rounds; its ratio is in
+each row's note.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flatpool import torch_compat as tc
 from flatpool.integrations.hsdp.group import adopt_group
-from flatpool.integrations.hsdp.validity import _members_valid, is_valid
-from flatpool.ownership.readopt import moved
+from flatpool.integrations.hsdp.validity import is_valid
 
 from ._common import Result, interleaved, median, median_ratio
 
@@ -50,17 +49,12 @@ def _loop(fn: Callable[[], object], inner: int, cpu: list[float]) -> Callable[[]
     return case
 
 
-TARGETS = {"is_valid": 2.0, "pool.is_valid": 3.0}
-
-
 def _run(n: int, quick: bool) -> list[Result]:
     params = [Member(64) for _ in range(n)]
     buffers = adopt_group(params, world_size=2)  # type: ignore[arg-type]
     assert buffers.adopted and is_valid(buffers, params)  # type: ignore[arg-type]
     pool = buffers.buckets[0].pool
     assert pool.is_valid()
-    fast = buffers.wrapper_kinds.fast or ()
-    vectorized = bool(fast) and all(r.raw is not None for r in fast) and tc.sole_thread()
 
     def pointer_loop() -> None:
         for p in params:
@@ -72,9 +66,6 @@ def _run(n: int, quick: bool) -> list[Result]:
         "pool.is_valid": pool.is_valid,
         "data_ptr loop": pointer_loop,
     }
-    if not quick:  # the full checks the fast paths stand in for while nothing moved
-        fns["is_valid full"] = lambda: _members_valid(buffers, params)  # type: ignore[arg-type]
-        fns["pool.is_valid full"] = lambda: not moved(pool)
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     times = interleaved({k: _loop(fn, inner, cpu[k]) for k, fn in fns.items()}, reps=reps)
     cpu = {k: v[1:] for k, v in cpu.items()}  # the warm-up round
@@ -83,15 +74,10 @@ def _run(n: int, quick: bool) -> list[Result]:
     for name in ("is_valid", "pool.is_valid"):
         per = median(times[name]) / n
         ratio = median_ratio(times[name], base)
-        target = TARGETS[name]
         out.append(Result(
             "validity", f"{name} per member, {n} members", f"{per * 1e9:.0f} ns",
-            f"{median(base) / n * 1e9:.0f} ns (data_ptr)", ratio, f"<= {target:.2f}",
-            None if quick else ratio <= target, rounds=reps,
-            note=f"CPU-time ratio {median_ratio(cpu[name], cpu['data_ptr loop']):.2f}; "
-            f"vectorized impl read {'on' if vectorized else 'OFF'}" + (
-                "" if quick else f"; the full check: {median(times[name + ' full']) / n * 1e9:.0f}"
-                f" ns, CPU-time ratio {median_ratio(cpu[name + ' full'], cpu['data_ptr loop']):.2f}"),
+            f"{median(base) / n * 1e9:.0f} ns (data_ptr)", ratio, "-", None, rounds=reps,
+            note=f"CPU-time ratio {median_ratio(cpu[name], cpu['data_ptr loop']):.2f}",
         ))
     return out
 

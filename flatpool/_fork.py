@@ -11,11 +11,13 @@ start method run it; ``subprocess`` execs at once and needs nothing):
 * **before**: wait, up to :data:`FORK_WAIT` seconds in all, for each live pool's lock (in one
   global order), so a pool operation running in another thread finishes first and the child
   gets the pool in a consistent state; then take the module locks (each held only for a few
-  instructions).
+  instructions), and, the pool registry's among them, the locks of pools another thread made
+  meanwhile, without waiting.
 * **in the parent**: let go of all of them.
 * **in the child**: let go of what the forking thread took; a pool whose lock could not be had
   in time (another thread was still inside an operation on it, or waited for a lock the forking
-  thread holds) gets a fresh lock, with a :class:`~flatpool.errors.FlatPoolWarning` that its
+  thread holds, or made the pool and began an operation on it while the fork waited for
+  others) gets a fresh lock, with a :class:`~flatpool.errors.FlatPoolWarning` that its
   state in the child is whatever that operation had reached. Other threads' gc pauses are
   dropped and the user's signal handlers put back.
 """
@@ -52,17 +54,29 @@ def _module_locks() -> tuple[LockLike, ...]:
     return (checkpoint._lock, checkpoint._twins_lock, state._registry_lock, gcpause._lock)
 
 
+def _take(pool: state.PoolState, timeout: float) -> None:
+    lock = pool.lock
+    if lock.acquire(timeout=timeout):
+        _held.append(lock.release)
+    else:
+        _missed.append(pool)
+
+
 def _before() -> None:
     deadline = time.monotonic() + FORK_WAIT
-    for pool in sorted(state.live_pools(), key=id):
-        lock = pool.lock
-        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            _held.append(lock.release)
-        else:
-            _missed.append(pool)
+    waited = sorted(state.live_pools(), key=id)
+    for pool in waited:
+        _take(pool, max(0.0, deadline - time.monotonic()))
     for module_lock in _module_locks():  # each held for a few instructions only
         module_lock.acquire()
         _held.append(module_lock.release)
+    # Pools made while we waited, which another thread may already be inside an operation on.
+    # The registry lock is ours now, so no more appear; their locks are taken without waiting
+    # (a thread holding one may be waiting for the registry lock), else they count as missed.
+    known = set(map(id, waited))
+    for pool in sorted(state._all_pools, key=id):
+        if id(pool) not in known:
+            _take(pool, 0.0)
 
 
 def _release_held() -> None:
@@ -87,9 +101,9 @@ def _after_in_child() -> None:
         names = ", ".join(repr(p.name) for p in missed)
         warn(
             f"this process was forked while another thread was inside an operation on pool(s) "
-            f"{names} (still running after {FORK_WAIT} s); their locks are reset here, but "
-            "their state is whatever that operation had reached. Fork before using pools from "
-            "threads, or build new pools in the child.",
+            f"{names} (fork waits up to {FORK_WAIT} s for such operations; these had not "
+            "ended); their locks are reset here, but their state is whatever that operation "
+            "had reached. Fork before using pools from threads, or build new pools in the child.",
             FlatPoolWarning,
         )
 

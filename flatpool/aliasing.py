@@ -53,7 +53,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def check_strided(t: torch.Tensor, what: str = "tensor") -> None:
+def check_strided(t: torch.Tensor, what: object = "tensor") -> None:
     """Refuse layouts that have no single strided storage (sparse, nested, mkldnn) by name."""
     with tc.no_torch_function():
         layout = tc.impl_layout(t)
@@ -79,7 +79,7 @@ def _inner_names(t: torch.Tensor) -> str:
         return "its inner tensors"
 
 
-def check_no_wrapper(t: torch.Tensor, what: str) -> None:
+def check_no_wrapper(t: torch.Tensor, what: object) -> None:
     """Refuse a traceable wrapper subclass without ``_local_tensor`` (TwoTensor; check a jagged
     NestedTensor with :func:`check_strided` first): its own storage is a placeholder that
     crashes when read and says nothing about where its data lives."""
@@ -129,8 +129,11 @@ def extent_of(t: torch.Tensor) -> ByteRange:
     """
     item = tc.impl_element_size(t)
     start = tc.impl_storage_offset(t) * item
-    if tc.impl_numel(t) == 0:
+    numel = tc.impl_numel(t)
+    if numel == 0:
         return ByteRange(start, start)
+    if tc.impl_is_contiguous(t):  # (its span is its element count: no loop over the dims)
+        return ByteRange(start, start + numel * item)
     span = 1
     for size, stride in zip(tc.impl_size(t), tc.impl_stride(t)):
         span += (size - 1) * abs(stride)

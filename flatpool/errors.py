@@ -27,6 +27,17 @@ class DeviceError(FlatPoolError, RuntimeError):
     """A device is unknown, unavailable, or its backend failed to load."""
 
 
+class NpuFormatError(FlatPoolError, ValueError):
+    """An NPU tensor (or a pool's NPU storage) is in one of torch_npu's private storage formats
+    (FRACTAL_NZ, NC1HWC0, ...), whose bytes are not the tensor's elements in torch's order.
+    ``npu_format`` names it (``"FRACTAL_NZ (29)"``); convert to ND first
+    (``torch_npu.npu_format_cast(t, 2)``)."""
+
+    def __init__(self, message: str, *, npu_format: str) -> None:
+        super().__init__(message)
+        self.npu_format = npu_format
+
+
 class PoolExhaustedError(FlatPoolError, MemoryError):
     """A request does not fit into the pool's free space."""
 

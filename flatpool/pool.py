@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .ownership.adopt import adopt
+from . import slice_index, slices, state
+from .ownership.adopt import AdoptTargets, adopt
 from .ownership.meta import MetaTargets, materialize_into
-from .ownership.quickcheck import remember, still_in_place
-from .ownership.readopt import moved, orphaned, readopt
+from .ownership.readopt import readopt
+from .ownership.validity import is_valid, moved
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
-from .ownership.validate import AdoptTargets
 from .slices import Slice
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools
@@ -60,7 +60,7 @@ class FlatPool(PoolState):
     def readopt(
         self, specs: Sequence[AdoptSpec] | None = None, *, on_pinned: OnPinned = "raise"
     ) -> AdoptionReport:
-        """Bring every adopted tensor that left the pool back into its slice (idempotent).
+        """Bring every adopted tensor that is not in place back into its slice (idempotent).
 
         Use after a framework re-materialized on its own (``to_empty``, lazy init,
         ``load_state_dict``): current values are copied into the existing slices and the
@@ -71,25 +71,19 @@ class FlatPool(PoolState):
         return readopt(self, specs, on_pinned=on_pinned)
 
     def moved(self) -> list[Slice]:
-        """Slices some of whose adopted tensors no longer sit in the pool."""
+        """Slices some of whose adopted tensors are not in place (see
+        [Note: flatpool terms] in :mod:`flatpool.ownership`)."""
         seen: dict[int, Slice] = {}
         for slc, _, _ in moved(self):
             seen.setdefault(slc.slice_id, slc)
         return list(seen.values())
 
     def is_valid(self) -> bool:
-        """True when every adopted tensor still aliases its slice, and no slice lost all the
-        parameters adopted into it (a module that replaced them, ``load_state_dict(assign=True)``:
-        :meth:`readopt` then warns and says how to re-adopt). While nothing changed since the
-        last full check passed, a few C-level passes over what it read
-        (:mod:`flatpool.ownership.quickcheck`); otherwise the full check decides."""
-        if still_in_place(self):
-            return True
-        with self.lock:
-            if moved(self) or orphaned(self):
-                return False
-            remember(self)
-            return True
+        """True when every adopted tensor is in place (on its slice, with the shape, strides and
+        dtype it was adopted with) and no slice lost all the parameters adopted into it (a
+        module that replaced them, ``load_state_dict(assign=True)``: :meth:`readopt` then warns
+        and says how to re-adopt): exactly when :meth:`moved` is empty and nothing is orphaned."""
+        return is_valid(self)
 
     def materialize_into(
         self, targets: MetaTargets, slices: Sequence[Slice] | None = None
@@ -108,6 +102,15 @@ class FlatPool(PoolState):
         new handle (old handles raise :class:`FreedSliceError`)."""
         return compact(self, on_pinned=on_pinned)
 
+
+# These modules name FlatPool in annotations but cannot import it (this module imports them):
+# give them the name, so that ``typing.get_type_hints`` (Sphinx, runtime type checkers, IDEs)
+# resolves their annotations (``Slice.pool``, ``live_pools()``) at run time. attrs evaluates
+# ``Slice.__init__``'s in a copy of the slices module's namespace made when the class was
+# defined: that copy gets the name too.
+for _namespace in (vars(slices), vars(slice_index), vars(state),
+                   getattr(Slice.__init__, "__globals__")):
+    _namespace["FlatPool"] = FlatPool
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "check_dtype", "check_shape",

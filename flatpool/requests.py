@@ -45,7 +45,7 @@ def check_shape(shape: ShapeLike) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_dtype(dtype: object, what: str | None = None) -> torch.dtype:
+def check_dtype(dtype: object, what: object = None) -> torch.dtype:
     """A dtype a plain byte storage can hold and torch can copy.
 
     The one dtype rule of flatpool: ``allocate``, ``allocate_like``, ``flat``, ``adopt``,
@@ -60,12 +60,12 @@ def check_dtype(dtype: object, what: str | None = None) -> torch.dtype:
         )
     if dtype in _QUANTIZED:
         raise InvalidTypeError(
-            f"{what + ': ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
+            f"{f'{what}: ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
             "plain storage cannot carry; store its integer representation (int_repr()) instead"
         )
     if dtype in _SHELL:
         raise InvalidTypeError(
-            f"{what + ': ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
+            f"{f'{what}: ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
             "for (not even copy_); store the packed values as torch.uint8 instead"
         )
     return dtype

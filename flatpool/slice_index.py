@@ -1,8 +1,7 @@
 """Which slice handles of one pool are live, by id and by offset, with batches kept as columns.
 
-A batch adoption places thousands of slices in one step. A :class:`~flatpool.Slice` object and
-three index entries for each cost ~175 B a slice (issue 20), and most pools never read most of
-them. So a batch is one :class:`SliceRun`: its first id, its starts (``array('q')``), shapes
+A batch adoption places thousands of slices in one step, and three index entries for each
+would cost more than the handles. So a batch is one :class:`SliceRun`: its first id, its starts (``array('q')``), shapes
 and dtypes. A handle is made the first time someone asks for it and then kept, so an id always
 gives the same object (readers compare handles by identity). Slices allocated one at a time are
 *singles*: a dict by id, a dict by offset and a sorted list of offsets, as before.
@@ -19,11 +18,9 @@ Every change is one step or has an absolute undo (:meth:`SliceIndex.unindex`,
 from __future__ import annotations
 
 import bisect
-import operator
 import math
 from array import array
 from collections.abc import Iterator, Sequence
-from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING, overload
 
@@ -149,25 +146,6 @@ class SliceIndex:
             return None
         found = self._run_of(slice_id)
         return None if found is None else found[0].handle(found[1])
-
-    def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
-        """``get(slice_ids[i]) is slices[i]`` for every ``i``: for consecutive ids of one run
-        (a batch's slices, asked back by the adoption that planned them) one identity pass
-        over the run's handles, without a lookup an id; else id by id."""
-        n = len(slice_ids)
-        if n != len(slices):
-            return False
-        found = self._run_of(slice_ids[0]) if n > 1 and isinstance(slice_ids[0], int) else None
-        if found is not None:
-            run, i = found
-            first = slice_ids[0]
-            made = run._made
-            if (made is not None and i + n <= len(run.starts)
-                    and all(map(operator.eq, slice_ids, range(first, first + n)))
-                    and not any(map(self._gone.__contains__, slice_ids))
-                    and not any(map(self._by_id.__contains__, slice_ids))):
-                return all(map(operator.is_, islice(made, i, i + n), slices))
-        return all(map(operator.is_, map(self.get, slice_ids), slices))
 
     def __len__(self) -> int:
         return len(self._by_id) + sum(len(r.starts) for r in self._runs) - len(self._gone)

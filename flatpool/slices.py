@@ -86,8 +86,8 @@ def slice_run(
     shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
 ) -> list[Slice]:
     """``[Slice(pool, i, o, s, d) ...]`` for a batch, each field set by its slot descriptor
-    in one C-level pass (0.3 us a handle, not the frozen ``__init__``'s 2 us: issue 20's
-    adoption at 100,000 tensors). The fields are those ``__init__`` would set; nothing runs
+    in one C-level pass (the frozen ``__init__`` costs several times more a handle, and a batch
+    makes thousands at once). The fields are those ``__init__`` would set; nothing runs
     after them (no validators, converters or post-init), so the handles are the same values."""
     out = [_new(Slice) for _ in ids]
     for setter, column in zip(_setters, (repeat(pool), ids, offsets, shapes, dtypes)):

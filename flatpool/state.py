@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from . import torch_compat as tc
+from ._npu_format import check_pool_storage
 from .aliasing import check_strided, extent_of, local_tensor
 from ._table import table
 from .allocator import AllocSnapshot, RangeAllocator, align_up
@@ -46,7 +47,7 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .pool import FlatPool
-    from .registry import Record
+    from .registry import Binding
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -82,12 +83,6 @@ def pool_of_storage(key: int) -> PoolState | None:
     ref = _by_storage.get(key)
     pool = None if ref is None else ref()
     return pool if pool is not None and pool._buffer_key == key else None
-
-
-def pool_index() -> dict[int, weakref.ref[PoolState]]:
-    """The storage-key index :func:`pool_of_storage` reads (a key absent from it belongs to no
-    pool), for a batch check to skip the call on the common miss."""
-    return _by_storage
 
 
 _pool_storages: dict[int, int] = {}
@@ -136,12 +131,12 @@ def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torc
     try:
         with tc.outside_inference():
             result = torch.empty(capacity, dtype=torch.uint8, device=device)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         raise PoolExhaustedError(
             f"{device} cannot allocate {capacity} bytes for pool {name!r}: {exc}",
             requested=capacity, free=0, largest_free=0,
         ) from exc
+    return check_pool_storage(result, name)  # NPU: the plain ND format, or NpuFormatError
 
 
 class PoolSnapshot:
@@ -152,7 +147,7 @@ class PoolSnapshot:
     alloc: AllocSnapshot
     index: SliceIndex
     buffer_key: int | None
-    registry: dict[int, list[Record]]
+    registry: dict[int, list[Binding]]
     traces: list[Trace]
 
     def __init__(self, pool: PoolState) -> None:
@@ -214,8 +209,8 @@ class PoolState:
         self._slice_ids = itertools.count()
         self._index = SliceIndex()
         self.live_version = 0
-        """Bumped *before* every change of the live handles: what ``FlatPool.is_valid()``'s
-        fast path keys on (one compare, not :meth:`all_live`'s look at every slice)."""
+        """Bumped *before* every change of the live handles (an interrupt in between costs a
+        reader a recheck, never a stale answer): what ``flatpool.optim`` keys its layouts on."""
         self._registry = AdoptionRegistry()
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
@@ -288,13 +283,6 @@ class PoolState:
             result = self._index.get(slice_id)
             return result  # not `return f()`: see flatpool.ownership.interrupts
 
-    def all_live(self, slice_ids: Sequence[int], slices: Sequence[Slice]) -> bool:
-        """Each of ``slices`` is still the live handle of its id in ``slice_ids``: one C-level
-        pass under one lock (per-step validity checks ask this of thousands of slices)."""
-        with self._lock:
-            result = self._index.all_live(slice_ids, slices)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
-
     @property
     def storage(self) -> torch.UntypedStorage:
         """The pool's storage (materializes the pool). Holding it pins it: a later
@@ -308,6 +296,14 @@ class PoolState:
         """The identity of the pool's current storage; ``None`` before materialization."""
         with self._lock:
             return self._buffer_key
+
+    @property
+    def storage_nbytes(self) -> int:
+        """Bytes the pool's storage holds now (0 before materialization): its capacity, unless
+        a tensor on it shrank it (``untyped_storage().resize_()``)."""
+        with self._lock:  # (the size only: never the bytes, which may be freed)
+            buf = self._buffer
+            return 0 if buf is None else tc.storage_nbytes(tc.impl_untyped_storage(buf))
 
     @property
     def base_address(self) -> int | None:
@@ -368,31 +364,6 @@ class PoolState:
             if starts is not None:  # over the address limit: undo, report per request
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
-
-    def allocate_spans(
-        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> tuple[Sequence[Slice], Sequence[int]]:
-        """:meth:`allocate_many` for a lean batch: slices of ``spans`` bytes (each > 0, its
-        ``shape`` and ``dtype`` validated, ``span`` their bytes), and their starts. The slices
-        are a :class:`~flatpool.slice_index.SliceRun` when placed in one step (handles made
-        when read)."""
-        return self._all_or_nothing(self._allocate_spans, spans, shapes, dtypes)
-
-    def _allocate_spans(
-        self, spans: Sequence[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> tuple[Sequence[Slice], Sequence[int]]:
-        if all(d.itemsize <= self.alignment for d in set(dtypes)):
-            before = self._alloc.snapshot()
-            starts = self._alloc.append_run(spans)
-            if starts is not None and (not starts or starts[-1] + spans[-1] <= MAX_BYTES):
-                run = self._index_run(starts, shapes, dtypes)
-                return run, run.starts
-            if starts is not None:  # over the address limit: undo, report per request
-                self._alloc.restore(before)
-        out = [self.allocate_checked(d, t) for d, t in zip(shapes, dtypes)]
-        return out, [s.offset for s in out]
 
     def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
@@ -468,7 +439,7 @@ class PoolState:
 
     def _drop(self, slc: Slice) -> None:
         """Forget ``slc`` (index, free list, dead bindings): all or nothing under an interrupt."""
-        records = self._registry.records(slc.slice_id)
+        bound = self._registry.bindings(slc.slice_id)
         with self._alloc.journaled():
             try:
                 self._remove(slc)
@@ -476,8 +447,8 @@ class PoolState:
                 self._registry.unbind(slc.slice_id)  # bindings whose tensors died
             except BaseException:
                 self._reindex(slc)
-                if records and not self._registry.records(slc.slice_id):
-                    self._registry.bind(slc.slice_id, list(records))
+                if bound and not self._registry.bindings(slc.slice_id):
+                    self._registry.bind(slc.slice_id, list(bound))
                 raise
 
     def disown(self, slc: Slice) -> None:
@@ -700,7 +671,8 @@ class PoolState:
                 if nbytes != self.capacity:
                     raise PoolInvariantError(
                         f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
-                        f"{self.capacity}: a tensor was placed past its end"
+                        f"{self.capacity}: a tensor placed past its end grew it, or a tensor on it "
+                        "shrank it (untyped_storage().resize_())"
                     )
             if not self._index.consistent():
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
@@ -769,5 +741,5 @@ class PoolState:
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_pools", "pool_index", "pool_of_storage",
+    "empty_storage_tensor", "live_pools", "pool_of_storage",
 ]

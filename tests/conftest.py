@@ -45,6 +45,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running fuzzing, only with --slow")
+    config.addinivalue_line("markers", "device: needs a CUDA or NPU device (skipped without "
+                            "one); scripts/device_check.sh runs them with -m device")
     if config.getoption("--slow"):
         settings.load_profile("slow")
 

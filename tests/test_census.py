@@ -156,3 +156,47 @@ def test_census_after_adoption_matches_training_model() -> None:
     assert len(params) == 1 and params[0].pool == "train"
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q) and storage_of(p).data_ptr() == pool.storage.data_ptr()
+
+
+def test_stale_check_compares_each_tensor_with_its_own_copy_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32.4: thousands of same-shape members (a fused model's parameters, gradient and
+    state pools) beside as many tensors of that shape outside the pools made the stale check
+    compare every tensor with every slice. Now each slice's bytes are read about once, and a
+    tensor only against the slices that can hold its bytes. Counted, not timed: every read of
+    a slice's bytes goes through ``slice_bytes`` (the real method, counted)."""
+    from flatpool.state import PoolState
+
+    n = 300
+    g = torch.Generator().manual_seed(0)
+    members = [torch.randn(16, generator=g) for _ in range(n)]
+    pool = FlatPool(name="members")
+    pool.adopt(members)
+    outside = [torch.randn(16, generator=g) for _ in range(n)]  # same shape, other bytes
+    copy_of_7 = members[7].clone()  # a real stale copy among them
+    reads: list[int] = []
+    real = PoolState.slice_bytes
+
+    def counted(self: PoolState, slc):  # type: ignore[no-untyped-def]
+        reads.append(slc.slice_id)
+        return real(self, slc)
+
+    monkeypatch.setattr(PoolState, "slice_bytes", counted)
+    c = census(outside, copy_of_7, pools=[pool])
+    monkeypatch.undo()
+    assert [r.stale_of for r in c.stale] == ["members:7"]
+    assert len(c.records) == n + 1
+    assert len(reads) <= n + 2, f"{len(reads)} slice reads for {n} slices"  # was n * (n + 1)
+
+
+def test_stale_check_looks_at_every_byte() -> None:
+    """A tensor that matches a slice everywhere but in bytes no summary looks at (two bytes
+    swapped: same byte sum) is not called a copy; only equal bytes are."""
+    pool = FlatPool(name="p")
+    t = torch.arange(256, dtype=torch.uint8)
+    pool.adopt([t])
+    near = torch.arange(256, dtype=torch.uint8)
+    near[[1, 2]] = near[[2, 1]]  # bytes 1 and 2 swapped; 0, 16, 32, ... and the last kept
+    exact = torch.arange(256, dtype=torch.uint8)
+    c = census({"near": near, "exact": exact}, pools=[pool])
+    stale = {r.referrers[0]: r.stale_of for r in c.records if r.pool is None}
+    assert stale == {"near": None, "exact": "p:0"}

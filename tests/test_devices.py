@@ -33,6 +33,7 @@ def test_int_without_accelerator_is_a_clear_device_error(index: Any) -> None:
     assert _pools() <= before
 
 
+@pytest.mark.device
 @pytest.mark.skipif(not HAS_ACCELERATOR, reason="needs an accelerator")
 def test_int_is_an_index_of_the_current_accelerator() -> None:
     kind = torch.accelerator.current_accelerator()

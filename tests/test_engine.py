@@ -6,7 +6,8 @@
   moved with its local geometry, and the pool storage stays exactly ``capacity`` bytes.
 * The invariant check after every move: a tensor that lies about its geometry is caught and
   the operation rolled back.
-* The lean path and the general path give the same results on random batches.
+* The fast form of a member plan (a plain tensor named alone: ``_moves_alone``) gives the
+  same results as the general member rules on random batches.
 """
 
 from __future__ import annotations
@@ -201,12 +202,12 @@ def test_a_wrong_geometry_is_caught_and_rolled_back(monkeypatch: pytest.MonkeyPa
     assert pool.adopt([t, u]).all_released
 
 
-def test_the_lean_path_catches_a_move_inside_its_slice_but_not_as_asked(
+def test_the_read_back_catches_a_move_inside_its_slice_but_not_as_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The lean path's read-back compares each TensorImpl with the place, size and stride it
-    was given, not only with its slice's bounds: a shorter size (in bounds) is caught too, and
-    everything is put back."""
+    """The read-back after the moves compares each TensorImpl with the place, size and stride
+    it was given, not only with its slice's bounds: a shorter size (in bounds) is caught too,
+    and everything is put back."""
     t, u = torch.randn(6), torch.randn(6)
     values = [t.clone(), u.clone()]
     pool = FlatPool(alignment=1)
@@ -239,7 +240,7 @@ def test_the_invariant_check_sees_a_grown_storage() -> None:
         pool.check_invariants()
 
 
-# -- the lean path equals the general path --------------------------------------------------------
+# -- the fast member plan equals the general one -------------------------------------------------------
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8, torch.bfloat16])
 
@@ -266,12 +267,20 @@ def _make(spec: list[tuple[tuple[int, ...], torch.dtype, bool, bool]], seed: int
 
 @settings(max_examples=60, deadline=None)
 @given(batches(), st.sampled_from([1, 64, 512]))
-def test_lean_and_general_paths_agree(spec: Any, alignment: int) -> None:
+def test_the_fast_and_general_member_plans_agree(spec: Any, alignment: int) -> None:
+    """The two fast forms against the rules they stand in for: ``_moves_alone`` (a bare tensor's
+    members) against the general member rules, and ``_copies_into_itself`` (a copy into the
+    moved tensor from an alias) against the byte-for-byte copy of the original's extent."""
+    import unittest.mock
+
+    import flatpool.ownership.adopt as adopt_mod
+
     lean, general = _make(spec, 0), _make(spec, 0)
     p1, p2 = FlatPool(alignment=alignment), FlatPool(alignment=alignment)
-    r1 = p1.adopt(lean)  # bare tensors: the lean path
-    r2 = p2.adopt([AdoptSpec(t, views=[t[()] if t.dim() == 0 else t.view(t.shape)])
-                   for t in general])  # a view each: the general path
+    r1 = p1.adopt(lean)  # bare tensors: the fast member plan
+    with unittest.mock.patch.object(adopt_mod, "_copies_into_itself", lambda o: False):
+        r2 = p2.adopt([AdoptSpec(t, views=[t[()] if t.dim() == 0 else t.view(t.shape)])
+                       for t in general])  # a view each: the general member rules, byte copies
     assert p1.describe().splitlines()[1:] == p2.describe().splitlines()[1:]  # but the name
     assert [i.slice.offset for i in r1.items] == [i.slice.offset for i in r2.items]
     assert [(i.original_nbytes, i.released, i.freed_bytes) for i in r1.items] == \
@@ -289,10 +298,11 @@ def _same_slices(p1: FlatPool, p2: FlatPool) -> bool:
     return all(torch.equal(a.bytes(), b.bytes()) for a, b in zip(p1.slices(), p2.slices()))
 
 
-def test_lean_path_is_taken_for_plain_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_tensors_named_alone_take_the_fast_member_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import flatpool.ownership.adopt as adopt_mod
 
     calls: list[str] = []
-    monkeypatch.setattr(adopt_mod, "_adopt", lambda *a, **k: calls.append("general"))
+    monkeypatch.setattr(adopt_mod, "_expand", lambda *a, **k: calls.append("general") or [])
     FlatPool().adopt([torch.randn(3), torch.nn.Parameter(torch.randn(2, 2))])
     assert calls == []

@@ -33,7 +33,7 @@ def accelerator() -> str | None:
 
 
 DEVICE = accelerator()
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="no CUDA or NPU device")
+pytestmark = [pytest.mark.device, pytest.mark.skipif(DEVICE is None, reason="no CUDA or NPU device")]
 
 
 def backend() -> Any:

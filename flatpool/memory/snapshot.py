@@ -96,7 +96,7 @@ class Snapshot:
         return sum(len(s.blocks) for s in self.segments)
 
 
-SnapshotSource = Union[Snapshot, Mapping[str, Any], Sequence[Any], str, "os.PathLike[str]"]
+SnapshotSource = Union[Snapshot, Mapping[str, Any], Sequence[Any], str, os.PathLike[str]]
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):

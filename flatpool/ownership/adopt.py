@@ -1,70 +1,55 @@
-"""``adopt``: move original storages into pool slices, move every view, prove release.
+"""``adopt``: one pipeline moves a batch of originals into pool slices and proves they died.
 
-One batch is one transaction: validate everything, plan and allocate slices, copy all bytes,
-move every named tensor object (journaled first), check the pool's invariants, then prove that
-each original storage died. Any failure, including an interrupt at any bytecode and a pinned
-original in the default mode, puts every tensor and the pool back where they were.
+A batch is one transaction, over one pool (:meth:`FlatPool.adopt`) or several (a fusion
+group's dtype buckets, :func:`adopt_many`); its steps, for every kind of member alike:
 
-Plain batches (exact ``torch.Tensor``/``nn.Parameter`` targets, one storage each, nothing else
-named) take the lean path in :mod:`flatpool.ownership.fastpath`, and batches of sharded
-parameters (a plain shard, a memory-less wrapper over a local tensor on it, a holder: what a
-fusion group passes) the one in :mod:`flatpool.ownership.sharded`, with the same guarantees.
+1. **plan**: validate every spec (the rules below, read from TensorImpls: a subclass's Python
+   ``shape`` may be a global shape, its ``__torch_function__`` may raise) and work out each
+   original's members (:class:`Original`); nothing changes, and a refusal is a typed error;
+2. allocate a slice per original (or use the one its spec names);
+3. copy every original's bytes into its slice (:func:`flatpool.ownership.moves.copy_all`);
+4. journal and move every member (:func:`flatpool.ownership.moves.move`);
+5. check the pools' invariants and where every member landed, settle the pins, bind the
+   registry and prove each original died (:mod:`flatpool.ownership.release`).
+
+Any failure, an interrupt at any bytecode included, rolls everything back
+(:mod:`flatpool.ownership.transaction`). See [Note: flatpool terms] in :mod:`flatpool.ownership`
+for original, member, holder, wrapper and local tensor.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Sequence
+from typing import Union
 
 import torch
 
 from .. import torch_compat as tc
+from .._npu_format import check_plain_format
 from .._warn import warn
-from ..errors import AdoptionError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
-from ..registry import Record, make_record
-from ..state import PoolState
-from .copying import COPY_CHUNK, copy_all
+from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
+from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
+from ..holder import Holder
+from ..registry import Binding, binding
+from ..requests import check_dtype
+from ..slices import Slice
+from ..state import PoolState, pool_of_storage
 from .faults import checkpoint
-from .fastpath import adopt_plain, plain_targets
-from .moves import ImplSwap, ImplSwaps, Place, SetMove, counter_group, fresh_like, place_many, swap_many
-from .plan import SET, SWAP, WRAP, Member, Plan, discover_members, plan_all
-from .proof import held_outside_python
-from .sharded import SpecColumns, adopt_sharded, sharded_specs
-from .settle import (
-    Outside,
-    Pins,
-    Placed,
-    check_placed,
-    keep_unreleased,
-    outside_by_key,
-    release,
-    settle_pins,
-)
-from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
-from .transaction import Transaction, atomic, byte_view
-from .validate import AdoptTargets, normalize
+from .moves import COPY_CHUNK, Member, Move, byte_view, copy_all, member_of, move
+from .pins import name_referrers, tensors_on_storage
+from .release import Outside, Pins, Placed, check_placed, finish, held_outside_python, outside_by_key
+from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
+from .transaction import Transaction, atomic, check_not_in_backward
+
+Adoptable = Union[torch.Tensor, AdoptSpec]
+"""One target: a tensor (adopted as ``AdoptSpec(tensor)``, without making that spec), or a spec."""
+AdoptTargets = Union[Adoptable, Sequence[Adoptable]]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def check_policy(on_pinned: object) -> OnPinned:
-    if on_pinned not in ("raise", "warn", "force"):
-        raise InvalidRequestError(f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
-    return on_pinned
-
-
-def check_not_in_backward() -> None:
-    if tc.in_backward():
-        raise AdoptionError(
-            "cannot move storages while autograd's backward pass is running (called from a "
-            "backward hook?); adopt before forward or after backward and the optimizer step"
-        )
-
-
-def adopt(
-    pool: PoolState,
-    targets: AdoptTargets | SpecColumns,
-    *,
-    discover: bool = False,
-    on_pinned: OnPinned = "raise",
-    into_bound: bool = False,
-) -> AdoptionReport:
+def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
+          on_pinned: OnPinned = "raise", into_bound: bool = False) -> AdoptionReport:
     """Move ``targets`` into ``pool``; see :meth:`FlatPool.adopt`.
 
     ``into_bound`` lets specs name slices that already have bindings, which the adoption then
@@ -74,191 +59,636 @@ def adopt(
     if not isinstance(discover, bool):
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
     check_not_in_backward()
-    lean = not (discover or into_bound or on_pinned == "force")
-    columns = targets if isinstance(targets, SpecColumns) else None
-    plain = plain_targets(targets) if lean and columns is None else None
-    sharded = ((columns if columns is not None else sharded_specs(targets))
-               if lean and plain is None else None)
-
-    def body(txn: Transaction) -> AdoptionReport:
-        if plain is not None:
-            report = adopt_plain(pool, plain, txn, on_pinned)
-            if report is not None:
-                return report
-        if sharded is not None:
-            report = adopt_sharded(pool, sharded, txn, on_pinned)
-            if report is not None:
-                return report
-        given = columns.specs() if columns is not None else targets
-        return _adopt(pool, normalize(given), txn, discover, on_pinned, into_bound)  # type: ignore[arg-type]
-
-    return atomic(pool, body)
+    specs = normalize(targets)
+    reports = atomic(lambda txn: adopt_in(txn, [(pool, specs)], discover, on_pinned, into_bound),
+                     pool)
+    return reports[0]
 
 
-def _adopt(
-    pool: PoolState, specs: list[AdoptSpec], txn: Transaction, discover: bool, on_pinned: OnPinned,
-    into_bound: bool,
-) -> AdoptionReport:
-    plans = plan_all(pool, specs, txn.track, discover, into_bound)
-    todo = [p for p in plans if p.slice is None]
-    for _ in todo:
+def adopt_many(batches: Sequence[tuple[PoolState, Sequence[Adoptable]]], *,
+               on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
+    """Adopt each batch into its pool, all of them in one transaction: every pool ends fully
+    adopted, or every tensor and pool is as it was. One report per batch."""
+    check_policy(on_pinned)
+    check_not_in_backward()
+    given = [(pool, normalize(list(specs))) for pool, specs in batches if len(specs)]
+    pools = [pool for pool, _ in given]
+    if not given:
+        return [AdoptionReport(()) for _ in batches]
+    done = iter(atomic(lambda txn: adopt_in(txn, given, False, on_pinned, False), *pools))
+    return [next(done) if len(specs) else AdoptionReport(()) for _, specs in batches]
+
+
+def normalize(targets: AdoptTargets) -> list[Adoptable]:
+    """``targets`` as a list of checked targets (a tensor, a spec, or a list/tuple of them)."""
+    if isinstance(targets, (torch.Tensor, AdoptSpec)):
+        items: Sequence[Adoptable] = [targets]
+    elif isinstance(targets, (list, tuple)):
+        items = targets
+    else:
+        raise InvalidTypeError(
+            "adopt() takes a tensor, an AdoptSpec, or a list/tuple of them, got "
+            f"{type(targets).__name__}"
+        )
+    specs: list[Adoptable] = []
+    for i, t in enumerate(items):
+        if isinstance(t, AdoptSpec):
+            if not isinstance(t.tensor, torch.Tensor):
+                raise InvalidTypeError(
+                    f"target #{i}: AdoptSpec.tensor must be a tensor, got {type(t.tensor).__name__}"
+                )
+            specs.append(t)
+        elif isinstance(t, torch.Tensor):
+            specs.append(t)
+        else:
+            raise InvalidTypeError(
+                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs"
+            )
+    if not specs:
+        raise InvalidRequestError("adopt() was given nothing to adopt")
+    return specs
+
+
+# -- the pipeline ----------------------------------------------------------------------------
+class Original:
+    """One original of a batch: what its target names, where its bytes lie, its members and its
+    slice."""
+
+    __slots__ = ("pool", "tensor", "views", "holders", "index", "primary", "key", "extent",
+                 "geometry", "shape", "dtype", "external", "members", "slice", "allocated")
+
+    def __init__(self, pool: PoolState, target: Adoptable, index: int) -> None:
+        self.pool, self.index = pool, index
+        if isinstance(target, AdoptSpec):
+            self.tensor, self.views, self.holders = target.tensor, target.views, target.holders
+            self.slice: Slice | None = target.slice
+        else:
+            self.tensor, self.views, self.holders, self.slice = target, (), (), None
+        self.primary: torch.Tensor = local_tensor(self.tensor)
+        """The tensor that holds the data (a wrapper's local tensor, else the target's)."""
+        self.key = 0
+        self.extent = ByteRange(0, 0)
+        """The bytes of the original the primary reaches (what the slice gets)."""
+        self.geometry: tuple[int, tuple[int, ...], tuple[int, ...]] = (0, (), ())
+        """The primary's element offset, size and stride on the original."""
+        self.shape: tuple[int, ...] = ()
+        """The slice's shape: the primary's when contiguous, else a flat run of its extent."""
+        self.dtype = torch.uint8
+        self.external = False
+        self.members: list[Member] = []
+        self.allocated = False
+
+    @property
+    def label(self) -> str:
+        return label(self.tensor, self.index)
+
+    def __str__(self) -> str:
+        """How messages name it (built only when one is: validation names it per check)."""
+        return self.label
+
+
+def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
+             discover: bool, on_pinned: OnPinned, into_bound: bool) -> list[AdoptionReport]:
+    """The pipeline (see the module), in ``txn``; one report per ``(pool, specs)`` batch."""
+    batch = [plan(txn, pool, specs, discover, into_bound) for pool, specs in batches]
+    every = [o for originals in batch for o in originals]
+    _check_disjoint(every)
+    for (pool, _), originals in zip(batches, batch):
+        todo = [o for o in originals if o.slice is None]
         checkpoint("allocate")
-    for p, slc in zip(todo, pool.allocate_many([(p.primary.shape, p.primary.dtype) for p in todo])):
-        p.slice, p.allocated = slc, True
-    _copy(pool, plans, txn)
-    members = [m for p in plans for m in p.members]
-    outside = _outside(plans, members)
-    placed = _move(pool, plans, txn, members)
-    del members
-    check_placed(pool, placed)
-    keys = list(dict.fromkeys(p.key for p in plans))
-    by_key: dict[int, Plan] = {}
-    for p in plans:
-        by_key.setdefault(p.key, p)
-
-    def label(key: int) -> str:
-        return by_key[key].label
-
-    def ours() -> list[object]:
-        return [plans, *plans, *(p.members for p in plans), *(m for p in plans for m in p.members)]
-
+        for o, slc in zip(todo, pool.allocate_many([(o.shape, o.dtype) for o in todo])):
+            o.slice, o.allocated = slc, True
+    outside = _outside(every)
+    for (pool, _), originals in zip(batches, batch):
+        with tc.no_torch_function():  # (before the move: they read the originals)
+            aliases = [tc.impl_detach(o.primary) if _copies_into_itself(o) else None
+                       for o in originals]
+        check_placed(pool, _move(txn, pool, originals))
+        _copy(txn, pool, originals, aliases)
+        del aliases
 
     def force(pins: Pins) -> None:
         """Also move every Python-visible tensor left on a pinned original."""
-        known = {id(r.obj) for r in txn.journal if isinstance(r, (SetMove, ImplSwap))}
-        known.update(id(o) for r in txn.journal if isinstance(r, ImplSwaps) for o in r.objs)
-        extra: list[Member] = []
-        for p in plans:
-            if p.key in pins:
-                found = discover_members(p.key, p.extent, known)
-                p.members += found
-                extra += found
+        known = {id(r.obj) for r in txn.journal if isinstance(r, Member)}
+        found_in = []
+        for o in every:
+            if o.key in pins:
+                found = discover_members(o.key, o.extent, known)
+                o.members += found
+                if found:
+                    found_in.append(o)
+                    check_placed(o.pool, _move(txn, o.pool, [o], found))  # (the bytes are there)
         # The tensors found explain links they add to moved impls (a view's base): judge again.
-        found_in = [p for p in plans if any(id(m) in {id(e) for e in extra} for m in p.members)]
-        held = _outside(found_in, [m for p in found_in for m in p.members])
-        for p in found_in:
-            outside.pop(p.key, None)
+        held = _outside(found_in)
+        for o in found_in:
+            outside.pop(o.key, None)
         outside.update(held)
-        check_placed(pool, _move(pool, plans, txn, extra))
 
-    pins = settle_pins(txn, keys, label, outside, on_pinned, ours, force)
-    keep_unreleased(pool, txn, label, pins, outside)
-    pool.registry.bind_many((p.slice.slice_id, _records(p)) for p in plans if p.slice is not None)
-    counts = {id(p): len(p.members) for p in plans}
-    for p in plans:
-        p.members = []  # drop our references before the proof
-    expired, late = release(txn, label, pins, on_pinned)
-    external = [p.label for p in plans if p.primary.external]
+    def bind() -> None:
+        for (pool, _), originals in zip(batches, batch):
+            pool.registry.bind_many((o.slice.slice_id, [_binding(o, m) for m in o.members])
+                                    for o in originals if o.slice is not None)
+
+    first = {o.key: o for o in reversed(every)}
+    expired, pinned = finish(txn, lambda key: first[key].label, outside, on_pinned, bind,
+                             lambda: [batch, every, *every, *(o.members for o in every)], force)
+    external = [o.label for o in every if o.external]
     if external:
         warn(_external_message(external), ExternalMemoryWarning)
-    items = []
-    for p in plans:
-        assert p.slice is not None
-        items.append(AdoptedItem(
-            slice=p.slice, original_nbytes=txn.nbytes[p.key], released=expired[p.key],
-            rebound=counts[id(p)], pinned_by=pins.get(p.key, late.get(p.key, ())),
-            external=p.primary.external,
-        ))
-    return AdoptionReport(tuple(items))
+    # (tuples from lists, not from generators: a tuple a generator fills is resized at its end,
+    # which fails with SystemError if another thread's gc.get_objects(), a census, holds it)
+    return [AdoptionReport(tuple([_item(txn, o, expired, pinned) for o in originals]))
+            for originals in batch]
 
 
-def _outside(plans: list[Plan], members: list[Member]) -> Outside:
-    """Members about to be ``set_`` whose impl something outside Python holds (pre-move)."""
-    want = {id(m) for m in members}
-    sets = [m.obj for m in members if m.kind == SET]
-    held = held_outside_python(sets, [m.obj for p in plans for m in p.members])
-    return outside_by_key(((p.key, m.obj) for p in plans for m in p.members if id(m) in want),
-                          held)
+def _item(txn: Transaction, o: Original, expired: dict[int, bool], pinned: Pins) -> AdoptedItem:
+    assert o.slice is not None
+    return AdoptedItem(slice=o.slice, original_nbytes=txn.nbytes[o.key], released=expired[o.key],
+                       rebound=len(o.members), pinned_by=pinned.get(o.key, ()),
+                       external=o.external)
 
 
-def _copy(pool: PoolState, plans: list[Plan], txn: Transaction) -> None:
-    """Copy every original's extent into its slice, in chunks (byte views cost host memory)."""
+def _binding(o: Original, m: Member) -> Binding:
+    return binding(m.obj, m.byte_offset - o.extent.start, m.size, m.stride, m.dtype, m.holder,
+                   m.primary, len(o.members) == 1)
+
+
+def _copies_into_itself(o: Original) -> bool:
+    """``o``'s fresh slice holds exactly its primary's elements (an exact tensor or parameter,
+    contiguous, no lazy conj/neg bit): its bytes are copied into the moved primary itself,
+    from an alias of the original taken before the move, with no byte view made on either side
+    (they cost more than the rest of a small tensor's copy). Call under
+    ``no_torch_function()``."""
+    t = o.primary
+    return (o.allocated and type(t) in _PLAIN and tc.impl_is_contiguous(t)
+            and not t.is_conj() and not t.is_neg())
+
+
+def _copy(txn: Transaction, pool: PoolState, originals: list[Original],
+          aliases: list[torch.Tensor | None]) -> None:
+    """Copy every original's extent into its slice, after the move, in chunks (views cost host
+    memory): into the moved primary from ``aliases[i]`` where :func:`_copies_into_itself` said
+    so, else byte for byte (an existing slice's old bytes saved first, for a rollback)."""
     flat = pool.byte_buffer()
     checkpoint("copy")
-    for first in range(0, len(plans), COPY_CHUNK):
-        chunk = plans[first:first + COPY_CHUNK]
-        dst = [flat.narrow(0, p.slice.offset, p.extent.nbytes) for p in chunk if p.slice is not None]
-        for p, view in zip(chunk, dst):
-            if not p.allocated:  # an existing slice: a rollback must give it its old bytes back
+    for first in range(0, len(originals), COPY_CHUNK):
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for o, alias in zip(originals[first:first + COPY_CHUNK], aliases[first:first + COPY_CHUNK]):
+            assert o.slice is not None
+            if alias is not None:
+                dst.append(o.primary)
+                src.append(alias)
+                continue
+            view = flat.narrow(0, o.slice.offset, o.extent.nbytes)
+            if not o.allocated:
                 txn.save_bytes(view)
-        src = [byte_view(txn.originals[p.key], p.extent.start, p.extent.nbytes) for p in chunk]
+            dst.append(view)
+            src.append(byte_view(txn.originals[o.key], o.extent.start, o.extent.nbytes))
         copy_all(dst, src)
         del dst, src
+    # Copying into a primary bumped its version counter; the values are the ones it had.
+    counted = [m for o in originals for m in o.members if m.version >= 0 and m.obj is o.primary]
+    tc.set_versions([m.obj for m in counted], [m.version for m in counted])
 
 
-def _move(pool: PoolState, plans: list[Plan], txn: Transaction, members: list[Member]) -> list[Placed]:
-    """Journal, then perform, the move of ``members`` (of ``plans``) onto the pool."""
+def _outside(originals: list[Original]) -> Outside:
+    """Members about to be ``set_`` whose impl something outside Python holds (pre-move)."""
+    moving = [m.obj for o in originals for m in o.members]
+    sets = [m.obj for o in originals for m in o.members if m.how is Move.IN_PLACE]
+    held = held_outside_python(sets, moving)
+    return outside_by_key(((o.key, m.obj) for o in originals for m in o.members), held)
+
+
+def _move(txn: Transaction, pool: PoolState, originals: list[Original],
+          members: list[Member] | None = None) -> list[Placed]:
+    """Journal, then perform, the move of ``members`` (default: all) of ``originals`` onto
+    ``pool``; where each must land."""
     target = pool.storage
-    want = {id(m) for m in members}
-    places: list[Place] = []
-    swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
-    versions: list[tuple[torch.Tensor, int]] = []
-    placed: list[Placed] = []
-    records: list[SetMove | ImplSwap] = []
-    with tc.no_torch_function():
-        # Every counter before any move: a view shares its base's counter.
-        before = {id(m.obj): tc.impl_version(m.obj) for m in members if not tc.impl_is_meta(m.obj)}
-        # Tensors that share a version counter (views of one base, and the base) must still
-        # share one after the move: a set_ keeps an impl's counter; a swapped view's new impl
-        # takes the counter of the first member of its group.
-        counters: dict[int, torch.Tensor] = {}
-        for m in members:
-            if m.kind == SET:
-                counters.setdefault(counter_group(m.obj), m.obj)
-        for p in plans:
-            assert p.slice is not None
-            lo, hi = p.slice.offset, p.slice.end
-            for m in p.members:
-                if id(m) not in want:
-                    continue
-                item = tc.impl_element_size(m.obj)
-                new = lo + m.byte_offset - p.extent.start
-                if new % item:
-                    raise AdoptionError(
-                        f"cannot place a {tc.impl_dtype(m.obj)} view of {p.label} at byte {new} "
-                        f"of the pool: not a multiple of its element size {item}"
-                    )
-                offset = new // item
-                if m.kind == SWAP or m.kind == WRAP:
-                    grad = tc.impl_requires_grad(m.obj) and tc.impl_is_leaf(m.obj)
-                    if m.kind == WRAP:  # keep the wrapper class's dispatch keys on its new impl
-                        fresh = tc.subclass_alias(type(m.obj), fresh_like(
-                            m.obj, target, offset, m.size, m.stride, tc.impl_dtype(m.obj)), grad)
-                        tc.copy_tensor_flags(m.obj, fresh)
-                    else:
-                        group = counter_group(m.obj)
-                        fresh = fresh_like(m.obj, target, offset, m.size, m.stride,
-                                           tc.impl_dtype(m.obj), grad, counters.get(group))
-                        counters.setdefault(group, fresh)
-                    key = None if m.kind == WRAP else p.key
-                    records.append(ImplSwap(
-                        m.obj, fresh, key, before.get(id(m.obj), -1),
-                        (m.byte_offset // item, m.size, m.stride), tc.impl_dtype(m.obj)))
-                    swaps.append((m.obj, fresh))
-                    if m.kind == SWAP and id(m.obj) in before:  # its counter reads as before
-                        versions.append((m.obj, before[id(m.obj)]))
-                else:
-                    records.append(SetMove(m.obj, p.key, m.byte_offset // item, m.size, m.stride,
-                                           before[id(m.obj)]))
-                    places.append((m.obj, target, offset, m.size, m.stride))
-                    versions.append((m.obj, before[id(m.obj)]))
-                placed.append((m.obj, lo, hi))
-    checkpoint("rebind")
-    txn.journal.extend(records)  # write-ahead: the record exists before the move
-    place_many(places)
-    swap_many(swaps)
-    tc.set_versions([t for t, _ in versions], [v for _, v in versions])
-    return placed
+    places = []
+    moving = []
+    bounds = []
+    for o in originals:
+        assert o.slice is not None
+        lo = o.slice.offset
+        hi = lo + o.extent.nbytes  # (the slice's end: it holds the extent)
+        for m in (o.members if members is None else members):
+            item = m.dtype.itemsize
+            at = lo + m.offset * item - o.extent.start
+            if at % item:
+                raise AdoptionError(
+                    f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: not a "
+                    f"multiple of its element size {item}"
+                )
+            moving.append(m)
+            places.append((target, at // item, m.size, m.stride))
+            bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
+    move(txn.journal, moving, places)
+    return bounds
 
 
-def _records(p: Plan) -> list[Record]:
-    assert p.slice is not None
-    out = []
+# -- planning: the rules, written once ---------------------------------------------------------
+def plan(txn: Transaction, pool: PoolState, targets: list[Adoptable], discover: bool,
+         into_bound: bool) -> list[Original]:
+    """Validate every target and work out its members; nothing is changed."""
+    originals = [Original(pool, target, i) for i, target in enumerate(targets)]
+    seen: set[int] = set()
+    for o, facts in zip(originals, read_facts([o.primary for o in originals])):
+        storage = validate(o, facts)
+        if id(o.primary) in seen:
+            raise InvalidRequestError(f"{o.label} was given twice; name it once")
+        seen.add(id(o.primary))
+        txn.track(storage, pool, o.key)
+        del storage
+        slc = o.slice
+        if slc is not None:
+            pool.check_live(slc)
+            if slc.nbytes != o.extent.nbytes or slc.dtype != o.dtype:
+                raise InvalidRequestError(
+                    f"{o.label} needs {o.extent.nbytes} bytes of {o.dtype}; slice "
+                    f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}"
+                )
+            if not into_bound and pool.registry.holds(slc.slice_id):
+                raise InvalidRequestError(
+                    f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
+                )
+    for o in originals:
+        o.members = members(o, discover)
+    return originals
+
+
+def members(o: Original, discover: bool) -> list[Member]:
+    """The members that move with original ``o``: its primary (and a wrapper's local tensor or
+    memory), the spec's views and what its holders hold, with ``discover`` every other Python
+    tensor on the original; each once, with a holder and primary-ness if any naming had them."""
+    if not discover and _moves_alone(o):
+        # A plain tensor or parameter named alone (most batches): its only member is itself,
+        # moved in place; everything below would find exactly that, at several times the cost.
+        return [Member(o.tensor, Move.IN_PLACE, o.key, *o.geometry, o.dtype,
+                       tc.impl_version(o.tensor), None, True)]
+    unique: dict[int, Member] = {}  # each object once, by identity
+
+    def add(more: list[Member], holder: Holder | None = None) -> None:
+        for m in more:
+            prev = unique.setdefault(id(m.obj), m)
+            prev.holder = prev.holder or m.holder or holder
+            prev.primary = prev.primary or m.primary
+
+    add(_expand(o.tensor, o.key, True))
+    for v in o.views:
+        if id(v) in unique:
+            continue
+        more = _expand(v, o.key, False)
+        if not more:
+            raise InvalidRequestError(f"a view given for {o.label} does not share its storage")
+        add(more)
+    for h in o.holders:
+        held = _held(h, o)
+        known = unique.get(id(held))
+        if known is not None:  # (what a holder holds is often the primary itself)
+            known.holder = known.holder or h
+            continue
+        more = _expand(held, o.key, False)
+        if not more:
+            raise InvalidRequestError(
+                f"holder {h.describe()} of {o.label} does not hold a tensor on its storage"
+            )
+        add(more, h)
+    if discover:
+        unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
+    _keep_views_with_their_base(unique.values())
+    for m in unique.values():
+        nbytes = _span(m) * m.dtype.itemsize
+        if m.how is not Move.ONTO_LOCAL and not o.extent.contains(
+                ByteRange(m.byte_offset, m.byte_offset + nbytes)):
+            raise InvalidRequestError(
+                f"a view of {o.label} reaches bytes outside it ({m.byte_offset}.."
+                f"{m.byte_offset + nbytes} vs {o.extent.start}..{o.extent.end}); adopt the "
+                "tensor it is a view of instead"
+            )
+    return list(unique.values())
+
+
+def _moves_alone(o: Original) -> bool:
+    """``o``'s target names only an exact ``torch.Tensor``/``nn.Parameter`` that is no autograd
+    view and has no local tensor (nothing else to find): :func:`members` is then that tensor."""
+    t = o.tensor
+    return (type(t) in _PLAIN and o.primary is t and not o.views and not o.holders
+            and tc.impl_base(t) is None)
+
+
+def _on_key(t: torch.Tensor, key: int) -> bool:
+    """``t``'s own storage is original ``key`` (a live original's key is no other storage's:
+    a placeholder, meta or freed one never equals it)."""
     with tc.no_torch_function():
-        for m in p.members:
-            out.append(make_record(m.obj, m.byte_offset - p.extent.start, m.size, m.stride, tc.impl_dtype(m.obj), m.holder,
-                                   m.primary))
+        try:
+            result = tc.storage_address(t) == key
+        except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
+            result = False
+        return result  # not `return f()`: see flatpool.ownership.interrupts
+
+
+def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = None) -> Member:
+    with tc.no_torch_function():
+        base = tc.impl_base(obj)
+    how = Move.OFF_BASE if base is not None and _on_key(base, key) else Move.IN_PLACE
+    del base
+    return member_of(obj, how, key, holder, primary)
+
+
+def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:
+    """The members behind ``obj`` that move with original ``key``: itself, its local tensor,
+    or (a storage-less ``_make_subclass`` wrapper) itself onto its local tensor's place."""
+    out: list[Member] = []
+    on_key = _on_key(obj, key)
+    if on_key:
+        out.append(_member(obj, key, primary))
+    inner = getattr(obj, "_local_tensor", None)
+    if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
+        local = _member(inner, key, primary, Holder(obj, "_local_tensor"))
+        out.append(local)
+        if not on_key:
+            with tc.no_torch_function():
+                meta = tc.impl_is_meta(obj)
+            if meta:  # a wrapper that lost its storage (deferred init): give it the local's
+                out.append(Member(obj, Move.ONTO_LOCAL, None, local.offset, local.size,
+                                  local.stride, local.dtype, -1, None, primary))
     return out
+
+
+def _held(h: Holder, o: Original) -> torch.Tensor:
+    """A holder's tensor, after checking that it can be read *and* assigned (without writing)."""
+    try:
+        value = h.get()
+    except (AttributeError, KeyError, IndexError, TypeError) as exc:
+        raise InvalidRequestError(f"holder {h.describe()} of {o.label} cannot be read: {exc}") from exc
+    if not isinstance(value, torch.Tensor):
+        raise InvalidRequestError(
+            f"holder {h.describe()} of {o.label} holds a {type(value).__name__}, not a tensor"
+        )
+    why = h.unassignable()  # from the owner's type: writing would run the place's setter
+    if why is not None:
+        raise InvalidTypeError(
+            f"holder {h.describe()} of {o.label} cannot be assigned ({why}): name a place "
+            "flatpool can write (an attribute, a list or dict item), not a read-only property "
+            "or a tuple slot"
+        )
+    return value
+
+
+def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[Member]:
+    """Every Python-visible tensor on original ``key`` inside ``extent`` (a gc scan) that is
+    safe to move.
+
+    Not safe: on a storage torch marked non-resizable (``t.numpy()``, ``numpy.asarray(t)``,
+    ``torch.from_numpy``), a tensor nothing gc can see refers to. ``t.numpy()`` makes exactly
+    such a tensor, the ndarray's base, and the ndarray reads the storage through a raw
+    pointer: moving its base would free the memory under it. It stays, and pins the original.
+    """
+    found: list[Member] = []
+    candidates = tensors_on_storage(key, set(known))
+    for t in candidates:
+        with tc.no_torch_function():
+            if not extent.contains(extent_of(t)):
+                continue
+        storage = own_storage(t)
+        if storage is not None and not storage.resizable() and not name_referrers(
+                t, {id(candidates)}):
+            continue
+        found.append(_member(t, key, False))
+    del candidates
+    return found
+
+
+def _keep_views_with_their_base(members: Iterable[Member]) -> None:
+    """A view whose base moves in place can move in place too (its ``_base`` then points into
+    the pool): that keeps its impl, which an autograd graph may have saved. Only a view whose
+    base stays behind needs the impl swap."""
+    members = list(members)
+    moving = {tc.impl_address(m.obj) for m in members if m.how is Move.IN_PLACE}
+    with tc.no_torch_function():
+        for m in members:
+            if m.how is Move.OFF_BASE:
+                base = tc.impl_base(m.obj)
+                if base is not None and tc.impl_address(base) in moving:
+                    m.how, m.impl = Move.IN_PLACE, 0
+                del base
+
+
+def _span(m: Member) -> int:
+    if any(s == 0 for s in m.size):
+        return 0
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(m.size, m.stride))
+
+
+def _check_disjoint(originals: list[Original]) -> None:
+    """Primaries on one storage must not overlap, and no slice may be used twice."""
+    by_key: dict[int, list[Original]] = {}
+    for o in originals:
+        by_key.setdefault(o.key, []).append(o)
+    for group in by_key.values():
+        if len(group) == 1:
+            continue
+        group.sort(key=lambda o: o.extent.start)
+        for a, b in zip(group, group[1:]):
+            if a.extent.intersects(b.extent):
+                raise AliasingError(
+                    f"{a.label} and {b.label} share bytes of one storage; adopt one and pass the "
+                    "other in its AdoptSpec.views",
+                    [(a.label, b.label)],
+                )
+    given = [(id(o.pool), o.slice.slice_id) for o in originals if o.slice is not None]
+    if len(given) != len(set(given)):
+        raise InvalidRequestError("two AdoptSpecs name the same target slice")
+
+
+# -- validation: what may be adopted -------------------------------------------------------------
+def label(t: torch.Tensor, i: int) -> str:
+    """How errors name target ``i``: its type, local (TensorImpl) shape and dtype."""
+    try:
+        inner = local_tensor(t)
+        with tc.no_torch_function():
+            size, dtype = tuple(tc.impl_size(inner)), tc.impl_dtype(inner)
+        return f"#{i} {type(t).__name__}{size} {str(dtype).replace('torch.', '')}"
+    except Exception:  # a tensor too broken to describe still gets a name
+        return f"#{i} {type(t).__name__}"
+
+
+EXACT_OVERLAP_ELEMENTS = 1 << 22
+"""Up to this many elements, strides that interleave (sizes (2, 3), strides (3, 2)) are checked
+element by element; beyond it such a tensor is refused as unproven."""
+
+
+def overlap(t: torch.Tensor) -> str | None:
+    """Why two index tuples of ``t`` may reach the same element: ``"expanded"`` (a stride 0 over
+    a size above 1), ``"shared"`` (interleaved strides, and elements found shared),
+    ``"unproven"`` (interleaved strides over too many elements to check), else ``None``.
+    Call under no_torch_function."""
+    dims = sorted((st, sz) for sz, st in zip(tc.impl_size(t), tc.impl_stride(t)) if sz > 1)
+    if any(st == 0 for st, _ in dims):
+        return "expanded"
+    span = 1
+    for st, sz in dims:
+        if st < span:
+            break  # interleaved strides: nested spans no longer decide it
+        span = st * sz
+    else:
+        return None
+    n = math.prod(sz for _, sz in dims)
+    if n > EXACT_OVERLAP_ELEMENTS:
+        return "unproven"
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, sz in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64) * st).flatten()
+    return "shared" if int(torch.unique(offsets).numel()) < n else None
+
+
+def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.UntypedStorage:
+    """The storage that holds ``t``'s bytes, refusing what would crash or adopt garbage.
+
+    A placeholder (C++ functional tensor, FakeTensor) is refused by type; a real storage smaller
+    than ``t``'s extent (``untyped_storage().resize_(0)``, as FSDP frees unsharded parameters)
+    by value, before anything is allocated or moved. ``t`` is already known to be strided,
+    not a wrapper subclass and not meta.
+    """
+    if type(t) in _PLAIN:  # (no __torch_function__ to stop)
+        storage = tc.impl_untyped_storage(t)
+    else:
+        with tc.no_torch_function():
+            storage = tc.impl_untyped_storage(t)
+    if tc.is_functional(t):
+        raise InvalidTypeError(
+            f"{what} is a functional tensor (made by torch.func.functionalize or compile "
+            "tracing): its storage is a placeholder and its data lives in the tensor it wraps; "
+            "adopt the real tensor, outside the functionalized region"
+        )
+    # (an exact tensor's storage is on its own device, not meta: only a subclass can say
+    # otherwise of itself, a FakeTensor)
+    if type(t) not in _PLAIN and storage.device.type == "meta":
+        raise InvalidTypeError(
+            f"{what} has only metadata (a {type(t).__name__} made under FakeTensorMode, or "
+            "another tensor on a meta storage): there is no data to adopt; adopt real tensors "
+            "outside the fake mode"
+        )
+    if not tc.storage_pointer_valid(storage):
+        raise InvalidTypeError(
+            f"{what} ({type(t).__name__}) has no real storage (a placeholder that crashes when "
+            "read): adopt the tensor that holds its data"
+        )
+    if storage.nbytes() < extent.end:
+        raise InvalidRequestError(
+            f"{what} reaches byte {extent.end} of a storage that holds only "
+            f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(), as FSDP does "
+            "for unsharded parameters): there is no data to adopt; resize the storage back "
+            "(or let the framework re-materialize it) first, or adopt the tensor that has the data"
+        )
+    return storage
+
+
+Facts = tuple[bool, bool, torch.device, int, bool, torch.dtype, int, tuple[int, ...],
+              tuple[int, ...], bool]
+"""What the rules read of a primary's TensorImpl: quantized, meta, device, element count,
+inference, dtype, storage offset, size, stride, contiguous."""
+_READERS = (tc.impl_is_quantized, tc.impl_is_meta, tc.impl_device, tc.impl_numel,
+            tc.impl_is_inference, tc.impl_dtype, tc.impl_storage_offset, tc.impl_size,
+            tc.impl_stride, tc.impl_is_contiguous)
+
+
+def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
+    """Each tensor's :data:`Facts` (``None`` for one whose layout has no single strided storage,
+    which the rules refuse first), read a fact at a time over the whole batch: each a C-level
+    pass, where a Python frame per tensor per fact cost several times the read itself."""
+    with tc.no_torch_function():
+        dense = [layout is torch.strided and not nested for layout, nested
+                 in zip(map(tc.impl_layout, ts), map(tc.impl_is_nested, ts))]
+        readable = [t for t, ok in zip(ts, dense) if ok]
+        facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
+        result = [next(facts) if ok else None for ok in dense]
+        return result  # not `return f()`: see flatpool.ownership.interrupts
+
+
+def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
+    """Check ``o``'s primary against the rules (its :data:`Facts` read already); fill in what
+    the adoption needs to know of it, and return its storage."""
+    inner = o.primary
+    if facts is None:
+        check_strided(inner, o)
+        raise AssertionError("read_facts reads every strided tensor")  # pragma: no cover
+    if type(inner) not in _PLAIN:  # (an exact tensor or parameter is no wrapper subclass)
+        check_no_wrapper(inner, o)
+    quantized, meta, device, numel, inference, dtype, offset, size, stride, contiguous = facts
+    if quantized:
+        check_dtype(dtype, o)  # raises the same error as allocate()
+    if meta:
+        raise InvalidRequestError(
+            f"{o} is a meta tensor (or a fake one) and has no data to adopt; use "
+            "pool.materialize_into() to give it pool storage"
+        )
+    pool = o.pool
+    if device != pool.device:
+        raise InvalidRequestError(
+            f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
+            "move it to the pool's device first or use a pool on its device"
+        )
+    check_plain_format(inner, str(o), device)  # NPU: refuse private storage formats
+    if numel == 0:
+        raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
+    if inference:
+        raise InvalidRequestError(
+            f"{o} is an inference tensor (made under torch.inference_mode()); it "
+            "cannot be rebound in place: adopt a clone() made outside inference mode"
+        )
+    o.dtype = check_dtype(dtype, o)
+    size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
+    o.geometry = (offset, size, stride)
+    item = dtype.itemsize
+    if contiguous:  # (its span is its element count)
+        o.extent = ByteRange(offset * item, (offset + numel) * item)
+        o.shape = size
+    else:
+        with tc.no_torch_function():
+            why = overlap(inner)
+            o.extent = extent_of(inner)
+        if why == "expanded":
+            raise InvalidRequestError(
+                f"{o} overlaps itself (an expanded/broadcast view, strides {stride}); adopt "
+                "the tensor it was expanded from"
+            )
+        if why == "shared":
+            raise InvalidRequestError(
+                f"{o} overlaps itself (strides {stride} over sizes {size} reach some elements "
+                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy"
+            )
+        if why == "unproven":
+            raise InvalidRequestError(
+                f"{o} has interleaved strides {stride} over sizes {size}: more than "
+                f"{EXACT_OVERLAP_ELEMENTS} elements to check that no two share memory; adopt "
+                "a contiguous() copy"
+            )
+        o.shape = (o.extent.nbytes // item,)
+    storage = data_storage(inner, o.extent, o)
+    key = o.key = tc.storage_key(storage)
+    if inner is not o.tensor:
+        wrapper = own_storage(o.tensor)
+        if wrapper is not None and tc.storage_key(wrapper) != key:
+            raise InvalidRequestError(
+                f"{o} has a storage of its own that is not its _local_tensor's: the "
+                "wrapper does not view its shard, and adopting the local tensor would leave the "
+                "wrapper reading other memory; rebuild the wrapper around its local tensor"
+            )
+    owner = pool_of_storage(key)
+    if owner is not None and o.extent.end <= owner.capacity:
+        where = "this pool" if owner is pool else f"pool {owner.name!r}"
+        raise InvalidRequestError(
+            f"{o} already lives in {where}; use readopt() to bring moved members back"
+        )
+    # Memory another owner may keep: numpy's (from_numpy), a buffer's (frombuffer), or shared
+    # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
+    # torch marks such storages non-resizable; it also marks a storage t.numpy() once viewed,
+    # whose memory is its own, but it does not say which allocator made a storage: every
+    # non-resizable storage counts as external (the safe answer: nothing is reported freed).
+    o.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
+    return storage
 
 
 def _external_message(labels: list[str]) -> str:
@@ -270,4 +700,6 @@ def _external_message(labels: list[str]) -> str:
     )
 
 
-__all__ = ["adopt", "check_not_in_backward", "check_policy"]
+__all__ = ["AdoptTargets", "Adoptable", "Original", "adopt", "adopt_in", "adopt_many",
+           "data_storage", "discover_members", "label", "normalize", "overlap", "plan",
+           "validate"]

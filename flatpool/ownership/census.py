@@ -198,18 +198,14 @@ def _census(roots: tuple[Any, ...], pools: list[PoolState] | None) -> Census:
         if key not in sizes:
             sizes[key] = (str(s.device), s.nbytes())
         del s
-        g = groups.setdefault(key, {"names": [], "roles": [], "tensors": []})
-        if name not in g["names"]:
+        g = groups.setdefault(key, {"seen": set(), "names": [], "roles": [], "tensors": []})
+        if name not in g["seen"]:  # a set: one storage may have thousands of names
+            g["seen"].add(name)
             g["names"].append(name)
             g["roles"].append(role)
             g["tensors"].append(local_tensor(t))
 
-    # Slices by byte size, for the stale check; their bytes are viewed only to compare.
-    by_size: dict[int, list[tuple[str, PoolState, Slice]]] = {}
-    for p in pool_list:
-        if p.is_materialized:
-            for slc in p.slices():
-                by_size.setdefault(slc.nbytes, []).append((f"{p.name}:{slc.slice_id}", p, slc))
+    contents = _SliceContents(pool_list)
 
     records: list[StorageRecord] = []
     for key, g in groups.items():
@@ -221,7 +217,7 @@ def _census(roots: tuple[Any, ...], pools: list[PoolState] | None) -> Census:
             slices = tuple(sorted({sl.slice_id for t in g["tensors"]
                                    if (sl := pool.slice_of(t)) is not None}))
         elif any(r not in _LEGIT_ROLES for r in g["roles"]):
-            stale_of = _duplicate_of(g["tensors"], g["roles"], by_size)
+            stale_of = _duplicate_of(g["tensors"], g["roles"], contents)
         records.append(StorageRecord(
             device=device, nbytes=nbytes, pool=pool.name if pool else None,
             slices=slices, referrers=tuple(g["names"]), roles=tuple(g["roles"]), stale_of=stale_of,
@@ -235,8 +231,7 @@ def _census(roots: tuple[Any, ...], pools: list[PoolState] | None) -> Census:
 
 
 def _duplicate_of(
-    tensors: list[torch.Tensor], roles: list[str],
-    by_size: dict[int, list[tuple[str, PoolState, Slice]]],
+    tensors: list[torch.Tensor], roles: list[str], contents: _SliceContents,
 ) -> str | None:
     for t, role in zip(tensors, roles):
         if role in _LEGIT_ROLES:
@@ -245,14 +240,66 @@ def _duplicate_of(
             if tc.impl_is_meta(t):
                 continue
             nbytes = tc.impl_numel(t) * tc.impl_element_size(t)
-            candidates = by_size.get(nbytes)
-            if not candidates or not tc.impl_is_contiguous(t):
+            if not contents.has_size(nbytes) or not tc.impl_is_contiguous(t):
                 continue
             if tc.impl_untyped_storage(t).nbytes() < extent_of(t).end:
                 continue  # storage resized away (FSDP frees unsharded parameters so): unreadable
-            raw = t.reshape(-1).view(torch.uint8)
-            for label, pool, slc in candidates:
-                if pool.device == raw.device and torch.equal(pool.slice_bytes(slc), raw):
-                    return label
-            del raw
+            label = contents.copy_of(t.reshape(-1).view(torch.uint8))
+            if label is not None:
+                return label
     return None
+
+
+_Fingerprint = tuple[int, ...]
+_Entry = tuple[str, PoolState, Slice]  # ("pool:slice_id", pool, slice)
+
+
+def _fingerprint(raw: torch.Tensor) -> _Fingerprint:
+    """A summary of the bytes of ``raw`` (1-D ``uint8``): their sum, every ``len // 16``-th
+    byte from the first (16 or 17 of them; all, below 32) and the last. Equal bytes give equal
+    fingerprints; different bytes almost never do (a change shows in the sum unless other
+    changes cancel it exactly, and no sampled byte differs). A few kernels and one host read,
+    however large ``raw`` is."""
+    step = max(1, raw.numel() // 16)
+    parts = (raw.sum(dtype=torch.int64).reshape(1), raw[::step], raw[-1:])
+    return tuple(torch.cat([t.to(torch.int64) for t in parts]).tolist())
+
+
+class _SliceContents:
+    """The live slices of ``pools``, looked up by their bytes for the stale check.
+
+    Comparing a tensor with every slice of its size is quadratic when thousands of members
+    share a shape (a fused model's parameters, its gradient and state buffers, and as many
+    per-parameter tensors outside them). Here each slice of a size some tensor has is
+    fingerprinted once, at the first look-up of that size, and a tensor is compared byte for
+    byte only with the slices of its fingerprint: linear in slices and tensors. Slice bytes are
+    viewed only while fingerprinted or compared (the census holds the pools' locks).
+    """
+
+    def __init__(self, pools: Iterable[PoolState]) -> None:
+        self._by_size: dict[int, list[_Entry]] = {}
+        for p in pools:
+            if p.is_materialized:
+                for slc in p.slices():
+                    entry = (f"{p.name}:{slc.slice_id}", p, slc)
+                    self._by_size.setdefault(slc.nbytes, []).append(entry)
+        self._by_print: dict[tuple[int, torch.device], dict[_Fingerprint, list[_Entry]]] = {}
+
+    def has_size(self, nbytes: int) -> bool:
+        return nbytes in self._by_size
+
+    def copy_of(self, raw: torch.Tensor) -> str | None:
+        """The label of the first slice (in pool, then storage order) whose bytes equal those
+        of ``raw`` (1-D ``uint8``), or ``None``."""
+        key = (raw.numel(), raw.device)
+        index = self._by_print.get(key)
+        if index is None:
+            index = self._by_print[key] = {}
+            for entry in self._by_size.get(raw.numel(), ()):
+                pool, slc = entry[1], entry[2]
+                if pool.device == raw.device:
+                    index.setdefault(_fingerprint(pool.slice_bytes(slc)), []).append(entry)
+        for label, pool, slc in index.get(_fingerprint(raw), ()):
+            if torch.equal(pool.slice_bytes(slc), raw):
+                return label
+        return None

@@ -18,13 +18,13 @@ from .. import torch_compat as tc
 from ..aliasing import check_strided
 from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
 from ..holder import Holder
-from ..registry import make_record
+from ..registry import binding
 from ..slices import Slice
 from ..requests import check_dtype
 from ..state import PoolState
 from .faults import checkpoint
-from .moves import ImplSwap, SlotSet, fresh_on, swap_many
-from .settle import check_placed
+from .moves import Dest, Member, Move, SlotSet, fresh_on, move
+from .release import check_placed
 from .transaction import Transaction, atomic
 
 MetaTargets = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -81,7 +81,7 @@ def materialize_into(
                 f"target #{i} ({type(t).__name__}) is held outside Python (an autograd graph "
                 "or C++ hook): materialize before running anything on it"
             )
-    return atomic(pool, lambda txn: _materialize(pool, txn, items, locals_, slices))
+    return atomic(lambda txn: _materialize(pool, txn, items, locals_, slices), pool)
 
 
 def _materialize(
@@ -110,44 +110,41 @@ def _materialize(
             slc = pool.allocate_checked(size, dtype)
         planned.append(slc)
     storage = pool.storage
-    records: list[ImplSwap | SlotSet] = []
-    swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
-    slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+    slots: list[SlotSet] = []
+    locals_new: list[torch.Tensor] = []
+    members: list[Member] = []
+    dests: list[Dest] = []
     placed = []
     for t, local, slc, (size, stride, dtype) in zip(items, locals_, planned, geometry):
         grad = bool(t.requires_grad)
-        new_local = fresh_on(storage, slc.offset // dtype.itemsize, size, stride, dtype,
-                             grad and not _is_dtensor(t))
+        offset = slc.offset // dtype.itemsize
+        new_local = fresh_on(storage, offset, size, stride, dtype, grad and not _is_dtensor(t))
+        fresh = new_local
         if _is_dtensor(t):
             from torch.distributed.tensor import DTensor
 
             make = cast(Callable[..., torch.Tensor], DTensor)
-            wrapper = make(new_local, getattr(t, "_spec"), requires_grad=grad)
-            records.append(SlotSet(t, "_local_tensor", local))
-            slots.append((t, new_local))
-            records.append(ImplSwap(t, wrapper, None, -1))
-            swaps.append((t, wrapper))
-            placed.append((new_local, slc.offset, slc.end))
-        else:
-            records.append(ImplSwap(t, new_local, None, -1))
-            swaps.append((t, new_local))
-            placed.append((t, slc.offset, slc.end))
-    checkpoint("rebind")
-    txn.journal.extend(records)  # write-ahead
-    for t, new_local in slots:
-        t._local_tensor = new_local  # type: ignore[attr-defined]
-    try:
-        swap_many(swaps)
-    except RuntimeError as exc:
-        raise AdoptionError(f"cannot give a meta tensor pool storage in place: {exc}") from exc
+            fresh = make(new_local, getattr(t, "_spec"), requires_grad=grad)
+            slots.append(SlotSet(t, "_local_tensor", local))
+            locals_new.append(new_local)
+        members.append(Member(t, Move.NEW_IMPL, None, offset, size, stride, dtype, -1,
+                              fresh=fresh))
+        dests.append((storage, offset, size, stride))
+        # (a plain target is checked by itself, once its new impl is swapped in)
+        placed.append((new_local if _is_dtensor(t) else t, slc.offset, slc.end, offset, size,
+                       stride))
+    move(txn.journal, members, dests)
+    txn.journal.extend(slots)  # write-ahead
+    for rec, new_local in zip(slots, locals_new):
+        rec.obj._local_tensor = new_local
     check_placed(pool, placed)
     for t, slc, (size, stride, dtype) in zip(items, planned, geometry):
         if _is_dtensor(t):
             inner = getattr(t, "_local_tensor")
-            rec = make_record(inner, 0, size, stride, dtype, Holder(t, "_local_tensor"), True)
+            b = binding(inner, 0, size, stride, dtype, Holder(t, "_local_tensor"), True)
         else:
-            rec = make_record(t, 0, size, stride, dtype, None, True)
-        pool.registry.bind(slc.slice_id, [rec])
+            b = binding(t, 0, size, stride, dtype, None, True)
+        pool.registry.bind(slc.slice_id, [b])
     txn.commit()
     return tuple(planned)
 

@@ -1,10 +1,10 @@
-"""Validity checks and re-adoption: find bound tensors that left the pool, bring them back.
+"""Re-adoption: bring bound members that moved back into their slices.
 
 Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``
 with ``assign=True``): a bound object may be re-pointed at a new storage, or its holder may get
 a new object. Re-adoption copies the current values into the binding's place in its existing
 slice and moves the object back, with the same journal, invariant check, release proof and
-rollback as :func:`adopt`.
+rollback as :func:`adopt` (the storages it moves out of are its originals).
 """
 
 from __future__ import annotations
@@ -17,74 +17,16 @@ from .. import torch_compat as tc
 from ..aliasing import check_no_wrapper, check_strided, extent_of
 from .._warn import warn
 from ..errors import InvalidRequestError, OrphanedSliceWarning
-from ..registry import ParamRef, Record, current, make_record, record_holder
+from ..registry import Binding, TensorRef, binding
 from ..slices import Slice
 from ..state import PoolState
-from .adopt import adopt, check_not_in_backward, check_policy
-from .copying import copy_all
+from .adopt import adopt, data_storage
 from .faults import checkpoint
-from .moves import (
-    ImplSwap, SetMove, counter_group, fresh_like, fresh_on, geometry_of, place_many, swap_many,
-)
-from .proof import held_outside_python
-from .settle import check_placed, keep_unreleased, outside_by_key, release, settle_pins
-from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
-from .transaction import Transaction, atomic
-from .validate import data_storage
-
-Moved = tuple[Slice, Record, torch.Tensor]
-
-
-def is_in_place(pool_key: int, slc: Slice, rec: Record, obj: torch.Tensor | None) -> bool:
-    """True when ``obj`` sits exactly where ``rec`` says inside ``slc`` (TensorImpl geometry)."""
-    if obj is None:
-        return True  # the object is gone: nothing to keep valid
-    with tc.no_torch_function():
-        if tc.impl_is_meta(obj):
-            return False  # (a storage-less wrapper's placeholder storage is never the pool's)
-        dtype = tc.impl_dtype(obj)
-        return (
-            tc.storage_address(obj) == pool_key
-            and tc.impl_storage_offset(obj) * dtype.itemsize == slc.offset + rec[1]
-            and tuple(tc.impl_size(obj)) == rec[2]
-            and tuple(tc.impl_stride(obj)) == rec[3]
-            and dtype == rec[4]
-        )
-
-
-def moved(pool: PoolState) -> list[Moved]:
-    """Every bound tensor object that no longer sits at its place in the pool."""
-    with pool.lock:
-        key = pool.storage_key
-        if key is None:
-            return []
-        out: list[Moved] = []
-        for slice_id, records in pool.registry.items():
-            slc = pool.live_slice(slice_id)
-            if slc is None:
-                continue
-            for rec in records:
-                obj = current(rec)
-                if obj is not None and not is_in_place(key, slc, rec, obj):
-                    out.append((slc, rec, obj))
-        return out
-
-
-def orphaned(pool: PoolState) -> list[Slice]:
-    """Live slices that had adopted *parameters* and none of whose bound objects lives now.
-
-    A module that replaced its parameters (``load_state_dict(assign=True)``, ``p = nn.Parameter
-    (...)``) drops the adopted objects; what it holds now is not on the pool and the pool cannot
-    see it (only holders named at adoption, ``AdoptSpec(holders=...)``, lead to a replacement).
-    Such a slice is memory nothing uses, and the pool is not what the model trains on."""
-    with pool.lock:
-        out = []
-        for slice_id, records in pool.registry.items():
-            slc = pool.live_slice(slice_id)
-            if (slc is not None and any(type(r[0]) is ParamRef for r in records)  # parameters
-                    and all(current(r) is None for r in records)):
-                out.append(slc)
-        return out
+from .moves import Member, Move, copy_all, fresh_on, member_of, move
+from .release import check_placed, finish, held_outside_python, outside_by_key
+from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
+from .transaction import Transaction, atomic, check_not_in_backward
+from .validity import Moved, moved, orphaned
 
 
 def orphan_message(slices: Sequence[Slice]) -> str:
@@ -131,7 +73,7 @@ def readopt(
             return AdoptionReport(())
         return _readopt(pool, todo, txn, on_pinned)
 
-    report = atomic(pool, body)
+    report = atomic(body, pool)
     if not report.items:
         lost = orphaned(pool)
         if lost:
@@ -139,7 +81,7 @@ def readopt(
     return report
 
 
-def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
+def _check(slc: Slice, b: Binding, obj: torch.Tensor, pool: PoolState) -> None:
     what = f"a tensor bound to slice {slc.slice_id}"
     check_strided(obj, what)
     check_no_wrapper(obj, what)
@@ -150,10 +92,10 @@ def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
                 "materialize_into() to give it pool storage"
             )
         size, dtype, device = tuple(tc.impl_size(obj)), tc.impl_dtype(obj), tc.impl_device(obj)
-    if size != rec[2] or dtype != rec[4] or device != pool.device:
+    if size != b.shape or dtype != b.dtype or device != pool.device:
         raise InvalidRequestError(
             f"a tensor bound to slice {slc.slice_id} changed to {size} {dtype} on {device} (was "
-            f"{rec[2]} {rec[4]} on {pool.device}); re-adoption keeps shape, dtype and device. "
+            f"{b.shape} {b.dtype} on {pool.device}); re-adoption keeps shape, dtype and device. "
             f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
         )
     with tc.no_torch_function():
@@ -164,94 +106,61 @@ def _check(slc: Slice, rec: Record, obj: torch.Tensor, pool: PoolState) -> None:
 def _readopt(
     pool: PoolState, todo: list[Moved], txn: Transaction, on_pinned: OnPinned
 ) -> AdoptionReport:
-    for slc, rec, obj in todo:
+    for slc, b, obj in todo:
         # Everything refused before this frame holds the pool's storage: a kept exception's
         # traceback keeps its locals, and would pin the pool against a later grow().
-        _check(slc, rec, obj, pool)
-    target = pool.storage
+        _check(slc, b, obj, pool)
     feeds: dict[int, list[int]] = {}  # original storage key -> slice ids it fed
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for slc, rec, obj in todo:
+    members: list[Member] = []
+    for slc, b, obj in todo:
         with tc.no_torch_function():
             storage = tc.impl_untyped_storage(obj)
         if not tc.storage_has_data(storage):
             raise InvalidRequestError(f"a tensor bound to slice {slc.slice_id} has no storage")
+        key = txn.track(storage, pool)
+        feeds.setdefault(key, []).append(slc.slice_id)
         # The object's own bytes, by its TensorImpl: a subclass's detach() may answer for
         # another tensor (HyperParallel's DTensor detaches its local tensor) or raise.
         with tc.no_torch_function():
-            src.append(fresh_on(storage, *geometry_of(obj), rec[4]))
-        key = txn.track(storage)
+            base = tc.impl_base(obj)
+            off_base = base is not None and tc.storage_address(base) == key
+            del base
+        members.append(member_of(obj, Move.OFF_BASE if off_base else Move.IN_PLACE, key))
+        m = members[-1]
+        src.append(fresh_on(storage, m.offset, m.size, m.stride, b.dtype))
         del storage
-        feeds.setdefault(key, []).append(slc.slice_id)
-        view = pool.view_at(slc.offset + rec[1], rec[2], rec[4], rec[3])
+        view = pool.view_at(slc.offset + b.byte_offset, b.shape, b.dtype, b.stride)
         txn.save_bytes(view)  # a rollback must give the slice its old bytes back
         dst.append(view)
     checkpoint("copy")
     copy_all(dst, src)
     del dst, src
 
-    records: list[SetMove | ImplSwap] = []
-    kinds = []
-    with tc.no_torch_function():
-        for _, _, obj in todo:
-            base = tc.impl_base(obj)
-            kinds.append(base is not None and tc.storage_address(base) == tc.storage_address(obj))
-            del base
-    held = held_outside_python([o for (_, _, o), swap in zip(todo, kinds) if not swap],
-                               [o for _, _, o in todo])
-    outside = outside_by_key(((tc.storage_address(o), o) for _, _, o in todo), held)
-    places = []
-    swaps = []
-    placed = []
-    with tc.no_torch_function():
-        # Aliases keep sharing a version counter (see adopt's _move): a swapped view's new impl
-        # takes the counter of the first member of its group.
-        counters: dict[int, torch.Tensor] = {}
-        for (_, _, obj), swap in zip(todo, kinds):
-            if not swap:
-                counters.setdefault(counter_group(obj), obj)
-        for (slc, rec, obj), swap in zip(todo, kinds):
-            key = tc.storage_address(obj)
-            item = rec[4].itemsize
-            offset = (slc.offset + rec[1]) // item
-            version = tc.impl_version(obj)
-            old = (tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)), tuple(tc.impl_stride(obj)))
-            if swap:
-                grad = tc.impl_requires_grad(obj) and tc.impl_is_leaf(obj)
-                group = counter_group(obj)
-                fresh = fresh_like(obj, target, offset, rec[2], rec[3], rec[4], grad,
-                                   counters.get(group))
-                counters.setdefault(group, fresh)
-                records.append(ImplSwap(obj, fresh, key, version, old, rec[4]))
-                swaps.append((obj, fresh))
-                del fresh  # after the swap it carries the old impl: only the journal may hold it
-            else:
-                records.append(SetMove(obj, key, *old, version))
-                places.append((obj, target, offset, rec[2], rec[3]))
-            placed.append((obj, slc.offset, slc.end))
-        del counters  # it holds swapped-in impls, which carry the old ones after the swap
-    checkpoint("rebind")
-    txn.journal.extend(records)
-    place_many(places)
-    swap_many(swaps)
-    tc.set_versions([r.obj for r in records], [r.version for r in records])
-    check_placed(pool, placed)
-    new_records = {id(rec): make_record(obj, rec[1], rec[2], rec[3], rec[4], record_holder(rec),
-                                        rec[8]) for _, rec, obj in todo}
-    del records, places, swaps, placed
-    keys = list(feeds)
+    held = held_outside_python([m.obj for m in members if m.how is Move.IN_PLACE],
+                               [m.obj for m in members])
+    outside = outside_by_key(((m.key, m.obj) for m in members if m.key is not None), held)
+    target = pool.storage
+    dests = [(target, (slc.offset + b.byte_offset) // b.dtype.itemsize, b.shape, b.stride)
+             for slc, b, _ in todo]  # (its binding's geometry; its record keeps where it sat)
+    move(txn.journal, members, dests)
+    check_placed(pool, [(obj, slc.offset, slc.end, *dest[1:]) for (slc, _, obj), dest
+                        in zip(todo, dests)])
+    rebound = {id(b): binding(obj, b.byte_offset, b.shape, b.stride, b.dtype, b.holder(),
+                              b.primary, type(b.ref) is TensorRef) for _, b, obj in todo}
+    del members, dests
 
     def name(key: int) -> str:
         return f"the storage re-adopted into slice(s) {sorted(set(feeds[key]))}"
 
-    pins = settle_pins(txn, keys, name, outside, on_pinned, lambda: [todo])
-    keep_unreleased(pool, txn, name, pins, outside)
-    for slice_id, recs in pool.registry.items():
-        pool.registry.bind(slice_id, [new_records.get(id(r), r) for r in recs])
-    todo.clear()  # the caller's list too: its (slice, record, tensor) rows would pin
+    def bind() -> None:
+        for slice_id, bound in pool.registry.items():
+            pool.registry.bind(slice_id, [rebound.get(id(b), b) for b in bound])
+        todo.clear()  # the caller's list too: its (slice, binding, tensor) rows would pin
+
     nbytes = dict(txn.nbytes)
-    expired, _ = release(txn, name, pins, on_pinned)
+    expired, pins = finish(txn, name, outside, on_pinned, bind, lambda: [todo])
     items: list[AdoptedItem] = []
     for key, slice_ids in feeds.items():
         for sid in sorted(set(slice_ids)):
@@ -263,4 +172,4 @@ def _readopt(
     return AdoptionReport(tuple(items))
 
 
-__all__ = ["is_in_place", "moved", "readopt"]
+__all__ = ["readopt"]

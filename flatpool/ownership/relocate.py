@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import torch_compat as tc
 from ..allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError
-from ..registry import Record, current
+from ..registry import Binding
 from ..slices import Slice
 from ..state import MAX_BYTES, PoolState, empty_storage_tensor
-from .adopt import check_not_in_backward, check_policy
-from .copying import copy_all
 from .faults import checkpoint
-from .moves import Place, SetMove, place_many
-from .readopt import is_in_place
-from .proof import held_outside_python
-from .settle import Placed, check_placed, keep_unreleased, release, settle_pins
-from .spec import OnPinned
-from .transaction import Transaction, atomic, byte_view
+from .moves import Dest, Member, Move, byte_view, copy_all, member_of, move
+from .release import Placed, check_placed, finish, held_outside_python
+from .spec import OnPinned, check_policy
+from .transaction import Transaction, atomic, check_not_in_backward
+from .validity import in_place
 
 
 def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
@@ -63,7 +59,7 @@ def relocate(
     """Move ``pool`` to a new storage of ``capacity`` bytes with slices at ``layout``."""
     check_policy(on_pinned)
     check_not_in_backward()
-    return atomic(pool, lambda txn: _relocate(pool, txn, capacity, layout, on_pinned))
+    return atomic(lambda txn: _relocate(pool, txn, capacity, layout, on_pinned), pool)
 
 
 def _relocate(
@@ -81,10 +77,11 @@ def _relocate(
         pool.install(None, alloc, list(mapping.values()))
         return mapping
 
+    pool.check_invariants()  # a storage shrunk through a tensor on it has no bytes to move
     checkpoint("allocate")
     new_buffer = empty_storage_tensor(capacity, pool.device, pool.name)
-    old_key = txn.track(pool.storage)
-    txn.detach_buffer()
+    old_key = txn.track(pool.storage, pool)
+    txn.detach_buffer(pool)
     new_storage = new_buffer.untyped_storage()
     checkpoint("copy")
     if old_slices:
@@ -102,11 +99,8 @@ def _relocate(
     def name(key: int) -> str:
         return f"pool {pool.name!r}'s old storage"
 
-    outside = {old_key: held} if held else {}
-    pins = settle_pins(txn, [old_key], name, outside, on_pinned)
-    keep_unreleased(pool, txn, name, pins, outside)
-    del held, outside
-    release(txn, name, pins, on_pinned)
+    finish(txn, name, {old_key: held} if held else {}, on_pinned, lambda: None)
+    del held
     return mapping
 
 
@@ -117,37 +111,32 @@ def _move_bound(
     new_storage: torch.UntypedStorage,
     old_slices: tuple[Slice, ...],
     mapping: dict[int, Slice],
-) -> tuple[dict[int, list[Record]], list[Placed], list[torch.Tensor]]:
-    """Move every bound object still in place to the new storage; returns the new registry,
-    where each moved object must sit, and the moved objects held outside Python."""
-    out: dict[int, list[Record]] = {}
-    records: list[SetMove] = []
-    places: list[Place] = []
+) -> tuple[dict[int, list[Binding]], list[Placed], list[torch.Tensor]]:
+    """Move every bound member in place to the new storage; returns the new registry, where
+    each moved member must sit, and the moved members held outside Python."""
+    out: dict[int, list[Binding]] = {}
+    members: list[Member] = []
+    dests: list[Dest] = []
     placed: list[Placed] = []
-    with tc.no_torch_function():
-        for s in old_slices:
-            new = mapping[s.slice_id]
-            kept: list[Record] = []
-            for rec in pool.registry.records(s.slice_id):
-                obj = current(rec)
-                if obj is None:
-                    continue
-                if is_in_place(old_key, s, rec, obj):
-                    item = rec[4].itemsize
-                    records.append(SetMove(obj, old_key, (s.offset + rec[1]) // item, rec[2],
-                                           rec[3], tc.impl_version(obj)))
-                    places.append((obj, new_storage, (new.offset + rec[1]) // item, rec[2], rec[3]))
-                    placed.append((obj, new.offset, new.end))
-                kept.append(rec)
-            if kept:
-                out[new.slice_id] = kept
-    moving = [r.obj for r in records]
+    for s in old_slices:
+        new = mapping[s.slice_id]
+        kept: list[Binding] = []
+        for b in pool.registry.bindings(s.slice_id):
+            obj = b.current()
+            if obj is None:
+                continue
+            if in_place(old_key, s, b, obj):
+                members.append(member_of(obj, Move.IN_PLACE, old_key))
+                dests.append((new_storage, (new.offset + b.byte_offset) // b.dtype.itemsize,
+                              b.shape, b.stride))
+                placed.append((obj, new.offset, new.end, *dests[-1][1:]))
+            kept.append(b)
+        if kept:
+            out[new.slice_id] = kept
+    moving = [m.obj for m in members]
     held = held_outside_python(moving, moving)
     del moving
-    checkpoint("rebind")
-    txn.journal.extend(records)
-    place_many(places)
-    tc.set_versions([r.obj for r in records], [r.version for r in records])
+    move(txn.journal, members, dests)
     return out, placed, held
 
 

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import chain, repeat, starmap
-from operator import is_
-from typing import Literal, cast, overload
+from typing import Literal, cast
 
 import torch
 from attrs import define, field
 
-from ..errors import InvalidTypeError
+from ..errors import InvalidRequestError, InvalidTypeError
 from ..holder import Holder
-from ..slice_index import SliceRun
 from ..slices import Slice
 
 OnPinned = Literal["raise", "warn", "force"]
@@ -26,6 +22,14 @@ then behaves like ``"warn"`` for what is left (C++ holders). No mode ever frees 
 something still uses: an original that only something outside Python holds (a DLPack consumer)
 is kept alive by the pool until that holder lets go.
 """
+
+
+def check_policy(on_pinned: object) -> OnPinned:
+    """``on_pinned`` checked: one of the :data:`OnPinned` values."""
+    if on_pinned not in ("raise", "warn", "force"):
+        raise InvalidRequestError(
+            f"on_pinned must be 'raise', 'warn' or 'force', got {on_pinned!r}")
+    return on_pinned
 
 
 def _sequence(value: object, what: str) -> tuple[object, ...]:
@@ -82,33 +86,6 @@ class AdoptSpec:
     slice: Slice | None = None
 
 
-_set_field = object.__setattr__
-
-
-def specs_of_columns(
-    tensors: Sequence[torch.Tensor], views: Sequence[tuple[torch.Tensor, ...]],
-    holders: Sequence[tuple[Holder, ...]], slices: Sequence[Slice | None],
-) -> list[AdoptSpec]:
-    """``AdoptSpec(tensors[i], views[i], holders[i], slices[i])`` for every ``i``, from columns
-    already in the converted form (tuples of tensors, tuples of :class:`Holder`), built in
-    C-level passes (a fusion group makes one spec per member: the converters cost more than
-    the rest of its planning). Columns of any other form go through the validating ``__init__``."""
-    n = len(tensors)
-    if not (len(views) == len(holders) == len(slices) == n
-            and all(map(isinstance, tensors, repeat(torch.Tensor)))
-            and all(map(is_, map(type, views), repeat(tuple)))
-            and all(map(is_, map(type, holders), repeat(tuple)))
-            and all(map(isinstance, chain.from_iterable(views), repeat(torch.Tensor)))
-            and all(map(is_, map(type, chain.from_iterable(holders)), repeat(Holder)))
-            and set(map(type, slices)) <= {type(None), Slice}):
-        return list(map(AdoptSpec, tensors, views, holders, slices))
-    out = list(starmap(object.__new__, repeat((AdoptSpec,), n)))
-    for name, column in (("tensor", tensors), ("views", views), ("holders", holders),
-                         ("slice", slices)):  # attrs sets a frozen class's slots this way
-        deque(map(_set_field, out, repeat(name), column), maxlen=0)
-    return out
-
-
 @define(frozen=True)
 class AdoptedItem:
     """What became of one adopted original."""
@@ -131,65 +108,8 @@ class AdoptedItem:
         return self.original_nbytes if self.released and not self.external else 0
 
 
-class ItemTable(Sequence[AdoptedItem]):
-    """The items of a large plain batch, kept as columns and made into :class:`AdoptedItem`
-    values only when looked at (a batch of 10,000 would otherwise build 10,000 objects that
-    most callers never read)."""
-
-    __slots__ = ("_slices", "_nbytes", "_released", "_pinned", "_made", "_rebound")
-
-    def __init__(
-        self, slices: Sequence[Slice], nbytes: Sequence[int], released: Sequence[bool] | Sequence[int],
-        pinned: dict[int, tuple[str, ...]], rebound: int = 1,
-    ) -> None:
-        # A run of slices stays a run (its handles made when read); nbytes stay as given.
-        self._slices: tuple[Slice, ...] | SliceRun = (
-            slices if isinstance(slices, (tuple, SliceRun)) else tuple(slices))
-        self._nbytes, self._released = nbytes, bytes(released)
-        self._pinned = pinned  # index -> holders
-        self._made: tuple[AdoptedItem, ...] | None = None
-        self._rebound = rebound  # tensor objects moved per item (the same for every item)
-
-    def _items(self) -> tuple[AdoptedItem, ...]:
-        if self._made is None:
-            self._made = tuple(
-                AdoptedItem(slice=s, original_nbytes=n, released=bool(r), rebound=self._rebound,
-                            pinned_by=self._pinned.get(i, ()))
-                for i, (s, n, r) in enumerate(zip(self.slices, self._nbytes, self._released)))
-        return self._made
-
-    def __len__(self) -> int:
-        return len(self._slices)
-
-    @overload
-    def __getitem__(self, i: int) -> AdoptedItem: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[AdoptedItem, ...]: ...
-    def __getitem__(self, i: int | slice) -> AdoptedItem | tuple[AdoptedItem, ...]:
-        return self._items()[i]
-
-    def __eq__(self, other: object) -> bool:
-        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
-
-    def __hash__(self) -> int:
-        return hash(self._items())
-
-    def __repr__(self) -> str:
-        return repr(self._items())
-
-    @property
-    def all_released(self) -> bool:
-        return all(self._released)
-
-    @property
-    def freed_bytes(self) -> int:
-        return sum(n for n, r in zip(self._nbytes, self._released) if r)
-
-    @property
-    def slices(self) -> tuple[Slice, ...]:
-        if not isinstance(self._slices, tuple):
-            self._slices = tuple(self._slices.handles())
-        return self._slices
+REPR_ITEMS = 8
+"""How many items ``repr(AdoptionReport)`` lists, one a line, under its summary."""
 
 
 @define(frozen=True)
@@ -200,22 +120,58 @@ class AdoptionReport:
 
     @property
     def all_released(self) -> bool:
-        if isinstance(self.items, ItemTable):
-            return self.items.all_released
         return all(i.released for i in self.items)
 
     @property
     def freed_bytes(self) -> int:
-        if isinstance(self.items, ItemTable):
-            return self.items.freed_bytes
         return sum(i.freed_bytes for i in self.items)
 
     @property
     def slices(self) -> tuple[Slice, ...]:
-        if isinstance(self.items, ItemTable):
-            return self.items.slices
-        return tuple(i.slice for i in self.items)
+        return tuple([i.slice for i in self.items])  # (see adopt.adopt_in: not a generator)
+
+    def __repr__(self) -> str:
+        """The summary first (tensors, bytes moved, freed, released), then the first items."""
+        n = len(self.items)
+        if not n:
+            return "AdoptionReport(nothing adopted)"
+        slices = self.slices
+        released = sum(i.released for i in self.items) if not self.all_released else n
+        status = "all released" if released == n else f"{n - released} kept alive"
+        lines = [f"AdoptionReport({n} tensor{'s' * (n != 1)} into pool {slices[0].pool.name!r}: "
+                 f"{_size(sum(s.nbytes for s in slices))} moved, {_size(self.freed_bytes)} "
+                 f"freed, {status})"]
+        for k, item in enumerate(self.items[:REPR_ITEMS]):
+            lines.append(f"  #{k}: {_describe(item)}")
+        if n > REPR_ITEMS:
+            lines.append(f"  ... {n - REPR_ITEMS} more in .items")
+        return "\n".join(lines)
 
 
-__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "ItemTable", "OnPinned",
-           "specs_of_columns"]
+def _describe(item: AdoptedItem) -> str:
+    slc = item.slice
+    dtype = str(slc.dtype).removeprefix("torch.")
+    shape = "x".join(map(str, slc.shape)) or "scalar"
+    if item.external:
+        fate = "its memory belongs to another owner (not freed here)"
+    elif item.released:
+        fate = f"original {_size(item.original_nbytes)} released"
+    else:
+        held = "; ".join(item.pinned_by) or "unknown"
+        fate = f"original {_size(item.original_nbytes)} kept alive, held by {held}"
+    return f"slice {slc.slice_id} ({dtype} {shape}, {_size(slc.nbytes)}), {fate}"
+
+
+_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def _size(n: int) -> str:
+    """Bytes as :func:`flatpool.memory.units.fmt_bytes` writes them (which this module cannot
+    import: :mod:`flatpool.memory` imports the package this module is part of)."""
+    for unit, name in _UNITS:
+        if n >= unit:
+            return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"
+    return f"{n} B"
+
+
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "OnPinned", "check_policy"]

@@ -1,57 +1,63 @@
-"""All-or-nothing bookkeeping for one operation on one pool.
+"""All-or-nothing bookkeeping for one operation on one or several pools; rollback lives here.
 
-A :class:`Transaction` captures the pool's state, holds the original storages (so the release
-proof can account for every reference flatpool itself holds), journals every move *before* it
-happens (:mod:`flatpool.ownership.moves`) and can undo all of it, exactly and idempotently.
+A :class:`Transaction` captures every pool it covers (a fusion group's dtype buckets are
+several pools adopted in one transaction), holds the originals (so the release proof can
+account for every reference flatpool itself holds), keeps the journal of every move, written
+*before* the move happens (:func:`flatpool.ownership.moves.move`), and can undo all of it,
+exactly and idempotently: :meth:`Transaction.rollback` puts every member back where its record
+says, whether or not its move happened, so an interrupt at any bytecode leaves a state it can
+undo. :func:`atomic` is the guard every operation's body runs in.
 
-Its life: open -> (moves) -> :meth:`commit` -> :meth:`release` (drop the originals, take weak
-references) -> closed. An exception before ``commit`` rolls everything back; after it the
-operation stands (every tensor is in the pool), except where the operation itself decides to
-undo a release that did not go through (:meth:`rollback` then recovers the originals).
-:func:`atomic` is the guard every operation's body runs in.
+Its life is a :class:`Phase`: open -> (moves) -> committed -> released (the originals dropped,
+weak references taken) -> closed. An exception before the commit rolls everything back; after
+it the operation stands (every member is in the pool), except where the operation itself undoes
+a release that did not go through (:meth:`Transaction.rollback` then recovers the originals).
 """
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
-from itertools import chain
+import enum
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TypeVar
 
 import torch
 
 from .. import torch_compat as tc
-from ..errors import InvalidRequestError
+from ..errors import AdoptionError, InvalidRequestError
 from ..state import PoolSnapshot, PoolState
-from .columns import KeyedColumn
 from .gcpause import gc_paused
 from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import ImplSwap, ImplSwaps, Record, fresh_like, set_moves, undo
+from .moves import Member, Move, Record, SlotSet, byte_view, fresh_like, set_many, swap_many
 
 T = TypeVar("T")
 
 
-def atomic(pool: PoolState, body: Callable[[Transaction], T]) -> T:
-    """Run ``body`` as one all-or-nothing operation on ``pool`` and return what it returns.
+def atomic(body: Callable[[Transaction], T], *pools: PoolState) -> T:
+    """Run ``body`` as one all-or-nothing operation on ``pools`` and return what it returns.
 
-    Under the pool's lock, with the cycle collector paused and outside inference and grad
-    mode. An exception before the transaction commits rolls everything back; an exception
-    landing inside the rollback only makes it start over (it is idempotent). Signals that
-    arrive while the lock is taken and the gc paused are delivered as the body starts; signals
-    that arrive while the rollback runs, or once the body has returned (while the lock and the
-    gc pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
+    Under every pool's lock (taken in one global order, so two operations on overlapping pools
+    cannot deadlock), with the cycle collector paused and outside inference and grad mode. An
+    exception before the transaction commits rolls everything back; an exception landing
+    inside the rollback only makes it start over (it is idempotent). Signals that arrive while
+    the locks are taken and the gc paused are delivered as the body starts; signals that
+    arrive while the rollback runs, or once the body has returned (while the locks and the gc
+    pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
     after the operation, as their original handlers would have run.
     """
     check_plain_torch()
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
-        with gc_paused(), pool.lock:
-            pool.release_kept()
-            txn = Transaction(pool)
+        with gc_paused(), ExitStack() as locks:
+            for pool in sorted(set(pools), key=id):
+                locks.enter_context(pool.lock)
+            for pool in pools:
+                pool.release_kept()
+            txn = Transaction(pools)
             try:
-                guard.open()  # what came while taking the lock is delivered now, in the body
+                guard.open()  # what came while taking the locks is delivered now, in the body
                 result = body(txn)
             except BaseException:
-                if not txn.committed:
+                if txn.phase is Phase.OPEN:
                     run_undo(txn.rollback)
                 txn.close()
                 raise
@@ -78,203 +84,104 @@ def check_plain_torch() -> None:
         )
 
 
-def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
-    """``nbytes`` bytes of ``storage`` from ``start`` as a new uint8 tensor."""
-    with tc.outside_inference():
-        result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-            storage, start, (nbytes,), (1,)
+def check_not_in_backward() -> None:
+    """Refuse to move storages while autograd's backward pass runs (from a backward hook)."""
+    if tc.in_backward():
+        raise AdoptionError(
+            "cannot move storages while autograd's backward pass is running (called from a "
+            "backward hook?); adopt before forward or after backward and the optimizer step"
         )
-        return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
-class OriginalSizes(dict[int, int]):
-    """Original key -> bytes. A lean batch adds its keys and sizes as two columns
-    (:meth:`add_columns`: no dict entry and no int objects per original at the batch's peak);
-    the first lookup the entries miss moves the columns into the dict (only a rollback after
-    the release and the unreleased-original report look one up). Only ``[key]`` sees the
-    columns: iteration, ``get``, ``in`` and copies see the entries (no lean batch's transaction
-    is read that way)."""
+class Phase(enum.Enum):
+    """Where a transaction is in its life (see the module)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._columns: list[tuple[Sequence[int], Sequence[int]]] = []
-
-    def add_columns(self, keys: Sequence[int], sizes: Sequence[int]) -> None:
-        self._columns.append((keys, sizes))
-
-    def __missing__(self, key: int) -> int:
-        columns, self._columns = self._columns, []
-        for keys, sizes in columns:
-            self.update(zip(keys, sizes))
-        if key in self:
-            return self[key]
-        raise KeyError(key)
-
-
-class Originals(MutableMapping[int, torch.UntypedStorage]):
-    """Original key -> its storage object, held strongly until the release (the proof counts
-    references to exactly these objects). A lean batch adds its keys and storages as two
-    columns (:meth:`add_columns`: a shared ``array('q')`` and one list slot, 16 B an original,
-    where a dict entry and its int key cost ~62 B at the batch's peak); a lookup by key builds
-    the index once (the common path only iterates: the pin pre-check, the release)."""
-
-    __slots__ = ("_entries", "_keys", "_stores", "_index")
-
-    def __init__(self) -> None:
-        self._entries: dict[int, torch.UntypedStorage] = {}
-        self._keys: Sequence[int] = ()
-        self._stores: list[torch.UntypedStorage | None] = []
-        self._index: dict[int, int] | None = None
-
-    def add_columns(self, keys: Sequence[int], storages: list[torch.UntypedStorage]) -> None:
-        """Hold ``storages[i]`` under ``keys[i]`` (the columns are kept, not copied: the caller
-        must not change them); keys already held, or a second batch, go in as entries."""
-        if self._stores or any(map(self._entries.__contains__, keys)):
-            self.update(zip(keys, storages))
-            return
-        self._index = None
-        self._keys, self._stores = keys, list(storages)
-
-    def containers(self) -> tuple[object, ...]:
-        """The objects that refer to the storages directly (for pin scans to skip)."""
-        return self, self._entries, self._stores
-
-    def key_column(self) -> Sequence[int]:
-        """Every key, in order, without an int object per column key when there are no entries."""
-        if not self._entries and None not in self._stores:
-            return self._keys
-        return list(self)
-
-    def _at(self, key: int) -> int | None:
-        if not self._stores:
-            return None
-        index = self._index
-        if index is None:
-            index = self._index = {k: i for i, k in enumerate(self._keys)}
-        return index.get(key)
-
-    def __getitem__(self, key: int) -> torch.UntypedStorage:
-        found = self._entries.get(key)
-        if found is not None:
-            return found
-        i = self._at(key)
-        stored = None if i is None else self._stores[i]
-        if stored is None:
-            raise KeyError(key)
-        return stored
-
-    def __setitem__(self, key: int, storage: torch.UntypedStorage) -> None:
-        i = None if key in self._entries else self._at(key)
-        if i is not None:
-            self._stores[i] = storage
-        else:
-            self._entries[key] = storage
-
-    def __delitem__(self, key: int) -> None:
-        if key in self._entries:
-            del self._entries[key]
-            return
-        i = self._at(key)
-        if i is None or self._stores[i] is None:
-            raise KeyError(key)
-        self._stores[i] = None
-
-    def __iter__(self) -> Iterator[int]:
-        yield from self._entries
-        for k, stored in zip(self._keys, self._stores):
-            if stored is not None:
-                yield k
-
-    def __len__(self) -> int:
-        return len(self._entries) + len(self._stores) - self._stores.count(None)
-
-    def values(self) -> Iterator[torch.UntypedStorage]:  # type: ignore[override]
-        """The storages, entries first, then the columns' (no object per call but the iterator)."""
-        stores: Iterable[torch.UntypedStorage | None] = self._stores
-        if None in self._stores:
-            stores = (s for s in self._stores if s is not None)
-        return chain(self._entries.values(), stores)  # type: ignore[arg-type]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._keys, self._stores, self._index = (), [], None
-
-
-_NO_WEAK: KeyedColumn[int] = KeyedColumn((), array("q"))
-"""The weak references of a transaction not released yet (or closed): none."""
+    OPEN = "open: a failure rolls everything back"
+    COMMITTED = "committed: the operation stands"
+    RELEASED = "released: the originals are held only weakly"
+    CLOSED = "closed"
 
 
 class Transaction:
-    def __init__(self, pool: PoolState) -> None:
-        self.pool = pool
-        self.snapshot: PoolSnapshot | None = pool.capture()
-        self.originals = Originals()
-        self.nbytes = OriginalSizes()
+    """The journal, the originals and the pools' snapshots of one operation."""
+
+    def __init__(self, pools: Sequence[PoolState]) -> None:
+        self.pools = list(pools)
+        self.snapshots: list[PoolSnapshot | None] = [p.capture() for p in self.pools]
+        self.originals: dict[int, torch.UntypedStorage] = {}
+        """Original key -> its storage, held strongly until :meth:`release`."""
+        self.into: dict[int, PoolState] = {}
+        """Original key -> the pool it moves into."""
+        self.nbytes: dict[int, int] = {}
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
-        self.weak: KeyedColumn[int] = _NO_WEAK
-        self.committed: bool = False
-        self.closed: bool = False
+        self.weak: dict[int, int] = {}
+        """After :meth:`release`: original key -> a weak reference to its storage."""
+        self.phase = Phase.OPEN
 
     # -- originals -------------------------------------------------------------------------
-    def track(self, storage: torch.UntypedStorage) -> int:
-        key = tc.storage_key(storage)
+    def track(self, storage: torch.UntypedStorage, pool: PoolState, key: int | None = None) -> int:
+        """Hold ``storage`` (whose key the caller may know) as an original moving into ``pool``;
+        its key."""
+        key = tc.storage_key(storage) if key is None else key
         if key not in self.originals:
             self.originals[key] = storage
             self.nbytes[key] = storage.nbytes()
+            self.into[key] = pool
         return key
 
     def save_bytes(self, view: torch.Tensor) -> None:
         """Keep a copy of pool bytes about to be overwritten (an existing slice), for rollback."""
         self.saved.append((view, tc.clone(view.detach())))
 
-    def detach_buffer(self) -> None:
-        """Relocation: the snapshot must not pin the pool's old storage (tracked as an original
+    def detach_buffer(self, pool: PoolState) -> None:
+        """Relocation: ``pool``'s snapshot must not pin its old storage (tracked as an original
         under the snapshot's ``buffer_key``); a rollback rebuilds the buffer tensor from it."""
-        if self.snapshot is not None:
-            self.snapshot.buffer = None
+        snap = self.snapshots[self.pools.index(pool)]
+        if snap is not None:
+            snap.buffer = None
 
     # -- commit and release ----------------------------------------------------------------
     def commit(self) -> None:
         """The point of no return: from here an exception leaves the operation standing."""
-        self.committed = True
+        self.phase = Phase.COMMITTED
 
-    def release(self) -> KeyedColumn[bool]:
+    def release(self) -> dict[int, bool]:
         """Drop every reference to the originals; report which ones died (weak references).
 
-        The journal keeps only weak references to the old impls of swapped views, so if the
-        operation then undoes itself a view gets its very impl back where it still lives.
+        The journal keeps only weak references to the old impls of swapped members, so if the
+        operation then undoes itself a member gets its very impl back where it still lives.
         """
-        keys = self.originals.key_column()  # (a lean batch's own column: no int object a key)
-        self.weak = KeyedColumn(keys, array("q", tc.weak_storages(self.originals.values())))
+        self.weak = {key: tc.weak_storage(s) for key, s in self.originals.items()}
+        self.phase = Phase.RELEASED
         for rec in self.journal:
-            if isinstance(rec, (ImplSwap, ImplSwaps)):
+            if isinstance(rec, Member) and rec.fresh is not None:
                 rec.let_go()
         self.originals.clear()
         return self.expired()
 
-    def expired(self) -> KeyedColumn[bool]:
-        """Per original key, whether its weak reference expired (columns: see
-        :mod:`flatpool.ownership.columns`)."""
-        weak = self.weak
-        return KeyedColumn(weak.key_list(), bytes(tc.weak_expired_each(weak.values())), flags=True)
+    def expired(self) -> dict[int, bool]:
+        """Per original key, whether its weak reference expired."""
+        return {key: tc.weak_expired(ref) for key, ref in self.weak.items()}
 
     def close(self) -> None:
-        """Done: let go of everything (a kept exception must not pin originals or the pool)."""
-        self.closed = True
+        """Done: let go of everything (a kept exception must not pin originals or the pools)."""
+        self.phase = Phase.CLOSED
         self.originals.clear()
         self.journal = []
         self.saved = []
-        if self.snapshot is not None:
-            self.pool.forget(self.snapshot)
-        self.snapshot = None
-        weak, self.weak = self.weak, _NO_WEAK
-        tc.weak_free_each(weak.values())
+        for pool, snap in zip(self.pools, self.snapshots):
+            if snap is not None:
+                pool.forget(snap)
+        self.snapshots = [None] * len(self.pools)
+        weak, self.weak = self.weak, {}
+        for ref in weak.values():
+            tc.weak_free(ref)
 
-    # -- undo ------------------------------------------------------------------------------
+    # -- rollback --------------------------------------------------------------------------
     def rollback(self) -> None:
-        """Put every tensor, holder and the pool back as they were. Idempotent."""
-        if self.closed:
+        """Put every member, holder and pool back as they were. Idempotent."""
+        if self.phase is Phase.CLOSED:
             return
         if self.weak:
             self._recover_originals()
@@ -282,12 +189,12 @@ class Transaction:
         with torch.no_grad():
             for view, before in reversed(self.saved):
                 tc.foreach_copy([view], [before])
-        snap = self.snapshot
-        assert snap is not None
-        if snap.buffer is None and snap.buffer_key is not None:  # relocation: rebuild it
-            storage = self.originals[snap.buffer_key]
-            snap.buffer = byte_view(storage, 0, storage.nbytes())
-        self.pool.restore(snap)
+        for pool, snap in zip(self.pools, self.snapshots):
+            assert snap is not None
+            if snap.buffer is None and snap.buffer_key is not None:  # relocation: rebuild it
+                storage = self.originals[snap.buffer_key]
+                snap.buffer = byte_view(storage, 0, storage.nbytes())
+            pool.restore(snap)
         self.close()
         if errors:
             raise RollbackError(
@@ -302,31 +209,23 @@ class Transaction:
             if key in self.originals:
                 continue
             alive = tc.weak_upgrade(ref)
-            if alive is not None:
-                self.originals[key] = alive
-                continue
-            fresh = tc.new_storage(self.nbytes[key], self.pool.device)
-            self._refill(key, fresh)
-            self.originals[key] = fresh
-        for rec in self.journal:
-            if isinstance(rec, ImplSwap) and rec.old_impl_holder() is None and rec.key is not None:
-                assert rec.geometry is not None and rec.dtype is not None
-                rec.other = fresh_like(rec.obj, self.originals[rec.key], *rec.geometry, rec.dtype)
-            elif isinstance(rec, ImplSwaps):
-                for i, held in enumerate(rec.holders()):
-                    if held is None:
-                        rec.hold(i, fresh_like(rec.objs[i], self.originals[rec.keys[i]],
-                                               *rec.geometries[i], rec.dtypes[i]))
+            if alive is None:
+                alive = tc.new_storage(self.nbytes[key], self.into[key].device)
+                self._refill(key, alive)
+            self.originals[key] = alive
+        for rec in self.journal:  # a swapped member whose old impl died gets one rebuilt
+            if (isinstance(rec, Member) and rec.how is not Move.IN_PLACE and rec.key is not None
+                    and rec.old_impl() is None):
+                rec.fresh = fresh_like(rec.obj, self.originals[rec.key], rec.offset, rec.size,
+                                       rec.stride, rec.dtype)
 
     def _refill(self, key: int, fresh: torch.UntypedStorage) -> None:
-        """Copy an original's bytes back from where its tensors sit in the pool now."""
-        for rec in set_moves(self.journal):
-            if rec.key == key:
-                obj = rec.obj
+        """Copy an original's bytes back from where one of its members sits in the pool now."""
+        for rec in self.journal:
+            if isinstance(rec, Member) and rec.key == key:
                 with tc.no_torch_function():
-                    item = tc.impl_element_size(obj)
-                    shift = (tc.impl_storage_offset(obj) - rec.offset) * item
-                    pool_storage = tc.impl_untyped_storage(obj)
+                    shift = (tc.impl_storage_offset(rec.obj) - rec.offset) * rec.dtype.itemsize
+                    pool_storage = tc.impl_untyped_storage(rec.obj)
                 lo = max(0, shift)
                 n = min(self.nbytes[key], pool_storage.nbytes() - shift) - (lo - shift)
                 if n > 0:
@@ -335,4 +234,40 @@ class Transaction:
                 return
 
 
-__all__ = ["Transaction", "atomic", "byte_view"]
+def undo(journal: Sequence[Record], originals: dict[int, torch.UntypedStorage],
+         ) -> list[BaseException]:
+    """Put every member of ``journal`` back where its record says; absolute and idempotent (a
+    member already there, or whose swap never happened, stays).
+
+    Returns the errors of records that could not be undone (a holder whose setter now fails),
+    after undoing everything else.
+    """
+    back = []
+    swaps = []
+    counted: list[Member] = []
+    for rec in reversed(journal):
+        if not isinstance(rec, Member):
+            continue
+        if rec.how is Move.IN_PLACE:
+            assert rec.key is not None
+            back.append((rec.obj, originals[rec.key], rec.offset, rec.size, rec.stride))
+        else:
+            old = rec.old_impl()
+            if tc.impl_address(rec.obj) != rec.impl and old is not None:
+                swaps.append((rec.obj, old))
+        if rec.version >= 0:
+            counted.append(rec)
+    set_many(back)
+    swap_many(swaps)
+    errors: list[BaseException] = []
+    for rec in reversed(journal):
+        try:
+            if isinstance(rec, SlotSet):
+                setattr(rec.obj, rec.name, rec.old)
+        except Exception as exc:  # keep undoing the rest; reported together
+            errors.append(exc)
+    tc.set_versions([m.obj for m in counted], [m.version for m in counted])
+    return errors
+
+
+__all__ = ["Phase", "Transaction", "atomic", "check_not_in_backward", "check_plain_torch", "undo"]

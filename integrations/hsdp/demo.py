@@ -226,8 +226,9 @@ def parse(argv: Sequence[str] | None) -> Config:
     ap.add_argument("--client", choices=("fsdp2", "hyperparallel"), default="fsdp2",
                     help="fsdp2 (default) or hyperparallel (the simulation, docs' drop-in lines)")
     ap.add_argument("--optim", choices=("per-parameter", "flat"), default="per-parameter",
-                    help="flat: also show gradients and AdamW state per rank, per parameter vs "
-                         "in flatpool.optim pools (one buffer per kind per group and dtype)")
+                    help="flat: also show what pooling saves per rank and per kind "
+                         "(parameters, gradients, AdamW state: storages and bytes), with no "
+                         "pools, parameters pooled, and all pooled (flatpool.optim)")
     a = ap.parse_args(argv)
     backend = a.backend or {"cuda": "nccl", "npu": "hccl"}.get(a.device.split(":")[0], "gloo")
     return Config(a.device, backend, a.world_size, a.hidden, a.ffn, a.batch, a.steps,

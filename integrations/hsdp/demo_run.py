@@ -42,8 +42,8 @@ class Config:
     """A folder: each rank writes rank<r>.png there, its memory in the buggy mode beside its
     memory after flatpool's fusion (flatpool.memory; needs the viz extra)."""
     optim: str = "per-parameter"
-    """``"flat"`` adds the optimizer row: gradients and AdamW state per parameter vs in pools
-    (:mod:`flatpool.integrations.hsdp.optim_demo`)."""
+    """``"flat"`` adds the optimizer tables: per kind, storages and bytes with no pools,
+    parameters pooled and all pooled (:mod:`flatpool.integrations.hsdp.optim_demo`)."""
 
 
 def progress(text: str) -> None:

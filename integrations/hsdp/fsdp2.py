@@ -2,7 +2,7 @@
 
 FSDP2 rebinds a member's storage in two places, both through ``FSDPParam.reset_sharded_param``:
 ``nn.Module._apply`` (``to_empty``, ``.to``) and a ``load_state_dict`` post-hook. An in-place
-``load_state_dict`` leaves the member on its slice (``reset_sharded_param`` sees the same storage
+``load_state_dict`` leaves the member in place (``reset_sharded_param`` sees the same storage
 and does nothing); ``to_empty`` and ``load_state_dict(assign=True)`` install new storages. So the
 layer re-validates (and re-adopts what moved) at the two points that matter:
 
@@ -17,9 +17,12 @@ layer re-validates (and re-adopts what moved) at the two points that matter:
 
 Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
 ``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
-raise; the original is kept alive, reported once, counted in :attr:`FusedModule.kept_alive`,
-and released at the first step after the user drops it. Events (adopted, re-adopted, planned
-anew, kept alive, skipped) go to the ``flatpool`` logger.
+raise; the original is kept alive, reported once and counted in
+:attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
+(it dies by reference count; the next check forgets it), or, when something outside Python
+holds the moved shard (a DLPack consumer) and the pool keeps the original for it, at the first
+check (the next forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
+planned anew, kept alive, skipped) go to the ``flatpool`` logger.
 
 FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
 private state (``FSDPState``, lazy init, param groups) is read through
@@ -40,7 +43,7 @@ from flatpool import FlatPoolError, OnPinned
 from flatpool import torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
-from flatpool.ownership.adopt import check_policy
+from flatpool.ownership.spec import check_policy
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group
@@ -76,6 +79,12 @@ def lazy_init(module: nn.Module) -> None:
             "torch.distributed.fsdp.fully_shard(module) first"
         )
     tc.fsdp_lazy_init(module)
+
+
+def _user_class(module: nn.Module) -> type:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
+    (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _world_size(group: FSDPParamGroup) -> int:
@@ -149,7 +158,7 @@ class FusedModule:
             self.readoptions += moved
 
     def is_valid(self) -> bool:
-        """Every adoptable group adopted, and every member on its slice."""
+        """Every adoptable group adopted, and every member in place."""
         return all(
             b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers)
         )
@@ -171,7 +180,8 @@ class FusedModule:
         pools = sum(len(b.buckets) for b in self.buffers)
         kept = sum(len(b.kept) for b in self.buffers)
         hooks = "hooks installed" if self._handles else "no hooks"
-        return (f"FusedModule({type(self.module).__name__}: {adopted}/{len(self.groups)} groups "
+        name = _user_class(self.module).__name__
+        return (f"FusedModule({name}: {adopted}/{len(self.groups)} groups "
                 f"fused in {pools} pool(s), valid={self.is_valid()}, {kept} original(s) kept "
                 f"alive, {self.readoptions} re-adoption(s), on_pinned={self.on_pinned!r}, "
                 f"{hooks})")

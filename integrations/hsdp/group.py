@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
-from itertools import compress, repeat
-from operator import attrgetter, eq, floordiv, is_, itemgetter, or_
 
 import torch
 from attrs import define, field
@@ -28,14 +25,11 @@ from flatpool import torch_compat as tc
 from flatpool.devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
-from flatpool.ownership.moves import fresh_on, place_many
-from flatpool.ownership.adopt import adopt
-from flatpool.ownership.sharded import SpecColumns
-from flatpool.pool import contiguous_strides
+from flatpool.ownership.adopt import adopt_many
 
 from .kept import KeptAlive
 from .layout import Bucket, MemberLayout
-from .members import data_all, data_of, has_memory, impl_device, impl_requires_grad, impl_size
+from .members import data_all, data_of, impl_device, impl_size
 from .members import local_of, member_name, padded_size, shard_dim
 from .protocol import ShardedParam
 from .wrappers import WrapperKinds
@@ -100,13 +94,12 @@ def skip_reason(
         return "empty group: nothing to fuse"
     if world_size is not None and world_size <= 1:
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
-    if any(map(_offload, params)):
+    if any(p.offload_to_cpu for p in params):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
     data = data_all(params) if data is None else data
-    with tc.no_torch_function():  # C-level passes of TensorImpl reads
-        on_meta = map(or_, map(tc.impl_is_meta, data),
-                      map(tc.impl_is_meta, map(local_of, map(_wrapper, params))))
-        meta = list(compress(range(len(params)), on_meta))
+    with tc.no_torch_function():
+        meta = [i for i, (d, p) in enumerate(zip(data, params))
+                if tc.impl_is_meta(d) or tc.impl_is_meta(local_of(p.sharded_param))]
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
@@ -234,76 +227,25 @@ def _adopt_group(
     dev = resolve_device(device) if device is not None else impl_device(data[0])
     plans = plan_buckets(params, dev, alignment, name, data)
 
-    done: list[tuple[FlatPool, list[MemberLayout]]] = []
-    reports = []
-    freed = 0
-    try:
-        for _, pool, layouts in plans:
-            specs = _specs(params, layouts, data)
-            if len(specs):
-                report = adopt(pool, specs, on_pinned=on_pinned)  # (pool.adopt, columns taken)
-                freed += report.freed_bytes
-                reports.append((pool, report, layouts))
-            done.append((pool, layouts))
-    except BaseException:
-        for pool, layouts in done:
-            evict(pool, [params[m.index] for m in layouts], layouts)
-        raise
+    # One transaction over every bucket's pool: all of them adopted, or every member as it was.
+    reports = adopt_many([(pool, _specs(params, layouts)) for _, pool, layouts in plans],
+                         on_pinned=on_pinned)
     kept = kept if kept is not None else KeptAlive()
-    for pool, report, layouts in reports:
-        if not report.all_released:  # something kept alive: name its members
+    freed = sum(report.freed_bytes for report in reports)
+    for (_, pool, layouts), report in zip(plans, reports):
+        if report.items and not report.all_released:  # something kept alive: name its members
             kept.note(pool, report, [member_name(params[m.index], m.index)
                                      for m in layouts if m.slice is not None])
-    buckets = tuple(Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans)
+    buckets = tuple([Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans])
     return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
 
 
-def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout],
-           data: Sequence[torch.Tensor]) -> list[AdoptSpec] | SpecColumns:
-    """:func:`adopt_spec` of each member with a slice; when every member has one, the same
-    batch as columns (shard, wrapper, the member as the shard's holder, slice: no object a
-    member; ``data``: the members' padded data, read once for the whole call)."""
-    if not all(map(_slice_of, layouts)):
-        return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
-    ps = [params[m.index] for m in layouts]
-    return SpecColumns([data[m.index] for m in layouts], list(map(_wrapper, ps)), ps, _DATA,
-                       list(map(_slice_of, layouts)))
+def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout]) -> list[AdoptSpec]:
+    """:func:`adopt_spec` of each member with a slice."""
+    return [adopt_spec(params[m.index], m.slice) for m in layouts if m.slice is not None]
 
-
-_DATA = "_sharded_param_data"
-_slice_of, _wrapper = attrgetter("slice"), attrgetter("sharded_param")
-_offload = attrgetter("offload_to_cpu")
-_sharded_attr = attrgetter("sharded_size")
-_first = itemgetter(0)
 
 BucketPlan = tuple[torch.dtype, FlatPool, list[MemberLayout]]
-
-
-def _padded_all(ps: list[ShardedParam], indices: list[int]) -> list[torch.Size]:
-    """:func:`padded_size` of each member: one attribute pass when every member says its
-    padded size as a ``torch.Size`` (FSDP2's do), else member by member."""
-    found = list(map(getattr, ps, repeat("padded_sharded_param_size"), repeat(None)))
-    if all(map(is_, map(type, found), repeat(torch.Size))):
-        return cast("list[torch.Size]", found)
-    return [padded_size(p, i) for p, i in zip(ps, indices)]
-
-
-def _layouts(ps: list[ShardedParam], indices: list[int], offsets: list[int],
-             padded: list[torch.Size], sizes: list[torch.Size], counts: list[int],
-             slices: list[Slice]) -> list[MemberLayout] | None:
-    """:func:`layout_of` of a bucket whose members all have a slice, in C-level passes; ``None``
-    when a member needs the per-member form (its checks name what is wrong)."""
-    if not (all(map(eq, map(len, sizes), repeat(1))) and list(map(_first, sizes)) == counts):
-        return None
-    origs = list(map(getattr, ps, repeat("_orig_size"), repeat(None)))
-    sharded = list(map(_sharded_attr, ps))
-    if not (all(map(is_, map(type, origs), repeat(torch.Size)))
-            and all(map(is_, map(type, sharded), repeat(torch.Size)))):
-        return None
-    placements = list(map(getattr, ps, repeat("fsdp_placement"), repeat(None)))
-    dims = (list(map(int, map(getattr, placements, repeat("dim"), repeat(0))))
-            if all(placements) else list(map(shard_dim, ps)))
-    return list(map(MemberLayout, indices, offsets, counts, padded, sharded, origs, dims, slices))
 
 
 def plan_buckets(
@@ -326,23 +268,13 @@ def plan_buckets(
         # place the whole bucket in one step.
         pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
                         name=f"{name}/{str(dtype).replace('torch.', '')}")
-        ps = [params[i] for i in indices]
-        padded = _padded_all(ps, indices)
-        with tc.no_torch_function():  # one pass of TensorImpl reads
-            sizes = list(map(tc.impl_size, [data[i] for i in indices]))
+        padded = [padded_size(params[i], i) for i in indices]
+        with tc.no_torch_function():
+            sizes = [tc.impl_size(data[i]) for i in indices]
         counts = list(map(math.prod, padded))
         item = dtype.itemsize
-        if all(counts):  # every member gets a slice: the layouts in C-level passes
-            placed = pool.allocate_many(list(zip(map(tuple, padded), repeat(dtype))))
-            offsets = list(map(floordiv, map(attrgetter("offset"), placed), repeat(item)))
-            fast = _layouts(ps, indices, offsets, padded, sizes, counts, list(placed))
-            if fast is not None:
-                plans.append((dtype, pool, fast))
-                continue
-            slices = iter(placed)
-        else:
-            slices = iter(pool.allocate_many([(tuple(shape), dtype)
-                                              for shape, n in zip(padded, counts) if n]))
+        slices = iter(pool.allocate_many([(tuple(shape), dtype)
+                                          for shape, n in zip(padded, counts) if n]))
         end = pool.capacity
         layouts = []
         for i, shape, n, size in zip(indices, padded, counts, sizes):
@@ -356,32 +288,7 @@ def plan_buckets(
     return plans
 
 
-def evict(pool: FlatPool, params: Sequence[ShardedParam], layouts: Sequence[MemberLayout]) -> None:
-    """Undo an adoption: give each member a private storage again (rollback of a later bucket).
-
-    The member's data is copied out of its slice into a fresh padded tensor; the padded data,
-    the local tensor and a wrapper with memory of its own are pointed at it, exactly as FSDP2
-    lays a member out after ``fully_shard``.
-    """
-    for p, m in zip(params, layouts):
-        if m.slice is None:
-            continue
-        fresh = pool.view(m.slice).clone()  # padded shape, like FSDP2's padded tensor
-        storage = fresh.untyped_storage()
-        stride = contiguous_strides(m.sharded_size)
-        wrapper = p.sharded_param
-        local = local_of(wrapper)
-        p._sharded_param_data = fresh.view(-1)
-        if local is not wrapper:
-            new_local = fresh_on(storage, 0, m.sharded_size, stride, fresh.dtype,
-                                 impl_requires_grad(local))
-            setattr(wrapper, "_local_tensor", new_local)
-        if local is wrapper or has_memory(wrapper):
-            place_many([(wrapper, storage, 0, tuple(m.sharded_size), stride)])
-        pool.disown(m.slice)
-
-
 __all__ = [
-    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members", "evict",
+    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members",
     "layout_of", "plan_buckets", "skip_reason",
 ]

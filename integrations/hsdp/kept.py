@@ -38,6 +38,17 @@ class KeptOriginal:
                 f"storage kept alive, held by: {'; '.join(self.holders)}")
 
 
+def _when_freed(by_pool: bool) -> str:
+    """When the memory of a kept original comes back (measured: tests/integrations/
+    test_failsafe.py)."""
+    if not by_pool:  # only the holders named keep it: it dies by reference count
+        return ("The memory comes back the moment the last of those references is dropped "
+                "(nothing else keeps the original).")
+    return ("Something outside Python may still read the original, so the pool keeps it until "
+            "that holder lets go; it is freed at the layer's next check after that (the next "
+            "step's forward, or reading kept_alive).")
+
+
 class KeptAlive:
     """The originals of one group still kept alive (a mutable cache beside the frozen
     :class:`~flatpool.integrations.hsdp.group.GroupBuffers`)."""
@@ -46,7 +57,7 @@ class KeptAlive:
 
     def __init__(self) -> None:
         self._items: list[tuple[FlatPool, KeptOriginal]] = []
-        self._unreported: list[KeptOriginal] = []
+        self._unreported: list[tuple[KeptOriginal, bool]] = []  # and: the pool keeps it
         self.logged: set[str] = set()
         """Reasons the group's hooks already logged (skips, failures): each is logged once."""
 
@@ -73,16 +84,15 @@ class KeptAlive:
             if any(k == kept for _, k in self._items):
                 continue
             self._items.append((pool, kept))
-            self._unreported.append(kept)
+            self._unreported.append((kept, u.kept_by_pool))
 
     def report(self) -> None:
         """One warning (:class:`flatpool.OriginalKeptAliveWarning`) and one ``flatpool`` log
         record for each original noted since the last call."""
         todo, self._unreported = self._unreported, []
-        for kept in todo:
+        for kept, by_pool in todo:
             logger.info("kept alive: %s", kept.describe())  # the warning is the alert
-            warn(f"{kept.describe()}. Training goes on from the pool; the memory comes "
-                 "back at the first step after those references are dropped.",
+            warn(f"{kept.describe()}. Training goes on from the pool. {_when_freed(by_pool)}",
                  OriginalKeptAliveWarning, past_torch=True)
 
     def refresh(self) -> int:

@@ -11,9 +11,7 @@ sites never see a subclass's opinion of itself.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -37,18 +35,8 @@ def data_of(p: ShardedParam, index: int) -> torch.Tensor:
     return data
 
 
-_data_attr = operator.attrgetter("_sharded_param_data")
-
-
 def data_all(params: Sequence[ShardedParam]) -> list[torch.Tensor]:
-    """:func:`data_of` of every member: one C-level attribute pass, and the per-member reads
-    (with their typed error) only when one is missing or not a tensor."""
-    try:
-        found = list(map(_data_attr, params))
-    except AttributeError:
-        found = []
-    if len(found) == len(params) and all(map(isinstance, found, repeat(torch.Tensor))):
-        return found
+    """:func:`data_of` of every member."""
     return [data_of(p, i) for i, p in enumerate(params)]
 
 

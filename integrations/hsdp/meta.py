@@ -63,7 +63,7 @@ def materialize_group(
         for m in layouts:
             if m.slice is not None:
                 _install(params[m.index], pool, m)
-    return GroupBuffers(buckets=tuple(Bucket(d, pool, tuple(ls)) for d, pool, ls in plans))
+    return GroupBuffers(buckets=tuple([Bucket(d, pool, tuple(ls)) for d, pool, ls in plans]))
 
 
 @torch.no_grad()

@@ -15,9 +15,11 @@ def mib(n: int) -> str:
     return f"{n / MiB:.2f} MiB" if n % MiB else f"{n // MiB} MiB"
 
 
-def render(rank: int, rows: Sequence[Sequence[str]], head: Sequence[str] = HEAD) -> str:
-    """``rank``'s table: the header, a rule, one aligned line per row."""
-    return "\n".join([f"rank {rank}:", *table(rows, head=head, rule=True, indent="  ")])
+def render(rank: int, rows: Sequence[Sequence[str]], head: Sequence[str] = HEAD,
+           title: str = "") -> str:
+    """``rank``'s table: ``rank N: title``, the header, a rule, one aligned line per row."""
+    first = f"rank {rank}: {title}" if title else f"rank {rank}:"
+    return "\n".join([first, *table(rows, head=head, rule=True, indent="  ")])
 
 
 __all__ = ["HEAD", "MiB", "mib", "render"]

@@ -10,11 +10,15 @@ pointer only, which misses a later member moved by ``reset_sharded_param`` and e
 tensor or wrapper left behind.
 
 Both checks here decide by *storage identity* (the StorageImpl, read without a Python storage
-object) and *element offset*, read from the TensorImpls under ``no_torch_function()``; never by
-``data_ptr()``, which is 0 for a zero-element tensor (an empty shard on a trailing rank) and
-which HyperParallel's DTensor overrides. :func:`is_valid` is the per-step form (a few C reads a
-member, about a microsecond, no allocation); :func:`member_problems` says in words what is
-wrong, with the same rules (tests hold the two to agree on every member kind).
+object), *element offset*, shape and element size, read from the TensorImpls under
+``no_torch_function()``; never by ``data_ptr()``, which is 0 for a zero-element tensor (an
+empty shard on a trailing rank), which HyperParallel's DTensor overrides, and which a tensor on
+another storage at the same address (``torch.from_numpy(t.numpy())``) shares. A member whose
+slice lies past the end of its pool's storage (shrunk through a member with
+``untyped_storage().resize_()``) is not in place either. :func:`is_valid` is the per-step form
+(a few reads a member, no allocation); :func:`member_problems` says in words what is wrong,
+with the same rules (a property test holds the two to agree on every member kind, under other
+threads and tracers).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from .layout import MemberLayout
 from .members import PLAIN, data_of, has_memory, impl_device, impl_dtype, impl_size, is_meta
 from .members import local_of, member_name
 from .protocol import ShardedParam
-from .quickcheck import remember, still_valid
 
 
 def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
@@ -63,6 +66,10 @@ def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool,
     key = pool.storage_key
     if key is None or pool.live_slice(m.slice.slice_id) is not m.slice:
         return ["its slice is gone"]
+    held = pool.storage_nbytes
+    if m.slice.end > held:
+        return [f"its slice ends at byte {m.slice.end}, past the end of the pool's storage "
+                f"(shrunk to {held} bytes through a tensor on it)"]
     out = []
     data = data_of(p, m.index)
     wrong = _place(data, key, m.offset, (m.numel,), itemsize)
@@ -92,71 +99,46 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
 
 
 def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
-    """True when the group was adopted and *every* member is in place (see the module).
-
-    Runs before each all-gather. When nothing changed since the rules last passed, it is a few
-    C-level passes over the members (:mod:`.quickcheck`: data pointers and shapes, no Python
-    bytecode per member); otherwise the full rules below decide, member by member.
-    """
+    """True when the group was adopted and *every* member is in place (see the module): what
+    :func:`problems` says, without its words. Runs before each all-gather."""
     if not buffers.adopted:
         return False
-    if still_valid(buffers, params):
-        return True
-    if not _members_valid(buffers, params):
-        return False
-    remember(buffers, params)
-    return True
-
-
-def _members_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
-    """The full rules: per member, storage key, element offset and shape of the data, the
-    local tensor and a wrapper with memory: six to nine C reads, no allocation. A rule added
-    here must read only what :mod:`.quickcheck` remembers, or be added to it: the fast path
-    answers without running these while those reads are unchanged."""
     kinds = buffers.wrapper_kinds
-    addr, off, size, ptr = tc.storage_address, tc.impl_storage_offset, tc.impl_size, tc.impl_data_ptr
-    tensor = torch.Tensor
     with tc.no_torch_function():
         for b in buffers.buckets:
-            pool = b.pool
-            key, base = pool.storage_key, pool.base_address
-            if key is None or base is None:
+            key, held = b.pool.storage_key, b.pool.storage_nbytes
+            if key is None:
                 return False
             item = b.dtype.itemsize
-            live = pool.live_slice
+            live = b.pool.live_slice
             for index, slc, sid, at, flat, sharded in kinds.rows(b):
-                if live(sid) is not slc:
+                if live(sid) is not slc or slc.end > held:
                     return False
-                want = base + at * item
                 p = params[index]
-                # A non-empty tensor whose data pointer is inside the live pool's storage is on
-                # that storage (no other allocation can own those addresses); an empty one's
-                # pointer is 0, so it is judged by storage identity and element offset.
-                data = p._sharded_param_data
-                got = ptr(data)
-                if got != want and (got != 0 or addr(data) != key or off(data) != at):
-                    return False
-                if size(data) != flat:
-                    return False
                 wrapper: torch.Tensor = p.sharded_param
                 local: Any = wrapper  # (local_of) a plain parameter is its own local tensor
                 if type(wrapper) not in PLAIN:
                     local = getattr(wrapper, "_local_tensor", None)
-                    if not isinstance(local, tensor):
+                    if not isinstance(local, torch.Tensor):
                         local = wrapper
-                got = ptr(local)
-                if got != want and (got != 0 or addr(local) != key or off(local) != at):
+                if not (_at(p._sharded_param_data, key, at, flat, item)
+                        and _at(local, key, at, sharded, item)):
                     return False
-                if size(local) != sharded:
-                    return False
-                if local is not wrapper:
-                    at_key = addr(wrapper)
-                    if at_key == key:
-                        if off(wrapper) != at or size(wrapper) != sharded:
+                if local is not wrapper:  # a wrapper with memory must sit there too
+                    if tc.storage_address(wrapper) == key:
+                        if not _at(wrapper, key, at, sharded, item):
                             return False
-                    elif not kinds.storage_less(index, wrapper, at_key):
+                    elif not kinds.storage_less(index, wrapper, tc.storage_address(wrapper)):
                         return False
     return True
+
+
+def _at(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...], itemsize: int) -> bool:
+    """:func:`_place`'s rule without its words: on storage ``key`` at element ``offset`` with
+    ``size`` and elements of ``itemsize`` bytes. Call under ``no_torch_function()``."""
+    return (not tc.impl_is_meta(t) and tc.storage_address(t) == key
+            and tc.impl_element_size(t) == itemsize and tc.impl_storage_offset(t) == offset
+            and tc.impl_size(t) == size)
 
 
 def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec | None:
@@ -215,7 +197,7 @@ def readopt_group(
     step of its own (if the second step then fails, those members stay repaired).
 
     Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
-    changed for it), or is still out of place afterwards. ``on_pinned`` is passed to
+    changed for it), or is still not in place afterwards. ``on_pinned`` is passed to
     :meth:`FlatPool.readopt`; what a ``"warn"`` re-adoption keeps alive goes to
     ``buffers.kept``. A member whose dtype, device or padded size changed
     (``module.double()``, ``.to(device)``) cannot go back into its slice: see
@@ -241,7 +223,7 @@ def readopt_group(
         left = {i: found for i, found in left.items() if found}
         if left:
             raise AdoptionError(
-                f"re-adoption left member(s) out of place: {left}; the pool's registry does not "
+                f"re-adoption left member(s) not in place: {left}; the pool's registry does not "
                 "know the objects they hold now. Call adopt_group() on the group anew."
             )
         moved += len(stale)

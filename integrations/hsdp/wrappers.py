@@ -5,7 +5,7 @@ layout), and which parameter wrappers have no memory of their own.
 
 A torch DTensor wrapper sits on a placeholder storage that is never the pool's; telling it
 apart from a storage-sharing wrapper that left the pool takes a Python storage object and a
-raised error (about 8 us). The verdict depends only on the wrapper's TensorImpl, so it is
+raised error, several times the rest of a member's check. The verdict depends only on the wrapper's TensorImpl, so it is
 remembered per member for the wrapper object *and* its storage at the time: a different object
 (``load_state_dict(assign=True)``) or a new impl (``swap_tensors``, ``to_empty``) is judged
 again. Only "storage-less" verdicts are remembered; a wrapper with memory off the pool is a
@@ -15,8 +15,6 @@ parameter with a Python or C++ weak reference); the group holds its parameters a
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -34,13 +32,11 @@ class WrapperKinds:
     """Per member index: the wrapper last found storage-less, and its storage key then; per
     bucket, the rows to check."""
 
-    __slots__ = ("_known", "_rows", "fast")
+    __slots__ = ("_known", "_rows")
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._rows: dict[int, tuple[Bucket, list[Row]]] = {}
-        self.fast: tuple[Any, ...] | None = None
-        """What the full rules read when they last passed (:mod:`.quickcheck`), per bucket."""
 
     def rows(self, bucket: Bucket) -> list[Row]:
         """The members of ``bucket`` that have a slice, as flat tuples (made once)."""

@@ -339,7 +339,8 @@ def reprs(mesh: DeviceMesh) -> None:
     model, fused = build(mesh, "eager")
     assert fused is not None
     text = repr(fused)
-    assert text.startswith("FusedModule(FSDPMLP:") and "2/2 groups fused in 2 pool(s)" in text, text
+    # the user's class, not the one fully_shard made (FSDPMLP) (issue 32.8)
+    assert text.startswith("FusedModule(MLP:") and "2/2 groups fused in 2 pool(s)" in text, text
     assert "valid=True" in text and "0 original(s) kept alive" in text, text
     for b in fused.buffers:
         r = repr(b)

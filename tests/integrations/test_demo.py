@@ -84,14 +84,18 @@ def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
 
 
 def test_optim_flat_adds_the_optimizer_storage_rows(capfd: pytest.CaptureFixture[str]) -> None:
-    """``--optim flat``: after the fusion tables, each rank's gradient and AdamW state
-    storages per parameter vs one buffer per kind per (group, dtype), losses identical."""
+    """``--optim flat``: after the fusion tables, each rank's storages per kind (parameters,
+    gradients, AdamW state) with no pools, parameters pooled and all pooled (gradient pools
+    shown as pools), what pooling saves, and the losses identical."""
     code = demo.main(["--hidden", "32", "--ffn", "64", "--steps", "2", "--optim", "flat"])
     out = capfd.readouterr().out
     assert code == 0, out
-    flat = re.findall(r"^  flat \(flatpool\.optim\)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)",
-                      out, re.M)
-    assert len(flat) == 2, out  # one row per rank
-    for params, pstor, grads, state, verdict in flat:
-        assert (int(grads), int(state), verdict) == (int(pstor), 3 * int(pstor), "identical")
-        assert int(params) > int(pstor)
+    grads = re.findall(r"^  gradients\s+(\d+) storages, .*?  (\d+) storages, .*?  (\d+) pools, ",
+                       out, re.M)
+    state = re.findall(r"^  optimizer state\s+(\d+) storages, .*?  (\d+) storages, .*?  "
+                       r"(\d+) pools, .*?  (\d+) of (\d+) storages", out, re.M)
+    assert len(grads) == len(state) == 2, out  # one table per rank
+    for (g0, g1, g2), (s0, s1, s2, saved, of) in zip(grads, state):
+        assert g0 == g1 == g2 and int(s2) == 3 * int(g2)  # one pool per kind per group
+        assert s0 == s1 == of and int(saved) == int(s0) - int(s2) > 0
+    assert out.count("bit-identical training") == 2 and "DIFFER" not in out

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatpool import InvalidRequestError, OriginalKeptAliveWarning, PinnedStorageError
+from flatpool import FlatPool, InvalidRequestError, OriginalKeptAliveWarning, PinnedStorageError
 from flatpool.errors import UnfusedGroupWarning
 from flatpool.integrations.hsdp import GroupBuffers, KeptAlive, keep_fused
 from flatpool.integrations.hsdp.hyperparallel import flat_buffer, fuse, is_fused
-from flatpool.ownership import proof
+from flatpool.ownership import release as proof
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hp_double import HPParam  # noqa: E402
@@ -78,3 +78,58 @@ def test_any_other_failure_leaves_the_group_unfused_with_one_warning() -> None:
     assert "the group trains unfused" in (again.skipped or "")
     with pytest.raises(InvalidRequestError):
         keep_fused(start, params, refuses, on_pinned="raise")
+
+
+def test_the_warning_says_when_the_memory_comes_back(no_wait: None) -> None:
+    """Issue 32.3: the warning said the memory comes back "at the first step after" the
+    reference is dropped. Measured: an original held by references (a Python alias, an autograd
+    graph that saved it) dies the moment the last one goes: no step, no check, no gc."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    params = _members()
+    locals_ = [p.sharded_param._local_tensor for p in params]  # type: ignore[attr-defined]
+    originals = [StorageWeakRef(t.untyped_storage()) for t in locals_]
+    alias = locals_[0].detach()  # a Python reference to the original storage
+    locals_[1].requires_grad_(True)
+    loss = (locals_[1] * locals_[1]).sum()  # the graph saves the original: a C++ reference
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fuse(params, None, device="cpu", world_size=2)
+    said = [str(w.message) for w in caught if issubclass(w.category, OriginalKeptAliveWarning)]
+    assert len(said) == 2, [str(w.message) for w in caught]
+    for text in said:
+        assert "first step" not in text
+        assert "comes back the moment the last of those references is dropped" in text
+    assert not any(o.expired() for o in originals)
+    del alias  # the last reference: the memory comes back now
+    assert originals[0].expired() and not originals[1].expired()
+    del loss  # the graph was the last reference
+    assert originals[1].expired()
+
+
+def test_an_original_the_pool_keeps_is_freed_at_the_next_check(no_wait: None) -> None:
+    """The other case of issue 32.3: something outside Python (a DLPack consumer) holds the
+    moved tensor, so the pool keeps the original (the consumer may still read it). Its warning
+    says so; the memory comes back at the first check after the consumer let go."""
+    import numpy as np
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    pool = FlatPool(name="bucket")
+    shard = torch.randn(12)
+    original = StorageWeakRef(shard.untyped_storage())
+    consumer = np.from_dlpack(shard)
+    kept = KeptAlive()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept.note(pool, pool.adopt([shard], on_pinned="warn"), ["layer.weight"])
+        kept.report()
+    said = [str(w.message) for w in caught if issubclass(w.category, OriginalKeptAliveWarning)
+            and "layer.weight" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "first step" not in said[0]
+    assert "the pool keeps it until that holder lets go" in said[0]
+    assert "freed at the layer's next check after that" in said[0]
+    del consumer  # the holder let go; the pool still keeps the original ...
+    assert not original.expired() and len(kept) == 1
+    assert kept.refresh() == 0  # ... until the check (what the next forward runs)
+    assert original.expired()

@@ -103,8 +103,8 @@ def test_freed_pool_slice_is_invalid() -> None:
 
 def test_failed_bucket_undoes_the_buckets_before_it() -> None:
     """adopt_group is all-or-nothing across dtype buckets: when a later bucket's adoption is
-    refused (a pinned original), the buckets already adopted are evicted back to private
-    storages with their values, and no member is left in a pool."""
+    refused (a pinned original), the one transaction that covers every bucket's pool puts every
+    member back on its very storage, with its values, and no member is left in a pool."""
     from flatpool import PinnedStorageError, live_pools
 
     torch.manual_seed(0)
@@ -112,6 +112,7 @@ def test_failed_bucket_undoes_the_buckets_before_it() -> None:
     bf16 = [HPParam(torch.randn(7, 3).to(torch.bfloat16), rank=1, world=2) for _ in range(2)]
     params = fp32 + bf16
     before = [p._sharded_param_data.clone() for p in params]
+    keys = [p._sharded_param_data.untyped_storage()._cdata for p in params]
     wrappers = [p.sharded_param for p in params]
     hidden = bf16[1]._sharded_param_data[:2]  # an unnamed view pins the second bucket
     with pytest.raises(PinnedStorageError):
@@ -123,4 +124,5 @@ def test_failed_bucket_undoes_the_buckets_before_it() -> None:
         assert torch.equal(p.sharded_param.detach().reshape(-1), b[: p.sharded_param.numel()])
         assert not any(pool.owns(p._sharded_param_data) for pool in pools)
         assert not any(pool.owns(p.sharded_param._local_tensor) for pool in pools)  # type: ignore[attr-defined]
+    assert [p._sharded_param_data.untyped_storage()._cdata for p in params] == keys
     del hidden

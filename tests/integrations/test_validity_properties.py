@@ -14,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -158,7 +163,25 @@ def reset_like(p: Any) -> bool:
     return True
 
 
+def data_aliased_same_address(p: Any) -> bool:
+    """``.data`` onto another storage over the same memory (``torch.from_numpy(t.numpy())``):
+    the data pointer does not change, the StorageImpl does."""
+    data = p._sharded_param_data
+    data.data = torch.from_numpy(data.detach().numpy())
+    return True
+
+
+def local_aliased_same_address(p: Any) -> bool:
+    local = local_of(p.sharded_param)
+    if local is p.sharded_param or type(local) is not torch.Tensor or not local.numel():
+        return False
+    local.data = torch.from_numpy(local.detach().numpy())
+    return True
+
+
 MOVES: dict[str, Callable[[Any], bool]] = {
+    "data aliased on another storage, same address": data_aliased_same_address,
+    "local tensor aliased on another storage, same address": local_aliased_same_address,
     "data replaced": move_data,
     "local tensor replaced": move_local,
     "local tensor a view of another storage": local_outside_view,
@@ -182,14 +205,46 @@ def mesh(single_rank_mesh: Any) -> Any:
     return single_rank_mesh
 
 
+@contextmanager
+def context(kind: str) -> Iterator[None]:
+    """Where the checks run: alone, beside another live thread, or under a tracer."""
+    if kind == "thread":
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait)
+        other.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            other.join()
+    elif kind in ("settrace", "setprofile"):
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            return tracer if kind == "settrace" else None
+
+        install = sys.settrace if kind == "settrace" else sys.setprofile
+        old = sys.gettrace() if kind == "settrace" else sys.getprofile()
+        install(tracer)
+        try:
+            yield
+        finally:
+            install(old)  # type: ignore[arg-type]
+    else:
+        yield
+
+
+CONTEXTS = ("alone", "thread", "settrace", "setprofile")
+
+
+@pytest.mark.filterwarnings("ignore::flatpool.ExternalMemoryWarning")  # (the same-address aliases)
 @settings(max_examples=40, deadline=None)
 @given(
     kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=4),
     moves=st.lists(st.sampled_from([None, *sorted(MOVES)]), min_size=4, max_size=4),
     seed=st.integers(0, 2**16),
+    where=st.sampled_from(CONTEXTS),
 )
 def test_is_valid_agrees_with_problems_and_readopt_repairs(
-        mesh: Any, kinds: list[str], moves: list[str | None], seed: int) -> None:
+        mesh: Any, kinds: list[str], moves: list[str | None], seed: int, where: str) -> None:
     torch.manual_seed(seed)
     ps = [KINDS[k](mesh) for k in kinds]
     buffers = adopt_group(ps, world_size=2)
@@ -200,8 +255,10 @@ def test_is_valid_agrees_with_problems_and_readopt_repairs(
     for i, (p, move) in enumerate(zip(ps, moves)):
         if move is not None and MOVES[move](p):
             moved.add(i)
-    found = problems(buffers, ps)
-    assert is_valid(buffers, ps) == (not found), found
+    with context(where):
+        found = problems(buffers, ps)
+        valid = is_valid(buffers, ps)
+    assert valid == (not found), found
     assert set(found) == moved, (found, moved, kinds, moves)
     assert _pool_exact(buffers)
 
@@ -240,3 +297,27 @@ def test_the_framework_moves_are_repaired(mesh: Any, kind: str, move: str) -> No
     assert is_valid(buffers, ps) and not problems(buffers, ps)
     assert all(torch.equal(a, b) for a, b in zip(before, _values(ps)))
     assert _pool_exact(buffers)
+
+
+@pytest.mark.parametrize("where", CONTEXTS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_shrunk_pool_storage_is_reported_never_read(mesh: Any, kind: str, where: str) -> None:
+    """A member's storage (the pool's) shrunk through it: every member whose slice lies past
+    the new end is named, the group is not valid, and re-adoption refuses with a typed error
+    instead of reading freed bytes."""
+    torch.manual_seed(0)
+    ps = [KINDS[kind](mesh) for _ in range(3)]
+    buffers = adopt_group(ps, world_size=2)
+    layouts = [m for b in buffers.buckets for m in b.members if m.slice is not None]
+    if len(layouts) < 2:
+        pytest.skip(f"{kind}: fewer than two members with bytes")
+    keep = layouts[1].slice.offset
+    ps[0]._sharded_param_data.untyped_storage().resize_(keep)
+    past = {m.index for m in layouts if m.slice.end > keep}
+    with context(where):
+        found = problems(buffers, ps)
+        valid = is_valid(buffers, ps)
+    assert not valid and set(found) == past, found
+    with pytest.raises(FlatPoolError):
+        readopt_group(buffers, ps)
+    assert not is_valid(buffers, ps)

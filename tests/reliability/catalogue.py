@@ -25,6 +25,7 @@ from flatpool import AdoptSpec, FlatPool, Holder, Slice
 from flatpool.errors import FlatStepWarning
 from flatpool.optim import UnsupportedOptimizerError
 
+from .npu_stand_in import Format, npu_formats
 from .scenarios import Box, Wrapper, ints, one_rank_mesh
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
@@ -911,7 +912,8 @@ def _numpy_transient(c: Ctx) -> Call:
 
     def call() -> None:
         report = p.adopt(t)
-        assert not report.items[0].external and report.freed_bytes == 64 and p.owns(t)
+        assert report.items[0].external and report.items[0].released
+        assert report.freed_bytes == 0 and p.owns(t)
 
     return call
 
@@ -1062,6 +1064,18 @@ def _readopt_half(c: Ctx) -> Call:
     c.keep.append(lin)
     c.tensors.update(weight=lin.weight, bias=lin.bias)
     return lambda: p.readopt()
+
+
+def _npu_private_format(c: Ctx) -> Call:
+    p = c.pool()
+    a = c.tensor("a", ints(4))
+    nz = c.tensor("nz", ints(4, start=4))
+
+    def call() -> object:
+        with npu_formats({nz: Format.FRACTAL_NZ}):
+            return p.adopt([a, nz])
+
+    return call
 
 
 # -- the flat optimizer (flatpool.optim) ----------------------------------------------------
@@ -1406,9 +1420,10 @@ ROWS: tuple[Row, ...] = (
         "strides (2, 1))", _as_strided_overlap, flatpool.InvalidRequestError,
         r"overlaps itself \(strides \(2, 1\) .*twice"),
     Row("numpy-transient", "a tensor whose t.numpy() array is gone (numpy left its storage "
-        "non-resizable)", _numpy_transient, None, "",
-        "adopted on the lean path, reported freed (external=False; it was reported external with "
-        "freed_bytes 0 and a warning before): the memory came from torch's allocator"),
+        "non-resizable)", _numpy_transient, flatpool.ExternalMemoryWarning, r"no longer shares",
+        "adopted, original proven dead, but reported external=True, freed_bytes 0 (with a "
+        "warning): torch does not say which allocator made a storage, and flatpool reads no raw "
+        "memory, so every non-resizable storage counts as another owner's"),
     Row("views-single-tensor", "AdoptSpec(t, views=t) (a tensor, not a sequence)",
         _views_single_tensor, flatpool.InvalidTypeError, r"views=\[t\]"),
     Row("views-0d", "AdoptSpec(t, views=<0-d tensor>)", _views_0d, flatpool.InvalidTypeError,
@@ -1451,6 +1466,11 @@ ROWS: tuple[Row, ...] = (
     Row("readopt-half", "readopt() after module.half()", _readopt_half,
         flatpool.InvalidRequestError, r"disown\(slice\) and pool.free\(slice\), then adopt",
         "nothing changed; following the advice works (test_hostile.py)"),
+    Row("npu-private-format", "an NPU tensor whose storage is in a private torch_npu format "
+        "(FRACTAL_NZ after npu_format_cast_; run on CPU with a stand-in for "
+        "torch_npu.get_npu_format, not yet on an NPU)", _npu_private_format,
+        flatpool.NpuFormatError, r"FRACTAL_NZ \(29\).*npu_format_cast\(t, 2\)",
+        "nothing changed; ND, NCHW and NCDHW tensors are adopted (test_npu_format.py)"),
     # The flat optimizer.
     Row("optim-not-an-optimizer", "FlatOptimizer(a module, pools)", _flat_not_optimizer,
         flatpool.InvalidTypeError, r"needs a torch.optim.Optimizer"),

@@ -171,8 +171,62 @@ def signal_guard_of_main_thread() -> None:
     assert codes == [0], f"child exit {codes}"
 
 
+def pool_made_while_fork_waits() -> None:
+    """Issue 32.9: while fork waits for one pool's lock, the thread holding it makes a second
+    pool and starts an operation on it (it holds that lock across the fork). The child's first
+    ``census()`` takes every live pool's lock: it returns (the new pool's lock is fresh), where
+    it waited forever for a lock whose holder does not exist in the child."""
+    first = flatpool.FlatPool(capacity=1 << 14, alignment=64, name="first")
+    t = torch.arange(8.0)
+    first.adopt(t)
+    inside, leave = threading.Event(), threading.Event()
+    made: list[flatpool.FlatPool] = []
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def fork_waits_for_first() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code is fork_hooks._before.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def operate() -> None:
+        with first.lock:
+            inside.set()
+            while not fork_waits_for_first():  # the fork listed the live pools: only `first`
+                time.sleep(0.001)
+            second = flatpool.FlatPool(capacity=1 << 14, alignment=64, name="second")
+            made.append(second)
+            second.lock.acquire()  # an operation on it begins, and outlasts the fork
+        leave.wait()
+        second.lock.release()
+
+    worker = threading.Thread(target=operate)
+    worker.start()
+    inside.wait()
+
+    def child(seen: list[warnings.WarningMessage]) -> None:
+        assert made, "the second pool was not made while the fork waited"
+        flatpool.census()  # the first call: it takes every live pool's lock
+        messages = [str(w.message) for w in seen if issubclass(w.category, flatpool.FlatPoolWarning)]
+        assert any("'second'" in m and "forked" in m for m in messages), messages
+        assert not any("'first'" in m for m in messages), messages  # its operation had ended
+        _use(first, t, torch.arange(8.0))
+        u = torch.arange(4.0)
+        made[0].adopt(u)  # the second pool works too
+        assert made[0].owns(u) and torch.equal(u, torch.arange(4.0))
+        _use(made[0], u, torch.arange(4.0))
+
+    code = _fork(child)
+    leave.set()
+    worker.join()
+    assert code == 0, f"child exit {code}"
+
+
 CASES = {f.__name__: f for f in (held_lock_and_gc_pause, operation_finishes_first,
-                                 signal_guard_of_main_thread)}
+                                 signal_guard_of_main_thread, pool_made_while_fork_waits)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]]()

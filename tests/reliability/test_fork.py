@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
 @pytest.mark.parametrize(
-    "case", ["held_lock_and_gc_pause", "operation_finishes_first", "signal_guard_of_main_thread"]
+    "case", ["held_lock_and_gc_pause", "operation_finishes_first", "signal_guard_of_main_thread",
+             "pool_made_while_fork_waits"]
 )
 def test_fork_while_another_thread_is_inside_flatpool(case: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore::DeprecationWarning")

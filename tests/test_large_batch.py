@@ -1,5 +1,5 @@
-"""Issue 20's heap budget on the lean adoption path: the journal is columns, not a record per
-tensor, and rolling back through those columns is still exact."""
+"""A batch larger than a copy chunk: a failure after every tensor moved puts every tensor back
+through its journal record, and the journal holds exactly one record per move made."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from flatpool import FlatPool
 from flatpool.ownership import transaction as transaction_mod
-from flatpool.ownership.moves import SetMove, SetMoves
+from flatpool.ownership.moves import Member, Move
 from flatpool.testing import set_fault_hook
 from flatpool import torch_compat as tc
 
@@ -22,22 +22,21 @@ def _batch(n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("exc_type", [Injected, KeyboardInterrupt])
-def test_a_failure_after_moves_in_the_second_chunk_puts_every_tensor_back(
+def test_a_failure_after_every_move_puts_every_tensor_back(
     exc_type: type[BaseException],
 ) -> None:
-    """2,500 tensors are moved in three chunks of 1,024; failing at the third chunk's copy
-    undoes the two chunks already moved and copied, through their column records."""
+    """2,500 tensors are copied in three chunks of 1,024 and moved; failing at the release
+    (after every move, before the commit) undoes every move, through its journal record."""
     ts = _batch(2500)
     keys = [tc.storage_key(t.untyped_storage()) for t in ts]
     values = [t.clone() for t in ts]
     versions = [t._version for t in ts]
-    copies = []
+    steps = []
 
     def hook(step: str) -> None:
-        if step == "copy":
-            copies.append(step)
-            if len(copies) == 3:
-                raise exc_type("injected")
+        steps.append(step)
+        if step == "release":
+            raise exc_type("injected")
 
     pool = FlatPool("cpu")
     set_fault_hook(hook)
@@ -46,7 +45,7 @@ def test_a_failure_after_moves_in_the_second_chunk_puts_every_tensor_back(
             pool.adopt(ts)
     finally:
         set_fault_hook(None)
-    assert len(copies) == 3
+    assert steps == ["allocate", "rebind", "copy", "release"]
     assert [tc.storage_key(t.untyped_storage()) for t in ts] == keys
     assert all(torch.equal(t, v) for t, v in zip(ts, values))
     assert [t._version for t in ts] == versions
@@ -56,9 +55,8 @@ def test_a_failure_after_moves_in_the_second_chunk_puts_every_tensor_back(
     assert all(torch.equal(t, v) for t, v in zip(ts, values))
 
 
-def test_the_lean_journal_holds_one_record_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No SetMove object per tensor (88 B each at the peak): one SetMoves per chunk of 1,024,
-    whose records are exactly the moves made."""
+def test_the_journal_holds_one_record_per_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One :class:`Member` record per tensor moved, in order, saying where it sat."""
     seen: list[list[object]] = []
     close = transaction_mod.Transaction.close
 
@@ -72,8 +70,7 @@ def test_the_lean_journal_holds_one_record_per_chunk(monkeypatch: pytest.MonkeyP
     shapes = [tuple(t.shape) for t in ts]
     FlatPool("cpu").adopt(ts)
     (journal,) = [j for j in seen if j]
-    assert [type(r) for r in journal] == [SetMoves] * 3
-    moves = [m for r in journal for m in r.records()]  # type: ignore[attr-defined]
-    assert all(type(m) is SetMove for m in moves)
-    assert [m.obj for m in moves] == ts
-    assert [(m.offset, m.size) for m in moves] == list(zip(offsets, shapes))
+    moves = journal
+    assert all(type(m) is Member and m.how is Move.IN_PLACE for m in moves)
+    assert [m.obj for m in moves] == ts  # type: ignore[union-attr]
+    assert [(m.offset, m.size) for m in moves] == list(zip(offsets, shapes))  # type: ignore[union-attr]

@@ -1,0 +1,500 @@
+"""The end of every move: the pools' invariants, the pins, the commit and the release proof.
+
+After its moves every operation (adopt, readopt, grow/compact) calls :func:`check_placed`, then
+:func:`finish`:
+
+1. **pins** (before the commit, while the rollback can still be exact): does anything but the
+   transaction still use an original? Counted cheaply, with no gc scan: TensorImpls and
+   storage objects on it (:func:`storage_pinned`) beyond the ones the transaction knows (its
+   storage object, the old impls of members swapped off their base, their bases), Python
+   references to those beyond the transaction's own; and, read *before* the move
+   (:func:`held_outside_python`), owners of a moved member's TensorImpl that Python cannot see:
+   a DLPack consumer keeps a raw pointer into the original, so it pins it; torch cannot tell it
+   from an autograd graph that saved the tensor, so both are reported "held outside Python"
+   (only a live graph's grad accumulator for a leaf is told apart and allowed). A pinned
+   original is named by a gc scan (:mod:`flatpool.ownership.pins`); a holder no Python object
+   explains is looked at again for a bounded time first (a collective's worker thread lets go
+   by itself). Then the ``on_pinned`` policy: raise (roll back), warn, or force.
+2. **the release proof**: commit, drop every reference to the originals, and ask a weak
+   reference to each whether it died. An original that survives unexpectedly is named, and
+   under "raise" the operation undoes itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import operator
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence, Sized
+from itertools import repeat
+from typing import TypeVar
+
+import torch
+
+from .. import torch_compat as tc
+from .._warn import warn
+from ..errors import (
+    InvalidRequestError, InvalidTypeError, OriginalKeptAliveWarning, PinnedStorageError,
+    PoolInvariantError,
+)
+from ..state import PoolState
+from ..unreleased import UnreleasedOriginal
+from .faults import checkpoint
+from .interrupts import run_undo
+from .moves import Member, Move
+from .pins import name_pins, only_cxx
+from .spec import OnPinned
+from .transaction import Transaction
+
+_H = TypeVar("_H", bound=Sized)
+
+Pins = dict[int, tuple[str, ...]]
+"""Pinned originals: storage key -> what holds it."""
+Labels = Callable[[int], str]
+"""How messages name the original with a given storage key (built only when needed)."""
+Placed = tuple[torch.Tensor, int, int, int, tuple[int, ...], tuple[int, ...]]
+"""``(member, slice start, slice end)`` in bytes of the pool, and where the move put it:
+``(element offset, size, stride)``."""
+Outside = dict[int, list[torch.Tensor]]
+"""Per original key, the moved members something outside Python holds (found before the move
+by :func:`held_outside_python`)."""
+
+OUTSIDE_PYTHON = (
+    "held outside Python (a DLPack consumer such as numpy.from_dlpack, or a C++ holder such as "
+    "an autograd graph that saved it): moving it would free memory that holder may still read"
+)
+
+
+# -- the pools' invariants -------------------------------------------------------------------
+def check_placed(pool: PoolState, placed: Sequence[Placed]) -> None:
+    """Raise :class:`PoolInvariantError` unless the pool is consistent and every moved member,
+    read back from its TensorImpl, sits exactly where the move put it (inside its slice: the
+    moves place each member inside its slice; the message says where one landed instead)."""
+    pool.check_invariants()
+    key = pool.storage_key
+    objs = [p[0] for p in placed]
+    with tc.no_torch_function():  # (one pass a fact over every member)
+        landed = list(zip(map(tc.storage_address, objs), map(tc.impl_storage_offset, objs),
+                          map(tuple, map(tc.impl_size, objs)),
+                          map(tuple, map(tc.impl_stride, objs))))
+    del objs
+    if landed == [(key, *p[3:]) for p in placed]:
+        return
+    with tc.no_torch_function():
+        for t, lo, hi, offset, size, stride in placed:
+            item = tc.impl_element_size(t)
+            start = tc.impl_storage_offset(t) * item
+            end = start
+            if tc.impl_numel(t):
+                span = 1
+                for n, step in zip(tc.impl_size(t), tc.impl_stride(t)):
+                    span += (n - 1) * abs(step)
+                end = start + span * item
+            if tc.storage_address(t) != key or start < lo or end > hi:
+                raise PoolInvariantError(
+                    f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
+                    f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
+                    "claimed): nothing was changed"
+                )
+            if (tc.impl_storage_offset(t), tuple(tc.impl_size(t)),
+                    tuple(tc.impl_stride(t))) != (offset, size, stride):
+                raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
+                    f"a {type(t).__name__} moved into pool {pool.name!r} does not sit where it "
+                    "was placed: nothing was changed")
+
+
+# -- owners outside Python, read before the move ---------------------------------------------
+# A collective's worker thread can hold a tensor it just wrote for a moment after the caller's
+# wait() returned (gloo's runLoop drops its Work, and the tensors in it, only afterwards), more
+# than 16 ms on a loaded machine. Such owners go away by themselves; a DLPack consumer does not.
+# So look again with a doubling back-off, up to a bounded total.
+CXX_HOLDER_WAIT_ENV = "FLATPOOL_CXX_HOLDER_WAIT_S"
+"""Environment variable that sets :func:`cxx_holder_wait` at import (seconds)."""
+DEFAULT_CXX_HOLDER_WAIT_S = 0.25
+"""How long, in total, a TensorImpl owner outside Python may take to go away by itself."""
+_FIRST_DELAY_S = 0.0005
+_MAX_DELAY_S = 0.032
+
+
+def _checked_wait(seconds: object, what: str) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidTypeError(f"{what} must be a number of seconds, got {seconds!r}")
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(f"{what} must be a finite number of seconds >= 0, got {seconds!r}")
+    return value
+
+
+def _wait_from_env() -> float:
+    raw = os.environ.get(CXX_HOLDER_WAIT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_CXX_HOLDER_WAIT_S
+    try:
+        return _checked_wait(float(raw), CXX_HOLDER_WAIT_ENV)
+    except ValueError:
+        raise InvalidRequestError(
+            f"{CXX_HOLDER_WAIT_ENV}={raw!r} is not a number of seconds (e.g. 0.25)") from None
+
+
+_wait_s = _wait_from_env()
+
+
+def cxx_holder_wait() -> float:
+    """The total time (seconds) an adoption waits for an owner outside Python to let go of a
+    tensor before it counts as a pin (:data:`DEFAULT_CXX_HOLDER_WAIT_S`, or
+    ``$FLATPOOL_CXX_HOLDER_WAIT_S`` at import, or :func:`set_cxx_holder_wait`)."""
+    return _wait_s
+
+
+def set_cxx_holder_wait(seconds: float) -> float:
+    """Set :func:`cxx_holder_wait` (0: look once more after a bare yield only); returns the
+    previous value. Raise it on a heavily loaded machine, lower it where a DLPack consumer or
+    autograd graph that saved a tensor is expected and the wait is wasted."""
+    global _wait_s
+    value = _checked_wait(seconds, "the C++ holder wait")
+    previous, _wait_s = _wait_s, value
+    return previous
+
+
+LOAD_SCALE_MAX = 8.0
+"""The most a loaded machine stretches the wait by (2 s at the default 0.25 s)."""
+
+
+def load_factor(load: float | None = None, cpus: int | None = None) -> float:
+    """How many times longer to wait on a loaded machine: the 1-minute load average per CPU
+    this process may run on, between 1 and :data:`LOAD_SCALE_MAX` (1 where the load is
+    unknown). The holder is usually a thread that only needs a time slice (gloo's worker
+    dropping a finished collective's tensor); with N runnable threads per CPU it waits about N
+    times longer for one."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):  # not on this platform
+            return 1.0
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return min(LOAD_SCALE_MAX, max(1.0, load / max(cpus, 1)))
+
+
+def effective_cxx_holder_wait() -> float:
+    """What one wait lasts now: :func:`cxx_holder_wait` times :func:`load_factor`."""
+    return cxx_holder_wait() * load_factor()
+
+
+def settle_delays(limit: float | None = None) -> list[float]:
+    """The sleeps of one wait: a bare yield, then 0.5 ms doubling up to 32 ms a sleep, until
+    they add up to ``limit`` (default :func:`effective_cxx_holder_wait`)."""
+    total = effective_cxx_holder_wait() if limit is None else limit
+    out = [0.0]
+    left, delay = total, _FIRST_DELAY_S
+    while left > 1e-9:
+        step = min(delay, left)
+        out.append(step)
+        left -= step
+        delay = min(delay * 2, _MAX_DELAY_S)
+    return out
+
+
+def look_again(held: _H, recheck: Callable[[_H], _H]) -> _H:
+    """Re-check ``held`` (what an owner outside Python still holds) with the bounded back-off
+    of :func:`settle_delays` until ``recheck(held)`` comes back empty or the wait is over; the
+    last answer. Each sleep lets a holder's thread run (0: a bare yield)."""
+    for delay in settle_delays():
+        if not held:
+            break
+        time.sleep(delay)
+        held = recheck(held)
+    return held
+
+
+def held_outside_python(
+    candidates: Iterable[torch.Tensor], views: Iterable[torch.Tensor] = ()
+) -> list[torch.Tensor]:
+    """The ``candidates`` (members about to be ``set_`` elsewhere) whose TensorImpl has owners
+    beyond its Python object, the autograd links of the known ``views`` (each view's impl keeps
+    its base's; pass every member the operation moves), and a live graph's grad accumulator.
+
+    Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator, after which
+    the two can no longer be told apart. An extra owner must still be there after looking again
+    (:func:`look_again`; only a tensor that has such an owner pays the wait).
+    """
+    candidates = list(candidates)
+    if all(map(operator.eq, map(tc.tensor_impl_users, candidates), repeat(1))):
+        return []  # (every expected count is at least the Python object's own: none is held)
+    children: dict[int, int] = {}
+    with tc.no_torch_function():
+        for v in views:
+            base = tc.impl_base(v)
+            if base is not None:
+                a = tc.impl_address(base)
+                children[a] = children.get(a, 0) + tc.view_links(v, base)
+            del base
+    out = _held(candidates, children)
+    if out:
+        out = look_again(out, lambda held: _held(held, children))
+    return out
+
+
+def _held(candidates: Iterable[torch.Tensor], children: dict[int, int]) -> list[torch.Tensor]:
+    out = []
+    for t in candidates:
+        expected = 1 + children.get(tc.impl_address(t), 0)
+        users = tc.tensor_impl_users(t)
+        if users > expected and _accumulator_holds(t):
+            expected += 1  # the grad accumulator of a live graph: it follows the move
+        if users > expected:
+            out.append(t)
+    return out
+
+
+def _accumulator_holds(t: torch.Tensor) -> bool:
+    """A live autograd graph's AccumulateGrad node holds this leaf's impl (benign: gradients
+    accumulate into the same impl wherever it points). Asking for the node creates it when it
+    did not exist, and then the use count rises: that is how the two cases are told apart."""
+    with tc.no_torch_function():
+        if not (tc.impl_requires_grad(t) and tc.impl_is_leaf(t)):
+            return False
+    before = tc.tensor_impl_users(t)
+    node = torch.autograd.graph.get_gradient_edge(t).node
+    existed = tc.tensor_impl_users(t) == before
+    del node
+    return existed
+
+
+def outside_by_key(pairs: Iterable[tuple[int, torch.Tensor]], held: Sequence[torch.Tensor]) -> Outside:
+    """Group the ``held`` members by the original key they move from."""
+    ids = {id(t) for t in held}
+    out: Outside = {}
+    if ids:
+        for key, t in pairs:
+            if id(t) in ids:
+                out.setdefault(key, []).append(t)
+    return out
+
+
+# -- storage pins, counted after the move ----------------------------------------------------
+def _old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
+    """Per original key, the old impls the transaction holds (members swapped off their base)."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for rec in txn.journal:
+        if (isinstance(rec, Member) and rec.how is not Move.IN_PLACE and rec.key is not None
+                and rec.fresh is not None):
+            out.setdefault(rec.key, []).append(rec.fresh)
+    return out
+
+
+def storage_pinned(txn: Transaction, key: int, olds: Sequence[torch.Tensor] = ()) -> bool:
+    """Original ``key`` has a user the transaction cannot account for (before release).
+
+    ``olds``: the old impls the transaction holds on it."""
+    known: dict[int, torch.Tensor] = {}
+    bases: dict[int, torch.Tensor] = {}
+    address, is_meta, base_of = tc.storage_address, tc.impl_is_meta, tc.impl_base
+    with tc.no_torch_function():  # every old impl and its base in one block (meta: none)
+        for old in olds:
+            if not is_meta(old) and address(old) == key:
+                known[tc.impl_address(old)] = old
+                found = base_of(old)
+                if found is not None and not is_meta(found) and address(found) == key:
+                    bases.setdefault(tc.impl_address(found), found)
+                found = None
+    for addr in bases:  # a base that is also a known impl counts once
+        known.pop(addr, None)
+    storage = txn.originals[key]
+    users = tc.storage_users(storage)
+    extra = users - 1 - len(known) - len(bases)
+    # An old impl someone else also owns (a graph that saved the view we moved off it) stays
+    # on the original after we let go of it.
+    extra += sum(max(0, tc.tensor_impl_users(old) - 1) for old in known.values())
+    # Python references to the storage object: the originals entry and our local, plus the one
+    # torch keeps while the storage has other users (PyObject preservation, torch 2.10+).
+    extra += max(0, tc.python_refs(storage) - 2 - (tc.PRESERVED_STORAGE_REF if users > 1 else 0))
+    del storage
+    for addr in list(bases):
+        base = bases[addr]
+        # The bases entry and our local, plus preservation while views link to it.
+        preserved = tc.PRESERVED_TENSOR_REF if tc.tensor_impl_users(base) > 1 else 0
+        extra += max(0, tc.python_refs(base) - 2 - preserved)
+        del base
+    return extra > 0
+
+
+def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict[int, bool]:
+    """The pinned originals (cheap counts, no gc scan): key -> pinned by a storage user (else
+    only by an owner outside Python)."""
+    olds = _old_impls(txn)
+    originals, users, refs = txn.originals, tc.storage_users, tc.python_refs
+    out: dict[int, bool] = {}
+    for key in keys:
+        if key in olds:
+            by_storage = storage_pinned(txn, key, olds[key])
+        else:  # the common case, inline: only our storage object uses it
+            storage = originals[key]
+            by_storage = users(storage) != 1 or refs(storage) != 2
+            del storage
+            if by_storage:  # the full count says why (and sees bases)
+                by_storage = storage_pinned(txn, key)
+        if by_storage or key in outside:
+            out[key] = by_storage
+    return out
+
+
+def own_ids(txn: Transaction, *more: object) -> set[int]:
+    """Ids of objects the operation itself holds, for pin scans to skip."""
+    ids = {id(txn.originals), id(txn.journal)} | {id(m) for m in more}
+    for rec in txn.journal:
+        ids.add(id(rec))
+        if isinstance(rec, Member) and rec.fresh is not None:
+            ids.add(id(rec.fresh))
+    return ids
+
+
+def _name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Iterable[object]],
+              ) -> Pins:
+    """Name what holds each pinned original (a gc scan: only on this path)."""
+    ours = own_ids(txn, *skip())
+    # An unnamed view on the original also adds a link to its base's impl: when the storage
+    # itself is pinned, the holders gc names explain both.
+    return {key: name_pins(txn.originals[key], ours, [] if by_storage else [OUTSIDE_PYTHON])
+            for key, by_storage in found.items()}
+
+
+def _let_cxx_holders_go(
+    txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
+    skip: Callable[[], Iterable[object]],
+) -> tuple[dict[int, bool], Pins]:
+    """Wait (bounded, :func:`look_again`) for the storage pins that no Python object explains:
+    a collective's worker thread still holds the tensor it wrote for a moment after ``wait()``
+    returned (gloo, right after ``distribute_tensor``), and the move made here took less than
+    that moment. The pre-move check waits for such owners of the moved impls; this one is for
+    another impl on the same storage. ``(found, pins)`` after it."""
+    waiting = {k for k, by_storage in found.items() if by_storage and only_cxx(pins[k])}
+    if not waiting:
+        return found, pins
+    left = look_again(waiting, lambda still: set(pinned_keys(txn, still, outside)))
+    if left == waiting:
+        return found, pins  # nothing let go: the names stand
+    found = {k: v for k, v in found.items() if k not in waiting or k in left}
+    return found, (_name_all(txn, found, skip) if found else {})
+
+
+def settle_pins(
+    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+    skip: Callable[[], Iterable[object]] = tuple, force: Callable[[Pins], None] | None = None,
+) -> Pins:
+    """Apply the ``on_pinned`` policy; returns what stays pinned (empty when all is clear)."""
+    checkpoint("release")
+    keys = list(txn.originals)
+    found = pinned_keys(txn, keys, outside)
+    if found:  # unreachable cycles (a kept traceback) may be all that holds it: collect, retry
+        gc.collect()
+        found = pinned_keys(txn, keys, outside)
+    pins = _name_all(txn, found, skip) if found else {}
+    if pins:
+        found, pins = _let_cxx_holders_go(txn, outside, found, pins, skip)
+    if found and on_pinned == "force" and force is not None:
+        force(pins)
+        found = pinned_keys(txn, keys, outside)
+        pins = _name_all(txn, found, skip) if found else {}
+    if not found:
+        return {}
+    if on_pinned == "raise":
+        named = _labelled(pins, label)
+        raise PinnedStorageError(pinned_message(named), named)
+    warn(pinned_message(_labelled(pins, label), kept=True), OriginalKeptAliveWarning)
+    return pins
+
+
+def _labelled(pins: Pins, label: Labels) -> dict[str, tuple[str, ...]]:
+    return {label(k): v for k, v in pins.items()}
+
+
+def _keep_unreleased(txn: Transaction, label: Labels, pins: Pins, outside: Outside) -> None:
+    """Record what a warn/force operation left alive; keep alive (in its pool) each original
+    whose moved members something outside Python holds, until it lets go."""
+    for key, reasons in pins.items():
+        storage = txn.originals[key]
+        # Kept only where nothing Python can see holds it: then the pool is all that does.
+        held = outside.get(key, []) if OUTSIDE_PYTHON in reasons else []
+        info = UnreleasedOriginal(
+            label=label(key), nbytes=txn.nbytes[key], address=storage.data_ptr(),
+            device=str(storage.device), kept_by_pool=bool(held),
+        )
+        txn.into[key].trace_unreleased(info, storage, held[0] if held else None)
+        del storage
+
+
+def _prove(txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned,
+           ) -> tuple[dict[int, bool], Pins]:
+    """Commit, let go of the originals, prove which died; name late survivors.
+
+    Under "raise" a late survivor undoes the whole operation (the originals still alive are
+    put back exactly; ones that died are rebuilt from the pool's copy) and raises.
+    """
+    checkpoint("release")
+    txn.commit()
+    expired = txn.release()
+    if not all(expired.values()):  # cyclic garbage is no pin
+        gc.collect()
+        expired = txn.expired()
+    late_keys = [k for k, dead in expired.items() if not dead and k not in pinned]
+    if not late_keys:
+        return expired, {}
+    # Something we could not count (a Python reference to a moved object's old impl) kept an
+    # original alive. Undo first so the holders are back on the original and nameable.
+    survivors = {k: tc.weak_upgrade(txn.weak[k]) for k in late_keys}
+    if on_pinned == "raise":
+        run_undo(txn.rollback)
+    late: Pins = {}
+    for k, alive in survivors.items():
+        if alive is not None:
+            late[k] = name_pins(alive, own_ids(txn, survivors))
+    del survivors, alive
+    if on_pinned == "raise":
+        named = _labelled(late, label)
+        raise PinnedStorageError(pinned_message(named), named)
+    warn(pinned_message(_labelled(late, label), kept=True), OriginalKeptAliveWarning)
+    return expired, late
+
+
+def finish(
+    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+    bind: Callable[[], None], skip: Callable[[], Iterable[object]] = tuple,
+    force: Callable[[Pins], None] | None = None,
+) -> tuple[dict[int, bool], Pins]:
+    """Settle the pins (:func:`settle_pins`), keep what the policy keeps alive, ``bind()`` (the
+    registry), commit and prove the release. Returns, per original key, whether it died, and
+    what still holds each one that did not."""
+    pins = settle_pins(txn, label, outside, on_pinned, skip, force)
+    _keep_unreleased(txn, label, pins, outside)
+    bind()
+    expired, late = _prove(txn, label, pins, on_pinned)
+    return expired, {**late, **pins}
+
+
+def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) -> str:
+    lines = [f"{len(pinned)} original storage(s) are still referenced after rebinding:"]
+    for lab, holders in pinned.items():
+        lines.append(f"  {lab} is held by: " + "; ".join(holders))
+    if kept:  # on_pinned="warn"/"force": the move stands, the originals live on
+        lines.append(
+            "The move was kept (on_pinned='warn'/'force'); each original is freed when its "
+            "holders drop it (pool.unreleased_originals() lists them)."
+        )
+        return "\n".join(lines)
+    lines.append(
+        "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
+        "references, or use on_pinned='warn'/'force'. Nothing was changed."
+    )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "Labels", "Outside",
+    "Pins", "Placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
+    "held_outside_python", "load_factor", "look_again", "outside_by_key", "own_ids",
+    "pinned_keys", "pinned_message", "set_cxx_holder_wait", "settle_delays", "storage_pinned",
+]
