@@ -11,6 +11,7 @@ engine's final callbacks, as FSDP2 finds it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -79,10 +80,12 @@ def dtensor_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def set_local(wrapper: torch.Tensor, local: torch.Tensor) -> None:
-    """Point a DTensor wrapper at another local tensor (the wrapper itself has no storage)."""
-    wrapper._local_tensor = local  # type: ignore[attr-defined]
+mesh_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.mesh")
+"""A DTensor's mesh, read from its spec (C-level; the ``device_mesh`` property is Python)."""
+placements_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.placements")
+local_of: Callable[[torch.Tensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+"""A wrapper's local tensor (torch DTensor, HyperParallel-style DTensor)."""
 
 
-__all__ = ["after_backward", "dtensor_like", "foreach_choice", "is_dtensor", "raw_step",
-           "set_local", "step_dtype", "with_step_hooks"]
+__all__ = ["after_backward", "dtensor_like", "foreach_choice", "is_dtensor", "local_of",
+           "mesh_of", "placements_of", "raw_step", "step_dtype", "with_step_hooks"]

@@ -21,10 +21,9 @@ from typing import Any, cast
 import torch
 
 from ..aliasing import local_tensor
-from ._torch import is_dtensor
+from ._torch import is_dtensor, local_of, mesh_of, placements_of
 
 
-_local_of = operator.attrgetter("_local_tensor")
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
 
@@ -32,7 +31,7 @@ _device_of = operator.attrgetter("device")
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors' local tensors (one C-level pass when all are wrappers)."""
     try:
-        return list(map(_local_of, tensors))
+        return list(map(local_of, tensors))
     except AttributeError:
         return [local_tensor(t) for t in tensors]
 
@@ -49,10 +48,6 @@ def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-_mesh_of = operator.attrgetter("_spec.mesh")
-_placements_of = operator.attrgetter("_spec.placements")
-
-
 def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
     """Every gradient a torch DTensor of one mesh (the same object, as FSDP2's are) and equal
     placements (C-level passes)."""
@@ -61,10 +56,9 @@ def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
     first: Any = grads[0]
     if not all(map(operator.is_, map(type, grads), repeat(type(first)))):
         return False
-    if not all(map(operator.is_, map(_mesh_of, grads), repeat(first._spec.mesh))):
+    if not all(map(operator.is_, map(mesh_of, grads), repeat(mesh_of(first)))):
         return False
-    placements = first._spec.placements
-    return all(map(operator.eq, map(_placements_of, grads), repeat(placements)))
+    return all(map(operator.eq, map(placements_of, grads), repeat(placements_of(first))))
 
 
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 
 from ..aliasing import local_tensor
 from ..pool import FlatPool
+from ._torch import local_of
 from .companions import new_pool, views
 from .layout import Member, Segment
 from .wrap import wrap_like
@@ -44,7 +45,6 @@ _grad_of = operator.attrgetter("grad")
 _version_of = operator.attrgetter("_version")
 _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
-_local_of = operator.attrgetter("_local_tensor")  # our own wrappers: DTensor(local), from_local
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -194,7 +194,7 @@ class Grads:
         if all(same):
             locals_ = self.locals[lo:hi]
             wrapped = self.wrapped[lo:hi]
-            if ((not any(wrapped) or all(map(operator.is_, map(_local_of, objs), locals_)))
+            if ((not any(wrapped) or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
                     and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
                 return same
         return [s and self._at_place(lo + k) for k, s in enumerate(same)]

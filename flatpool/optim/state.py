@@ -28,6 +28,7 @@ import torch
 from .. import torch_compat as tc
 from ..aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
+from ._torch import local_of as wrapped_local
 from .companions import Companions, StepSlots, views
 from .layout import Member
 from .rules import Rule
@@ -42,7 +43,6 @@ def plain_assign(d: dict[Any, Any], key: str, value: Any) -> None:
 
 
 POOLED, FRESH = "pooled", "fresh"
-_local_of = operator.attrgetter("_local_tensor")
 Entry = tuple[int, str, torch.Tensor]
 """(member index, state key, the entry found there)."""
 
@@ -288,7 +288,7 @@ class State:
         if not items:
             return
         dst = [self.local_of(i, k) for i, k, _ in items]
-        src = [_local_of(v) if self.wrapped[i] and k != "step" else v for i, k, v in items]
+        src = [wrapped_local(v) if self.wrapped[i] and k != "step" else v for i, k, v in items]
         with torch.no_grad():  # a view of the same companion at another place: copied first
             torch._foreach_copy_(dst, [s.clone() if tc.storage_address(s) == tc.storage_address(d)
                                        else s for d, s in zip(dst, src)])
