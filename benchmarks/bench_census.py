@@ -94,7 +94,7 @@ def _fused_rank(blocks: int, reps: int) -> dict[str, list[float]]:
 
 
 def _fused(quick: bool) -> Result:
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     blocks, reps = (2, 1) if quick else (50, 3)
     per_rank = launch(_fused_rank, blocks, reps, world_size=2, backend="gloo", timeout_s=900)

@@ -86,7 +86,7 @@ def _rank(n: int, rows: int, cols: int, reps: int) -> dict[str, list[float]]:
 
 
 def run(quick: bool) -> list[Result]:
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     rows, cols = 8, 8
     out = []

@@ -129,7 +129,7 @@ def _rank(n: int, reps: int) -> dict[str, Any]:
 
 
 def run(quick: bool, sizes: tuple[int, ...] | None = None) -> list[Result]:
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     results: list[Result] = []
     for n in sizes or ((40,) if quick else (1000, 10000)):

@@ -27,7 +27,7 @@ def _rank(hidden: int, ffn: int, batch: int, reps: int) -> dict[str, list[float]
     from torch.distributed.fsdp import fully_shard
 
     from flatpool.integrations.hsdp.allgather import fused_all_gather
-    from flatpool.integrations.hsdp.demo import ZeroThreeCase
+    from examples.demo import ZeroThreeCase
     from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -95,7 +95,7 @@ def _rank(hidden: int, ffn: int, batch: int, reps: int) -> dict[str, list[float]
 
 
 def run(quick: bool) -> list[Result]:
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     hidden, ffn, batch, reps = (128, 256, 8, 3) if quick else (1024, 2048, 8, 21)
     per_rank = launch(_rank, hidden, ffn, batch, reps, world_size=2, backend="gloo")

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
-exec .venv/bin/python -m flatpool.integrations.hsdp.demo "$@"
+exec .venv/bin/python -m examples.demo "$@"

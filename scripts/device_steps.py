@@ -740,9 +740,9 @@ def step_demo(run: Run, ctx: Ctx) -> None:
     """
     import torch
 
-    from flatpool.integrations.hsdp import demo, demo_hyperparallel
-    from flatpool.integrations.hsdp.demo_run import Config
-    from flatpool.integrations.hsdp.launch import launch
+    from examples import demo, demo_hyperparallel
+    from examples.demo_run import Config
+    from examples.launch import launch
 
     if ctx.dry:
         cfg = Config(device="cpu", backend="gloo", world_size=1, hidden=64, ffn=128, steps=1)

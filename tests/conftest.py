@@ -128,7 +128,7 @@ def hp_job() -> list[dict[str, Any]]:
     hp_jobs.py): one spawned 2-rank gloo job shared by the HyperParallel test modules."""
     import time
 
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     import hp_jobs
 

@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from flatpool.integrations.hsdp.census import member_tensors
+from examples.census import member_tensors
 from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
-from flatpool.integrations.hsdp.naive import naive_rebase
+from examples.naive import naive_rebase
 from flatpool.memory import MemoryAttribution, WatchedStorages, capture
 
 MODES = ("naive rebase", "flatpool")

@@ -1,6 +1,6 @@
 """Adoption of DTensor parameters sharded over a 2-rank gloo mesh on CPU.
 
-One 2-rank job (``flatpool.integrations.hsdp.launch``) runs every scenario; each rank reports
+One 2-rank job (``examples.launch``) runs every scenario; each rank reports
 ``{scenario: None | traceback}`` and every scenario is its own test here.
 """
 
@@ -184,7 +184,7 @@ def two_rank_results() -> dict[int, dict[str, str | None]]:
     """One 2-rank job (a file rendezvous: no port to race for). A scenario failing on one rank
     before a collective leaves the other waiting: launch's timeout turns that into a failure
     naming the ranks instead of a hang."""
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("gloo is not available")

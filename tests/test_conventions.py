@@ -33,8 +33,6 @@ from flatpool import (
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(REPO / "flatpool").rglob("*.py"), *(REPO / "integrations").rglob("*.py")])
-# HyperParallel's stand-in raises what HyperParallel itself raises (a third party's classes)
-THIRD_PARTY = "flatpool.integrations.hsdp.hyperparallel_sim"
 
 
 def _modules() -> list[str]:
@@ -48,8 +46,6 @@ def _modules() -> list[str]:
 def test_every_exception_class_is_a_flatpool_error() -> None:
     found = {}
     for name in _modules():
-        if name.startswith(THIRD_PARTY):
-            continue
         module = importlib.import_module(name)
         for obj in vars(module).values():
             if (inspect.isclass(obj) and issubclass(obj, BaseException)
@@ -124,7 +120,7 @@ def test_a_moved_name_warns_at_the_callers_line_in_flatpools_category() -> None:
 
 
 @pytest.mark.parametrize("client", ["fsdp2", "hyperparallel"])
-def test_the_demo_prints_no_future_warning(client: str, tmp_path: Path) -> None:
+def test_the_demo_prints_no_future_warning(client: str) -> None:
     """The demo (and with it the HyperParallel simulation's collectives) on 2 gloo ranks: every
     FutureWarning and DeprecationWarning shown, none printed. Before, the simulation printed
     torch 2.13's FutureWarnings for all_gather_into_tensor and reduce_scatter_tensor."""
@@ -132,9 +128,9 @@ def test_the_demo_prints_no_future_warning(client: str, tmp_path: Path) -> None:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONWARNINGS")}
     proc = subprocess.run(
         [sys.executable, "-W", "always::FutureWarning", "-W", "always::DeprecationWarning",
-         "-m", "flatpool.integrations.hsdp.demo", "--client", client,
+         "-m", "examples.demo", "--client", client,
          "--hidden", "32", "--ffn", "64", "--steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     report = f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, report

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flatpool.integrations.hsdp.launch import launch
+from examples.launch import launch
 from flatpool.memory import MemoryAttribution, draw_comparison
 
 MiB = 1 << 20

@@ -66,8 +66,13 @@ def test_wheel_has_exactly_one_top_level_package(dists: tuple[Path, Path]) -> No
     assert len(dist_info) == 1 and tops - dist_info == {NAME}, sorted(tops)
     names = set(wheel_names(dists))
     for module in ("flatpool/checkpoint.py", "flatpool/integrations/__init__.py",
-                   "flatpool/integrations/hsdp/fsdp2.py", "flatpool/integrations/hsdp/demo.py"):
+                   "flatpool/integrations/hsdp/__init__.py", "flatpool/optim/__init__.py",
+                   "flatpool/memory/__main__.py"):
         assert module in names, module
+    # the demos, the launcher and the HyperParallel simulation are examples, not library
+    not_library = [n for n in names if any(part in n for part in (
+        "examples", "demo", "launch", "hyperparallel_sim", "naive", "tests/"))]
+    assert not_library == [], not_library
     (info,) = dist_info
     top_level = f"{info}/top_level.txt"
     if top_level in names:
@@ -98,7 +103,8 @@ def test_sdist_carries_tests_docs_and_license(dists: tuple[Path, Path]) -> None:
                  "docs/checkpoints.md", "docs/overview.md", "tests/conftest.py",
                  "tests/test_checkpoint.py", "tests/integrations/hsdp_workers.py",
                  "tests/typing_usage/good_usage.py", "scripts/bootstrap.sh",
-                 "integrations/hsdp/launch.py", "flatpool/checkpoint.py"):
+                 "examples/launch.py", "examples/demo.py", "examples/hyperparallel_sim/unit.py",
+                 "flatpool/checkpoint.py"):
         assert path in names, path
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
 

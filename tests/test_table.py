@@ -13,7 +13,7 @@ import torch
 from flatpool import FlatPool, census
 from flatpool._table import table
 from flatpool.errors import InvalidRequestError
-from flatpool.integrations.hsdp.table import render as rank_table
+from examples.table import render as rank_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,15 +10,17 @@ from .allgather import fused_all_gather, per_param_all_gather
 from .failsafe import keep_fused
 from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .group import GroupBuffers, adopt_group, adopt_spec
-from .hyperparallel import cast_buffer, flat_buffer, fuse, is_fused
+from .hyperparallel import BucketLines, V1Lines, cast_buffer, flat_buffer, fuse, is_fused
 from .kept import KeptAlive, KeptOriginal
 from .layout import Bucket, MemberLayout
 from .meta import materialize_group
+from .optim import flat_optimizer
 from .protocol import ShardedParam
 from .validity import is_valid, member_problems, needs_replan, problems, readopt_group
 
 __all__ = [
     "Bucket",
+    "BucketLines",
     "FusedModule",
     "GroupBuffers",
     "KeptAlive",
@@ -26,10 +28,12 @@ __all__ = [
     "MemberLayout",
     "ShardedParam",
     "UnfusedGroupWarning",
+    "V1Lines",
     "adopt_group",
     "adopt_spec",
     "cast_buffer",
     "flat_buffer",
+    "flat_optimizer",
     "fsdp_param_groups",
     "fuse_fully_sharded",
     "fuse",

@@ -2,7 +2,7 @@
 
 HyperParallel's ``TorchHSDPParamV2`` was adapted from PyTorch FSDP2's ``FSDPParam``; both keep,
 per parameter, the same few attributes. The layer is written against this protocol only, so
-it serves both (and the simulation in :mod:`flatpool.integrations.hsdp.hyperparallel_sim`)
+it serves both (and the simulation in ``examples/hyperparallel_sim``)
 without importing either.
 """
 

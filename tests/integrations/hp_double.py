@@ -17,7 +17,7 @@ from torch import nn
 
 from flatpool import local_tensor, same_storage
 from flatpool.integrations.hsdp.allgather import fused_all_gather
-from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
+from examples.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.group import GroupBuffers, adopt_group
 from flatpool.integrations.hsdp.validity import is_valid
 

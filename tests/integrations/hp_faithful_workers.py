@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from attrs import evolve
 
-from flatpool.integrations.hsdp.hyperparallel_sim import Config, FullyShardUnit, measure
-from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import wrapper_storage_key
+from examples.hyperparallel_sim import Config, FullyShardUnit, measure
+from examples.hyperparallel_sim.dtensor import wrapper_storage_key
 
 REPORT = Config()  # two 2048x1024 fp32 weights: HyperParallel as shipped before the fix
 NEWEST = Config(group="bucketed", setter="rebind", flavor="padded")
@@ -52,7 +52,7 @@ def _scenario(cfg: Config, steps: int = 2, **kw: Any) -> dict[str, Any]:
 
 def _hook_calls() -> dict[str, Any]:
     """A hook plugged in through the constructor sees the calls at HyperParallel's points."""
-    from flatpool.integrations.hsdp.hyperparallel_sim.group import AllGatherBucket, HSDPParamGroupV1
+    from examples.hyperparallel_sim.group import AllGatherBucket, HSDPParamGroupV1
 
     seen: list[str] = []
 

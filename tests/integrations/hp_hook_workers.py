@@ -18,9 +18,9 @@ import torch
 from attrs import evolve
 
 from flatpool import torch_compat as tc
-from flatpool.integrations.hsdp import demo_hyperparallel
+from examples import demo_hyperparallel
 from flatpool.integrations.hsdp.validity import problems
-from flatpool.integrations.hsdp.hyperparallel_sim import (
+from examples.hyperparallel_sim import (
     Config,
     FullyShardUnit,
     Originals,

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from attrs import evolve
 
 from flatpool import OriginalKeptAliveWarning
-from flatpool.integrations.hsdp.hyperparallel_sim import Config, FullyShardUnit, Originals, digest
-from flatpool.integrations.hsdp.hyperparallel_sim.unit import full_weights
+from examples.hyperparallel_sim import Config, FullyShardUnit, Originals, digest
+from examples.hyperparallel_sim.unit import full_weights
 
 import hp_doc_lines
 from hp_hook_workers import NEWEST, SMALL, _buffers

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import OriginalKeptAliveWarning
-from flatpool.integrations.hsdp.census import OriginalStorages, live_storages
+from examples.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded
 from flatpool.integrations.hsdp.fsdp2 import lazy_init
 from flatpool.integrations.hsdp.members import data_of, impl_dtype

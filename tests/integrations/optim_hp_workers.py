@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flatpool import FlatPool, census, local_tensor
-from flatpool.integrations.hsdp.demo_hyperparallel import BUCKET_HOOKS, V1_HOOKS
-from flatpool.integrations.hsdp.hyperparallel_sim import Config, FullyShardUnit, skip_dtensor_dispatch
-from flatpool.integrations.hsdp.hyperparallel_sim.unit import batch
+from examples.demo_hyperparallel import BUCKET_HOOKS, V1_HOOKS
+from examples.hyperparallel_sim import Config, FullyShardUnit, skip_dtensor_dispatch
+from examples.hyperparallel_sim.unit import batch
 from flatpool.optim import FlatOptimizer
 from scenario_runs import run_scenarios
 

@@ -24,18 +24,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from flatpool.integrations.hsdp.hyperparallel_sim import (  # noqa: E402
+from examples.hyperparallel_sim import (  # noqa: E402
     Config,
     FullyShardUnit,
     Originals,
     census,
     digest,
 )
-from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (  # noqa: E402
+from examples.hyperparallel_sim.dtensor import (  # noqa: E402
     wrapper_local_geometry,
     wrapper_storage_key,
 )
-from flatpool.integrations.hsdp.hyperparallel_sim.group import agreed  # noqa: E402
+from examples.hyperparallel_sim.group import agreed  # noqa: E402
 
 # ---- the hook: the drop-in lines of docs/integration.md, executed as written -----------------
 import hp_doc_lines  # noqa: E402
@@ -184,7 +184,7 @@ def _fmt_rank(rank: int, r: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from flatpool.integrations.hsdp.launch import launch
+    from examples.launch import launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatpool.integrations.hsdp import demo, demo_hyperparallel
+from examples import demo, demo_hyperparallel
 from flatpool.memory.viz import COLOURS
 from torchrun_jobs import run_torchrun
+
+REPO = Path(__file__).resolve().parents[2]
 
 HP_MODES = [m for m, _, _ in demo_hyperparallel.modes(4, 4, "cpu")]
 
@@ -68,11 +70,11 @@ def test_hyperparallel_client_draws_and_reports_progress(
     assert int(((torch.tensor(image[..., :3]) - stale).abs().max(-1).values < 0.01).sum()) > 3000
 
 
-def test_hyperparallel_client_runs_as_one_torchrun_job(tmp_path: Path) -> None:
+def test_hyperparallel_client_runs_as_one_torchrun_job() -> None:
     """Under torchrun each process is one rank of one job: one header, each rank's table once
     (each rank used to start its own 2-rank job, so every table came twice)."""
-    proc = run_torchrun(["-m", "flatpool.integrations.hsdp.demo", "--client", "hyperparallel",
-                         "--hidden", "32", "--ffn", "64", "--steps", "1"], cwd=tmp_path)
+    proc = run_torchrun(["-m", "examples.demo", "--client", "hyperparallel",
+                         "--hidden", "32", "--ffn", "64", "--steps", "1"], cwd=REPO)
     out = proc.stdout
     report = f"exit code {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, report

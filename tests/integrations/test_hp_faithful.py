@@ -1,4 +1,4 @@
-"""The HyperParallel simulation (flatpool.integrations.hsdp.hyperparallel_sim): it is hostile where HyperParallel is, and it reproduces
+"""The HyperParallel simulation (examples.hyperparallel_sim): it is hostile where HyperParallel is, and it reproduces
 HyperParallel as shipped (the bug report) and its newest upstream behaviour, eager and meta.
 
 Single-process tests exercise the DTensor and the member; the 2-rank tests share one spawned
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (
+from examples.hyperparallel_sim.dtensor import (
     HPDTensorRebind,
     HPDTensorRouted,
     LayoutInferError,
@@ -25,7 +25,7 @@ from flatpool.integrations.hsdp.hyperparallel_sim.dtensor import (
     wrapper_own_values,
     wrapper_storage_key,
 )
-from flatpool.integrations.hsdp.hyperparallel_sim.param import HSDPParam, ShardMesh
+from examples.hyperparallel_sim.param import HSDPParam, ShardMesh
 
 LAYOUT = ShardLayout(world=2, shard_dim=0, global_shape=(8, 3))
 NO_RULE = "dose not contain parallel layout infer func"

@@ -21,7 +21,7 @@ from flatpool import FlatPoolError, InvalidRequestError, InvalidTypeError, live_
 from flatpool.integrations.hsdp import adopt_group, cast_buffer, fuse, is_valid, problems
 from flatpool.integrations.hsdp.group import layout_of
 from flatpool.integrations.hsdp.hyperparallel import BucketLines, V1Lines, flat_buffer
-from flatpool.integrations.hsdp.hyperparallel_sim import (
+from examples.hyperparallel_sim import (
     HSDPParam,
     ShardMesh,
     dtensor_class,
@@ -284,7 +284,7 @@ def test_demo_rows(results: list[dict[str, Any]]) -> None:
 
 
 def test_demo_client_option() -> None:
-    from flatpool.integrations.hsdp import demo
+    from examples import demo
 
     assert demo.parse([]).client == "fsdp2"
     assert demo.parse(["--client", "hyperparallel"]).client == "hyperparallel"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flatpool import FlatPoolError, InvalidRequestError
-from flatpool.integrations.hsdp.launch import RankFailedError, launch
+from examples.launch import RankFailedError, launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_a_result_that_cannot_travel_is_that_ranks_typed_failure(what: str, mess
 
 
 def test_world_size_is_bounded_by_the_machine() -> None:
-    from flatpool.integrations.hsdp.launch import max_world_size
+    from examples.launch import max_world_size
 
     assert max_world_size("cpu") == 4 * (os.cpu_count() or 1)
     with pytest.raises(InvalidRequestError, match="more ranks than this machine hosts"):
@@ -135,12 +135,13 @@ def test_world_size_is_checked_before_anything_starts(world_size: int) -> None:
 
 @pytest.mark.slow
 def test_demo_runs_under_torchrun(tmp_path: Path) -> None:
-    """``torchrun --standalone --nproc-per-node 2 -m flatpool.integrations.hsdp.demo``."""
+    """``torchrun --standalone --nproc-per-node 2 -m examples.demo`` from the repository root
+    (the README's command; the demo is not installed)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "flatpool.integrations.hsdp.demo", "--hidden", "32", "--ffn", "64", "--steps", "2"],
-        cwd=tmp_path,  # outside the repository: the installed package is what runs
+         "-m", "examples.demo", "--hidden", "32", "--ffn", "64", "--steps", "2"],
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

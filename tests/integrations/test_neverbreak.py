@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from flatpool.integrations.hsdp.launch import launch
+from examples.launch import launch
 
 import neverbreak_workers
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from flatpool.integrations.hsdp import optim_demo
+from examples import optim_demo
 
 CELL = r"(\d+) (storages|pools)(?: \((\d+) pools\))?, ([\d.]+ (?:B|KiB|MiB))"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from flatpool.integrations.hsdp.launch import launch
+from examples.launch import launch
 
 SCENARIOS = ["fsdp2-flat-vs-foreach", "fsdp2-dcp-resume", "fsdp2-no_sync-verify_forward",
              "fsdp2-reload-in-place", "fsdp2-to_empty-reload", "fsdp2-torchtitan-order",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flatpool.integrations.hsdp.launch import launch
+from examples.launch import launch
 
 NAMES = ["v1-even", "bucketed-padded"]
 

@@ -43,7 +43,7 @@ class Config:
     memory after flatpool's fusion (flatpool.memory; needs the viz extra)."""
     optim: str = "per-parameter"
     """``"flat"`` adds the optimizer tables: per kind, storages and bytes with no pools,
-    parameters pooled and all pooled (:mod:`flatpool.integrations.hsdp.optim_demo`)."""
+    parameters pooled and all pooled (:mod:`examples.optim_demo`)."""
 
 
 def progress(text: str) -> None:

@@ -1,6 +1,6 @@
 """Demo: comm fusion without stale shard storages (the bug report's case, on FSDP2).
 
-Run ``./scripts/demo.sh`` (or ``python -m flatpool.integrations.hsdp.demo --help``). It starts
+Run ``./scripts/demo.sh`` (or ``python -m examples.demo --help``). It starts
 ``--world-size`` ranks (CPU and gloo by default) and, on each, shards a two-layer model with
 FSDP2. With the default sizes each of its two weights gives every rank a 4 MiB shard, as in the
 report. Four modes are compared:
@@ -16,7 +16,7 @@ report. Four modes are compared:
 Each rank's table is printed on stdout; the process exits non-zero if a flatpool row fails its
 checks. Rank 0 writes a ``progress:`` line per mode and training step to stderr. ``--png DIR``
 draws each rank's memory, buggy mode beside flatpool, in ``DIR/rank<r>.png``. Under
-``torchrun --nproc-per-node N -m flatpool.integrations.hsdp.demo`` (or any launcher that sets
+``torchrun --nproc-per-node N -m examples.demo`` (or any launcher that sets
 ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) every process runs one rank, rank 0 prints the
 same tables, and every rank exits with the same code. ``--client hyperparallel``
 (:mod:`.demo_hyperparallel`) does all of this in the HyperParallel simulation.
@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from flatpool import local_tensor
 
 from .census import OriginalStorages, live_storages
-from .fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
+from flatpool.integrations.hsdp import fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .demo_run import Config, draw_panels, progress, run_client
 from .naive import naive_rebase
 from .table import mib
@@ -210,7 +210,7 @@ def render(rank: int, rows: Sequence[Row]) -> str:
 
 def parse(argv: Sequence[str] | None) -> Config:
     ap = argparse.ArgumentParser(
-        prog="python -m flatpool.integrations.hsdp.demo",
+        prog="python -m examples.demo",
         description="Comm fusion with and without stale shard storages, on FSDP2 ranks.",
     )
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or npu")

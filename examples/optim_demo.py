@@ -3,14 +3,14 @@
 Each rank trains the same FSDP2 model (one ``fully_shard`` group per layer) three times, on the
 same data: with no pools (plain FSDP2 and a per-parameter ``foreach`` AdamW), with the
 parameters pooled (:func:`fuse_fully_sharded`, one pool per group), and with everything pooled
-(:func:`flatpool.integrations.hsdp.optim.flat_optimizer` adds one gradient pool and one pool per
+(:func:`flatpool.integrations.hsdp.flat_optimizer` adds one gradient pool and one pool per
 state kind per group, and ``optimizer.step()`` steps each group with one AdamW kernel call). After the last step,
 :func:`flatpool.census` (model and optimizer as roots) counts, per kind, the distinct storages
 (memory allocations; tensors sharing one count once, and a pool is one) and their bytes. The
 table says it per rank, with what pooling saves against no pools, and whether the three
 trainings stayed bit-identical (step times: ``python -m benchmarks.run --only optim``).
 
-    python -m flatpool.integrations.hsdp.optim_demo [--layers 8] [--hidden 64] [--steps 5]
+    python -m examples.optim_demo [--layers 8] [--hidden 64] [--steps 5]
     ./scripts/demo.sh --optim flat     # the same tables after the main demo's
 """
 
@@ -26,11 +26,10 @@ from attrs import define
 from torch import nn
 
 from flatpool import Census, census
-from flatpool.memory.units import fmt_bytes
+from flatpool.memory import fmt_bytes
 
-from .fsdp2 import fuse_fully_sharded
 from .launch import launch
-from .optim import flat_optimizer
+from flatpool.integrations.hsdp import flat_optimizer, fuse_fully_sharded
 from .table import render
 
 CONFIGS = ("no pools", "parameters pooled", "all pooled")
@@ -141,7 +140,7 @@ def _rank(layers: int, hidden: int, steps: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flatpool.integrations.hsdp.optim_demo",
+    ap = argparse.ArgumentParser(prog="python -m examples.optim_demo",
                                  description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="an even number")
     ap.add_argument("--hidden", type=int, default=64)

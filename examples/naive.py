@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .protocol import ShardedParam
+from flatpool.integrations.hsdp import ShardedParam
 
 
 @torch.no_grad()

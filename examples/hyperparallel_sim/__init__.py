@@ -1,7 +1,7 @@
 """A simulation of HyperParallel's torch HSDP group, for tests and the demo. Not HyperParallel.
 
-HyperParallel (``mindspore-ai/hyper-parallel``) cannot be installed here, so flatpool ships a
-*hostile* rebuild of the parts its comm fusion touches, modelled on its public sources
+HyperParallel (``mindspore-ai/hyper-parallel``) cannot be installed here, so the repository keeps
+a *hostile* rebuild of the parts its comm fusion touches, modelled on its public sources
 (HP-NOTES.md at the repository root lists every file and version read; no code is copied):
 
 * :mod:`.dtensor`: its ``_make_subclass`` DTensor: the wrapper *shares* the local shard's

@@ -18,18 +18,17 @@ import torch
 from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from flatpool import own_storage
+from flatpool import local_tensor, own_storage
 from flatpool import torch_compat as tc
 
-from .members import local_of
-from .protocol import ShardedParam
+from flatpool.integrations.hsdp import ShardedParam
 
 
 def member_tensors(p: ShardedParam) -> list[torch.Tensor]:
     """Every tensor object through which member ``p`` can reach a shard storage."""
     out: list[torch.Tensor] = []
     todo: list[torch.Tensor] = [p._sharded_param_data, p.sharded_param]
-    local = local_of(p.sharded_param)
+    local = local_tensor(p.sharded_param)
     if local is not p.sharded_param:
         todo.append(local)
     seen: set[int] = set()

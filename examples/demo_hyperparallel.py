@@ -1,7 +1,7 @@
 """``demo --client hyperparallel``: the bug report's case in the HyperParallel simulation.
 
 Each rank builds the report's two-weight unit (``--ffn`` x ``--hidden`` fp32 weights, sharded
-on dim 0) in :mod:`flatpool.integrations.hsdp.hyperparallel_sim` and trains it in six modes:
+on dim 0) in :mod:`examples.hyperparallel_sim` and trains it in six modes:
 
 * ``no fusion``: per-parameter all-gathers (the reference).
 * ``HyperParallel as shipped``: the V1 group with its own flat-buffer code and the DTensor
@@ -30,7 +30,7 @@ from attrs import define, evolve
 from flatpool import own_storage
 from flatpool import torch_compat as tc
 
-from .hyperparallel import BucketLines, V1Lines
+from flatpool.integrations.hsdp import BucketLines, V1Lines
 from .demo_run import Config, draw_panels, progress, run_client
 from .hyperparallel_sim import Config as UnitConfig
 from .hyperparallel_sim import FullyShardUnit, Originals, digest, live_storages, member_holders

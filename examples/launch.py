@@ -66,7 +66,7 @@ def set_local_device(device: str, local_rank: int) -> None:
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
     elif kind == "npu":
-        from flatpool.devices import resolve_device
+        from flatpool import resolve_device
 
         resolve_device(f"npu:{local_rank}")  # imports torch_npu, checks the index exists
         getattr(torch, "npu").set_device(local_rank)
