@@ -545,3 +545,24 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
                          timeout=300)
     assert out.returncode != 0 and "InvalidRequestError" in out.stderr
     assert "FLATPOOL_CXX_HOLDER_WAIT_S='soon'" in out.stderr
+
+
+def test_a_view_of_a_leaf_is_adopted_and_a_computed_tensor_is_refused() -> None:
+    """A view of a leaf requiring grad (``w.view(-1)``: not a leaf, its ``grad_fn`` a view
+    function) moves with its base and gradients still reach the leaf; ``w * 2`` is refused."""
+    pool = FlatPool(device="cpu")
+    w = torch.nn.Parameter(torch.arange(8.0))
+    flat = w.view(-1)
+    assert not flat.is_leaf and type(flat.grad_fn).__name__ == "ViewBackward0"
+    old = StorageWeakRef(w.untyped_storage())
+    pool.adopt([AdoptSpec(flat, views=[w])])
+    assert old.expired()
+    assert pool.owns(w) and pool.owns(flat)
+    assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    (flat * torch.arange(8.0)).sum().backward()
+    assert torch.equal(w.grad, torch.arange(8.0))
+    before = pool.used_bytes
+    computed = w * 2
+    with pytest.raises(InvalidRequestError, match=r"not a leaf of autograd.*MulBackward0"):
+        pool.adopt([computed])
+    assert pool.used_bytes == before and not pool.owns(computed)

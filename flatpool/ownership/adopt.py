@@ -638,7 +638,7 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is an inference tensor (made under torch.inference_mode()); it "
             "cannot be rebound in place: adopt a clone() made outside inference mode"
         )
-    if not _is_leaf(o.tensor):
+    if not _leaf_or_view(o.tensor):
         with tc.no_torch_function():
             computed_by = type(o.tensor.grad_fn).__name__
         raise InvalidRequestError(
@@ -701,14 +701,17 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
     return storage
 
 
-def _is_leaf(t: torch.Tensor) -> bool:
-    """``t.is_leaf``, read past a subclass's ``__torch_function__`` (an exact tensor or
-    parameter has none to pass)."""
+def _leaf_or_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a leaf of autograd or a view: a computed value (``w * 2``) is neither.
+    A view's history ends in view functions over its base's storage (sizes and strides, never
+    data), so it moves with its base like any view; were some graph to have saved its data, that
+    graph would hold the original storage and the release proof would refuse, naming it. Read
+    past a subclass's ``__torch_function__`` (an exact tensor or parameter has none to pass)."""
     if type(t) in _PLAIN:
-        return tc.impl_is_leaf(t)
+        return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
     with tc.no_torch_function():
-        leaf = tc.impl_is_leaf(t)
-    return leaf  # (not a return inside the block: see flatpool.ownership.interrupts)
+        ok = tc.impl_is_leaf(t) or tc.impl_base(t) is not None
+    return ok  # (not a return inside the block: see flatpool.ownership.interrupts)
 
 
 def _external_message(labels: list[str]) -> str:
