@@ -44,7 +44,7 @@ def _fused_rank(blocks: int, reps: int) -> dict[str, list[float]]:
     from torch.distributed.tensor import DTensor
 
     from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
-    from flatpool.integrations.hsdp.optim import flat_optimizer
+    from flatpool.integrations.hsdp import flat_optimizer
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     width = 16

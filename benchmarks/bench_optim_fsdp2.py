@@ -46,7 +46,7 @@ def _rank(n: int, reps: int) -> dict[str, Any]:
 
     from flatpool import census
     from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
-    from flatpool.integrations.hsdp.optim import flat_optimizer
+    from flatpool.integrations.hsdp import flat_optimizer
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -26,7 +26,7 @@ def _rank(hidden: int, ffn: int, batch: int, reps: int) -> dict[str, list[float]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from flatpool.integrations.hsdp.allgather import fused_all_gather
+    from flatpool.integrations.hsdp import fused_all_gather
     from examples.demo import ZeroThreeCase
     from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups, fuse_fully_sharded, lazy_init
 

@@ -24,8 +24,8 @@ from flatpool.memory import (
     draw,
     draw_comparison,
 )
-from flatpool.memory import viz
-from flatpool.memory.viz import COLOURS, DTYPE_COLOURS, MIN_FRACTION
+from flatpool.memory import _viz as viz
+from flatpool.memory._viz import COLOURS, DTYPE_COLOURS, MIN_FRACTION
 from test_memory_attribute import MANIFEST, SNAPSHOT
 
 

@@ -547,7 +547,7 @@ def test_an_interrupted_replan_is_redone_at_the_next_step() -> None:
     optimizer consistent: the next step re-does what was left and equals torch's."""
     import sys
 
-    from flatpool.optim import stepper as stepper_mod
+    from flatpool.optim import _stepper as stepper_mod
 
     optim_dir = str(Path(stepper_mod.__file__).parent)
     k = 0

@@ -30,7 +30,7 @@ from torch import nn
 
 from flatpool import FlatPool
 from flatpool.optim import FlatOptimizer
-from flatpool.optim import stepper as stepper_mod
+from flatpool.optim import _stepper as stepper_mod
 from optim_faults import interrupt_at_line
 
 SLOW = settings.default.max_examples >= 1000

@@ -11,15 +11,15 @@ another machine. On CPU, :func:`cpu_snapshot` stands in for the allocator.
 Nothing here imports matplotlib, ``torch_npu`` or ``flatpool.integrations`` at import time.
 """
 
-from .attribution import Progress, attribute, attribute_manifest
-from .live import capture
-from .collect import Watches, build_manifest
-from .cpu import cpu_snapshot
-from .device import device_snapshot
-from .errors import ManifestError, MissingExtraError, PictureError, SnapshotError
-from .mpl import load as load_matplotlib
-from .manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
-from .result import (
+from ._attribution import Progress, attribute, attribute_manifest
+from ._live import capture
+from ._collect import Watches, build_manifest
+from ._cpu import cpu_snapshot
+from ._device import device_snapshot
+from ._errors import ManifestError, MissingExtraError, PictureError, SnapshotError
+from ._mpl import load as load_matplotlib
+from ._manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
+from ._result import (
     KINDS,
     BlockView,
     ClassTotal,
@@ -29,14 +29,23 @@ from .result import (
     Piece,
     SegmentView,
 )
-from .snapshot import Block, Segment, Snapshot, SnapshotSource, load_snapshot, parse_snapshot
-from .units import fmt_bytes
-from .viz import draw, draw_comparison, render_png
-from .walk import Found, Walked, walk_roots
-from .watch import StorageWatch, WatchedStorages
+from ._snapshot import (
+    MAX_BLOCKS,
+    Block,
+    Segment,
+    Snapshot,
+    SnapshotSource,
+    load_snapshot,
+    parse_snapshot,
+)
+from ._units import fmt_bytes
+from ._viz import draw, draw_comparison, figure, render_png
+from ._walk import Found, Walked, walk_roots
+from ._watch import StorageWatch, WatchedStorages
 
 __all__ = [
     "KINDS",
+    "MAX_BLOCKS",
     "Block",
     "BlockView",
     "ClassTotal",
@@ -72,6 +81,7 @@ __all__ = [
     "device_snapshot",
     "draw",
     "draw_comparison",
+    "figure",
     "fmt_bytes",
     "load_matplotlib",
     "load_snapshot",

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from ..errors import FlatPoolError
-from .attribution import attribute_manifest
-from .errors import PictureError
-from .manifest import Manifest
-from .mpl import load
-from .snapshot import MAX_BLOCKS, load_snapshot
-from .viz import draw
+from ._attribution import attribute_manifest
+from ._errors import PictureError
+from ._manifest import Manifest
+from ._mpl import load
+from ._snapshot import MAX_BLOCKS, load_snapshot
+from ._viz import draw
 
 LARGE = 10_000
 """Snapshots with at least this many blocks report progress on stderr."""

@@ -12,10 +12,10 @@ See docs/optim.md.
 from __future__ import annotations
 
 from ..errors import FlatStepWarning
-from .errors import FlatStepError, LostPlaceError, NotPooledError, UnsupportedOptimizerError
-from .flat import FlatOptimizer, FusedPolicy
-from .layout import Member, Segment
-from .mirror import mirror
+from ._errors import FlatStepError, LostPlaceError, NotPooledError, UnsupportedOptimizerError
+from ._flat import FlatOptimizer, FusedPolicy
+from ._layout import Member, Segment
+from ._mirror import mirror
 
 __all__ = [
     "FlatOptimizer", "FlatStepError", "FlatStepWarning", "FusedPolicy", "LostPlaceError", "Member", "NotPooledError",

@@ -166,7 +166,7 @@ _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
 def _size(n: int) -> str:
-    """Bytes as :func:`flatpool.memory.units.fmt_bytes` writes them (which this module cannot
+    """Bytes as :func:`flatpool.memory.fmt_bytes` writes them (which this module cannot
     import: :mod:`flatpool.memory` imports the package this module is part of)."""
     for unit, name in _UNITS:
         if n >= unit:

@@ -6,16 +6,16 @@ under the ``flatpool`` package).
 
 from flatpool.errors import UnfusedGroupWarning
 
-from .allgather import fused_all_gather, per_param_all_gather
+from ._allgather import fused_all_gather, per_param_all_gather
 from .failsafe import keep_fused
 from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .group import GroupBuffers, adopt_group, adopt_spec
-from .hyperparallel import BucketLines, V1Lines, cast_buffer, flat_buffer, fuse, is_fused
-from .kept import KeptAlive, KeptOriginal
+from ._hyperparallel import BucketLines, V1Lines, cast_buffer, flat_buffer, fuse, is_fused
+from ._kept import KeptAlive, KeptOriginal
 from .layout import Bucket, MemberLayout
-from .meta import materialize_group
-from .optim import flat_optimizer
-from .protocol import ShardedParam
+from ._meta import materialize_group
+from ._optim import flat_optimizer
+from ._protocol import ShardedParam
 from .validity import is_valid, member_problems, needs_replan, problems, readopt_group
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 A training loop that runs without flatpool must run with it. So where the fusion layer acts on
 its own, inside FSDP2's forward (:class:`~flatpool.integrations.hsdp.fsdp2.FusedModule`'s hooks
-and ``revalidate``) or HyperParallel's flat-buffer lines (:func:`~flatpool.integrations.hsdp.hyperparallel.fuse`),
+and ``revalidate``) or HyperParallel's flat-buffer lines (:func:`~flatpool.integrations.hsdp.fuse`),
 :func:`keep_fused` applies a fail-safe policy instead of raising:
 
 * a reference the user holds to an original shard is not an error: the group is fused with that
@@ -32,8 +32,8 @@ from flatpool._warn import logger, warn
 from flatpool.errors import UnfusedGroupWarning
 
 from .group import GroupBuffers
-from .kept import KeptAlive
-from .protocol import ShardedParam
+from ._kept import KeptAlive
+from ._protocol import ShardedParam
 from .validity import is_valid, needs_replan, readopt_group
 
 Build = Callable[[OnPinned, KeptAlive], GroupBuffers]

@@ -47,9 +47,9 @@ from flatpool.ownership.spec import check_policy
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group
-from .kept import KeptAlive, KeptOriginal
+from ._kept import KeptAlive, KeptOriginal
 from .members import data_of, is_meta
-from .meta import materialize_group
+from ._meta import materialize_group
 from .validity import is_valid
 
 FSDPParamGroup = Any
@@ -227,7 +227,7 @@ def fuse_fully_sharded(
     """Adopt the shards of every param group of ``module`` (after ``fully_shard``).
 
     Groups whose shards are all on meta are materialized zero-copy into their pools
-    (:func:`flatpool.integrations.hsdp.meta.materialize_group`; initialize the module afterwards with
+    (:func:`flatpool.integrations.hsdp.materialize_group`; initialize the module afterwards with
     ``reset_parameters()`` or ``load_state_dict``, *not* ``to_empty``) unless ``materialize`` is
     false, in which case they are adopted at the first forward after ``to_empty``. With
     ``keep_valid`` the hooks described in this module's docstring are installed. ``on_pinned``

@@ -27,12 +27,12 @@ from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
 from flatpool.ownership.adopt import adopt_many
 
-from .kept import KeptAlive
+from ._kept import KeptAlive
 from .layout import Bucket, MemberLayout
 from .members import data_all, data_of, impl_device, impl_size
 from .members import local_of, member_name, padded_size, shard_dim
-from .protocol import ShardedParam
-from .wrappers import WrapperKinds
+from ._protocol import ShardedParam
+from ._wrappers import WrapperKinds
 
 
 @define(frozen=True)

@@ -20,7 +20,7 @@ from torch import nn
 from flatpool import InvalidRequestError, InvalidTypeError, own_storage
 from flatpool import torch_compat as tc
 
-from .protocol import ShardedParam
+from ._protocol import ShardedParam
 
 
 def data_of(p: ShardedParam, index: int) -> torch.Tensor:

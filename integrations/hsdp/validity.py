@@ -35,7 +35,7 @@ from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout
 from .members import PLAIN, data_of, has_memory, impl_device, impl_dtype, impl_size, is_meta
 from .members import local_of, member_name
-from .protocol import ShardedParam
+from ._protocol import ShardedParam
 
 
 def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...],

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatpool import local_tensor, same_storage
-from flatpool.integrations.hsdp.allgather import fused_all_gather
+from flatpool.integrations.hsdp import fused_all_gather
 from examples.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.group import GroupBuffers, adopt_group
 from flatpool.integrations.hsdp.validity import is_valid

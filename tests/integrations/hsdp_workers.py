@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import local_tensor, same_storage
-from flatpool.integrations.hsdp.allgather import fused_all_gather, per_param_all_gather
+from flatpool.integrations.hsdp import fused_all_gather, per_param_all_gather
 from examples.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from scenario_runs import run_scenarios

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import census, local_tensor
 from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
-from flatpool.integrations.hsdp.optim import flat_optimizer
+from flatpool.integrations.hsdp import flat_optimizer
 from flatpool.optim import FlatOptimizer
 from scenario_runs import run_scenarios
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples import demo, demo_hyperparallel
-from flatpool.memory.viz import COLOURS
+from flatpool.memory._viz import COLOURS
 from torchrun_jobs import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]

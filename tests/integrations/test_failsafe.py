@@ -15,7 +15,7 @@ import torch
 from flatpool import FlatPool, InvalidRequestError, OriginalKeptAliveWarning, PinnedStorageError
 from flatpool.errors import UnfusedGroupWarning
 from flatpool.integrations.hsdp import GroupBuffers, KeptAlive, keep_fused
-from flatpool.integrations.hsdp.hyperparallel import flat_buffer, fuse, is_fused
+from flatpool.integrations.hsdp import flat_buffer, fuse, is_fused
 from flatpool.ownership import release as proof
 
 sys.path.insert(0, str(Path(__file__).parent))

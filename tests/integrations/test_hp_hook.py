@@ -20,7 +20,7 @@ from torch import nn
 from flatpool import FlatPoolError, InvalidRequestError, InvalidTypeError, live_pools
 from flatpool.integrations.hsdp import adopt_group, cast_buffer, fuse, is_valid, problems
 from flatpool.integrations.hsdp.group import layout_of
-from flatpool.integrations.hsdp.hyperparallel import BucketLines, V1Lines, flat_buffer
+from flatpool.integrations.hsdp import BucketLines, V1Lines, flat_buffer
 from examples.hyperparallel_sim import (
     HSDPParam,
     ShardMesh,
@@ -28,7 +28,7 @@ from examples.hyperparallel_sim import (
     wrapper_local_geometry,
     wrapper_storage_key,
 )
-from flatpool.integrations.hsdp.meta import materialize_group
+from flatpool.integrations.hsdp import materialize_group
 
 import hp_doc_lines
 

@@ -8,7 +8,7 @@
   call of torch's functional kernel over one flat tensor per list;
 * **torch's own step** for the rest of the group, per parameter (a sub-group of the same
   options): parameters outside the pools, members whose dtype has no exact flat form
-  (:data:`flatpool.optim.layout.FLAT_DTYPES`); and for the *whole* group when its options, a
+  (:data:`flatpool.optim._layout.FLAT_DTYPES`); and for the *whole* group when its options, a
   gradient (sparse, another shape) or its state (a missing key, a tensor of another dtype) are
   torch's to handle, so torch's own step raises or handles it exactly as without flatpool.
 
@@ -30,12 +30,12 @@ from attrs import define
 
 from ..ownership.interrupts import signals_guarded
 from ._torch import foreach_choice, raw_step
-from .companions import Companions, StepSlots
-from .grads import Grads, unpoolable
-from .layout import Segment
-from .plan import GroupPlan, Plan
-from .rules import Rule
-from .state import FRESH, POOLED, State
+from ._companions import Companions, StepSlots
+from ._grads import Grads, unpoolable
+from ._layout import Segment
+from ._plan import GroupPlan, Plan
+from ._rules import Rule
+from ._state import FRESH, POOLED, State
 
 Say = Callable[[int, str], None]
 

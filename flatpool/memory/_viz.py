@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 from attrs import define
 
-from .errors import ManifestError
-from .files import write_atomic
-from .manifest import PoolEntry
-from .mpl import Axes, Figure, Matplotlib, load, plain_text
-from .result import MemoryAttribution
-from .units import fmt_bytes
+from ._errors import ManifestError
+from ._files import write_atomic
+from ._manifest import PoolEntry
+from ._mpl import Axes, Figure, Matplotlib, load, plain_text
+from ._result import MemoryAttribution
+from ._units import fmt_bytes
 
 COLOURS = {
     "pool": "#4C72B0",

@@ -11,7 +11,7 @@ the function to the optimizer). One made before had wrapped torch's step: the fl
 its mark (``_wrapped_by_lr_sched``) and sets ``optimizer._opt_called`` as its wrapper would, so
 the scheduler's order check holds and it warns about nothing.
 
-``optimizer.zero_grad`` settles pre-installed gradients first (:mod:`.grads`) and, after
+``optimizer.zero_grad`` settles pre-installed gradients first (:mod:`._grads`) and, after
 ``set_to_none=True``, releases the gradient pools.
 
 Removal restores the instance's own attributes as they were (none, usually). A scheduler made
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ._torch import raw_step, with_step_hooks
-from .journal import Journal
+from ._journal import Journal
 
 StepBody = Callable[[torch.optim.Optimizer, Any], Any]
 ZeroBody = Callable[[torch.optim.Optimizer, bool], None]

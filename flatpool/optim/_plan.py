@@ -19,9 +19,9 @@ from attrs import define, field
 
 from ..aliasing import local_tensor
 from ..pool import FlatPool
-from .layout import Member, Places, Segment, plan_group, segments_of
-from .rules import Rule, group_refusal
-from .wrap import supported
+from ._layout import Member, Places, Segment, plan_group, segments_of
+from ._rules import Rule, group_refusal
+from ._wrap import supported
 
 _data_ptr = torch.Tensor.data_ptr
 _local_of = operator.attrgetter("_local_tensor")

@@ -1,11 +1,11 @@
 """``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step.
 
 Set up once over a torch optimizer whose parameters were adopted into pools. From then on
-``optimizer.step()`` itself is the flat step (:mod:`.dropin`): before every step the plan is
-checked against the optimizer and its pools (:mod:`.plan`), and each group is stepped flat, or
-by torch's own step per parameter, as torch's state decides (:mod:`.stepper`). Gradients are
-pooled with torch's ``.grad`` semantics and memory (:mod:`.grads`), optimizer state per
-parameter in companion pools (:mod:`.state`).
+``optimizer.step()`` itself is the flat step (:mod:`._dropin`): before every step the plan is
+checked against the optimizer and its pools (:mod:`._plan`), and each group is stepped flat, or
+by torch's own step per parameter, as torch's state decides (:mod:`._stepper`). Gradients are
+pooled with torch's ``.grad`` semantics and memory (:mod:`._grads`), optimizer state per
+parameter in companion pools (:mod:`._state`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from ..aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
 from ._torch import after_backward, is_dtensor
-from . import clip
-from .companions import Companions
-from .dropin import DropIn
-from .grads import Grads, unpoolable
-from .journal import Journal, committed
-from .layout import Segment
-from .plan import Plan, make_plan, stale
-from .rules import rule_for
-from .state import State, plain_assign
-from .stepper import Stepper
+from . import _clip
+from ._companions import Companions
+from ._dropin import DropIn
+from ._grads import Grads, unpoolable
+from ._journal import Journal, committed
+from ._layout import Segment
+from ._plan import Plan, make_plan, stale
+from ._rules import rule_for
+from ._state import State, plain_assign
+from ._stepper import Stepper
 
 FusedPolicy = Literal["foreach", "fused"]
 Verify = Literal["step", "forward"]
@@ -78,7 +78,7 @@ class FlatOptimizer:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (others raise
             :class:`UnsupportedOptimizerError`).
         pools: the pools holding the parameters, or a function returning them now (the HSDP
-            layer's pools can appear later: :func:`flatpool.integrations.hsdp.optim.flat_optimizer`).
+            layer's pools can appear later: :func:`flatpool.integrations.hsdp.flat_optimizer`).
         module: when given, a hook on its outputs installs zeroed pooled gradients when a
             backward pass reaches them (for parameters that require grad and have none), so the
             backward writes into the pool; those nothing wrote to are given back as ``None`` when
@@ -137,7 +137,7 @@ class FlatOptimizer:
 
     def _setup(self, pools: list[FlatPool]) -> None:
         """Plan, pool what the members hold, install: everything others see changes in one
-        journaled commit (:mod:`.journal`). The gc is paused: setup makes tens of thousands of
+        journaled commit (:mod:`._journal`). The gc is paused: setup makes tens of thousands of
         small objects, and each automatic collection would walk all of them."""
         self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
         with committed() as journal:
@@ -153,12 +153,12 @@ class FlatOptimizer:
 
     @property
     def grads(self) -> Grads:
-        """The pooled gradients (:mod:`.grads`)."""
+        """The pooled gradients (:mod:`._grads`)."""
         return self._now.grads
 
     @property
     def state(self) -> State:
-        """The pooled optimizer state (:mod:`.state`)."""
+        """The pooled optimizer state (:mod:`._state`)."""
         return self._now.state
 
     @property
@@ -268,7 +268,7 @@ class FlatOptimizer:
 
     @property
     def segments(self) -> list[Segment]:
-        """The segments (:mod:`.layout` glossary) of the current plan."""
+        """The segments (:mod:`._layout` glossary) of the current plan."""
         return [] if self._closed else list(self._plan.segments)
 
     @property
@@ -354,7 +354,7 @@ class FlatOptimizer:
                         error_if_nonfinite: bool = False, exact: bool = True) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)`` over the
         optimizer's parameters (in param_groups order): the same norm and the same scaled
-        gradients bit for bit, the pooled ones scaled once per run (:mod:`.clip`).
+        gradients bit for bit, the pooled ones scaled once per run (:mod:`._clip`).
 
         ``exact=False``: the norm is taken over the flat gradient ranges (one norm a run), equal
         up to rounding (docs/optim.md gives the measured difference); single-process plain
@@ -370,7 +370,7 @@ class FlatOptimizer:
             if not grads:
                 total = torch.tensor(0.0)
             elif exact:
-                total = clip.total_norm(grads, norm_type, error_if_nonfinite)
+                total = _clip.total_norm(grads, norm_type, error_if_nonfinite)
             else:
                 if any(is_dtensor(g) or local_tensor(g) is not g for g in grads):
                     raise InvalidRequestError(
@@ -379,7 +379,7 @@ class FlatOptimizer:
                 total = torch.nn.utils.get_total_norm(runs + others, norm_type,
                                                       error_if_nonfinite, foreach=True)
             if grads:
-                clip.scale(runs + others, clip.coefficient(max_norm, total))
+                _clip.scale(runs + others, _clip.coefficient(max_norm, total))
         return total
 
     def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -15,7 +15,7 @@ import torch
 
 from ..aliasing import local_tensor
 from ._torch import dtensor_like, is_dtensor
-from .errors import NotPooledError
+from ._errors import NotPooledError
 
 
 def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from flatpool.devices import DeviceLike
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group, bucket_members
-from .kept import KeptAlive
-from .protocol import ShardedParam
+from ._kept import KeptAlive
+from ._protocol import ShardedParam
 from .validity import is_valid
 
 

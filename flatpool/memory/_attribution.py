@@ -29,9 +29,9 @@ import torch
 from attrs import define
 
 from .. import FlatPool, InvalidRequestError
-from .collect import Watches, build_manifest
-from .manifest import Manifest, PoolEntry
-from .result import (
+from ._collect import Watches, build_manifest
+from ._manifest import Manifest, PoolEntry
+from ._result import (
     KINDS,
     BlockView,
     ClassTotal,
@@ -41,8 +41,8 @@ from .result import (
     Piece,
     SegmentView,
 )
-from .snapshot import Snapshot, SnapshotSource, load_snapshot
-from .units import fmt_bytes
+from ._snapshot import Snapshot, SnapshotSource, load_snapshot
+from ._units import fmt_bytes
 
 Progress = Callable[[int, int], None]
 """Called with (blocks done, blocks in all) during attribution."""

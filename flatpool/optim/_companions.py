@@ -21,7 +21,7 @@ import torch
 
 from .. import torch_compat as tc
 from ..pool import FlatPool, contiguous_strides
-from .layout import Member
+from ._layout import Member
 
 
 def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
@@ -81,7 +81,7 @@ class Companions:
 
 
 class StepSlots:
-    """``<pool>/step``: one element per member, in storage order (:mod:`.companions` doc)."""
+    """``<pool>/step``: one element per member, in storage order (:mod:`._companions` doc)."""
 
     def __init__(self, pool: FlatPool, members: Sequence[Member], dtype: torch.dtype,
                  device: torch.device) -> None:

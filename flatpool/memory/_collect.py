@@ -19,9 +19,9 @@ import torch
 
 from .. import torch_compat as tc
 from .. import FlatPool, InvalidTypeError, census, live_pools, local_tensor, own_storage
-from .manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
-from .walk import LEGIT_OWN_STORAGE, walk_roots
-from .watch import StorageWatch, WatchedStorages
+from ._manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
+from ._walk import LEGIT_OWN_STORAGE, walk_roots
+from ._watch import StorageWatch, WatchedStorages
 
 Watches = Union[StorageWatch, Iterable[StorageWatch]]
 
@@ -38,7 +38,7 @@ def build_manifest(
 
     Args:
         roots: modules, optimizers, FSDP2/HSDP groups, pools, containers or objects holding
-            them (see :func:`flatpool.memory.walk.walk_roots` for the naming); every pool
+            them (see :func:`flatpool.memory.walk_roots` for the naming); every pool
             found on the way is included.
         pools: the pools to include besides those found from the roots; ``None`` (the
             default) includes every live pool of the process, as :func:`flatpool.census` does.

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from attrs import define
 
-from .errors import ManifestError, shown
-from .files import write_atomic
+from ._errors import ManifestError, shown
+from ._files import write_atomic
 
 FORMAT = "flatpool-memory-manifest"
 VERSION = 1

@@ -16,7 +16,7 @@ from typing import IO, Any, Protocol
 
 from attrs import define
 
-from .errors import MissingExtraError
+from ._errors import MissingExtraError
 
 PIN = "matplotlib==3.11.2"
 """The version tested; the ``viz`` extra asks for ``matplotlib>=3.5`` (``set_yticks(labels=)``)."""

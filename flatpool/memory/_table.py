@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._table import table
-from .units import fmt_bytes
+from ._units import fmt_bytes
 
 if TYPE_CHECKING:
-    from .result import MemoryAttribution
+    from ._result import MemoryAttribution
 
 
 def _bytes(n: int) -> str:

@@ -13,14 +13,14 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .. import DeviceLike, FlatPool
-from .attribution import attribute_manifest
-from .collect import Watches, build_manifest
-from .device import device_snapshot
-from .manifest import Manifest
-from .mpl import load
-from .result import MemoryAttribution
-from .snapshot import parse_snapshot
-from .viz import draw
+from ._attribution import attribute_manifest
+from ._collect import Watches, build_manifest
+from ._device import device_snapshot
+from ._manifest import Manifest
+from ._mpl import load
+from ._result import MemoryAttribution
+from ._snapshot import parse_snapshot
+from ._viz import draw
 
 
 def _device_of(manifest: Manifest) -> str:

@@ -9,7 +9,7 @@ Classes (:data:`KINDS`), in the order tables list them:
 * ``unattributed``: an active block no known object touches.
 
 Every byte of every active block belongs to exactly one item, so the per-class bytes add up
-to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory.attribution` for how
+to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory._attribution` for how
 partial overlaps are split).
 """
 
@@ -19,7 +19,7 @@ from typing import Literal
 
 from attrs import define
 
-from .manifest import Manifest, PoolEntry
+from ._manifest import Manifest, PoolEntry
 
 Kind = Literal["pool", "tensor", "stale", "unattributed"]
 KINDS: tuple[Kind, ...] = ("pool", "tensor", "stale", "unattributed")
@@ -124,7 +124,7 @@ class MemoryAttribution:
 
     def render(self, top: int = 10) -> str:
         """The plain-text table: per class blocks and bytes, the ``top`` largest items, pools."""
-        from .table import render
+        from ._table import render
 
         return render(self, top)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import local_tensor, own_storage
-from .manifest import Manifest
+from ._manifest import Manifest
 
 SOURCE = "cpu census"
 

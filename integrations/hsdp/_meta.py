@@ -25,7 +25,7 @@ from flatpool.devices import DeviceLike, resolve_device
 from .group import GroupBuffers, plan_buckets
 from .layout import Bucket, MemberLayout
 from .members import data_of, impl_requires_grad, is_meta
-from .protocol import ShardedParam
+from ._protocol import ShardedParam
 
 
 def materialize_group(

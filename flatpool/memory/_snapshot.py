@@ -24,7 +24,7 @@ from typing import Any, Union
 
 from attrs import define
 
-from .errors import SnapshotError, shown
+from ._errors import SnapshotError, shown
 
 ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 """States of a block that holds memory: in use, or freed but still used by a stream

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from .. import DeviceError, DeviceLike, resolve_device
-from .cpu import cpu_snapshot
-from .manifest import Manifest
+from ._cpu import cpu_snapshot
+from ._manifest import Manifest
 
 
 def _allocator_snapshot(dev: torch.device) -> Any:

@@ -37,9 +37,9 @@ import torch
 from ..aliasing import local_tensor
 from ..pool import FlatPool
 from ._torch import local_of
-from .companions import new_pool, views
-from .layout import Member, Segment
-from .wrap import wrap_like
+from ._companions import new_pool, views
+from ._layout import Member, Segment
+from ._wrap import wrap_like
 
 _grad_of = operator.attrgetter("grad")
 _version_of = operator.attrgetter("_version")

@@ -29,10 +29,10 @@ from .. import torch_compat as tc
 from ..aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
 from ._torch import local_of as wrapped_local
-from .companions import Companions, StepSlots, views
-from .layout import Member
-from .rules import Rule
-from .wrap import wrap_like
+from ._companions import Companions, StepSlots, views
+from ._layout import Member
+from ._rules import Rule
+from ._wrap import wrap_like
 
 Assign = Callable[[dict[Any, Any], str, Any], None]
 """How an entry is rebound (``d[key] = value``; setup journals it)."""
@@ -105,7 +105,7 @@ class State:
 
     def ensure(self, kind: str, indices: Sequence[int]) -> None:
         """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet (a few
-        calls per pool: :func:`flatpool.optim.companions.views`)."""
+        calls per pool: :func:`flatpool.optim._companions.views`)."""
         entries, locals_ = self._kind(kind)
         todo = [i for i in indices if entries[i] is None]
         if not todo:

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
 
-from .errors import UnsupportedOptimizerError
+from ._errors import UnsupportedOptimizerError
 
 try:  # torch releases before AdamW became Adam(decoupled_weight_decay=True)
     from torch.optim.adamw import adamw as _adamw

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from flatpool import torch_compat as tc
 
 from .layout import Bucket, MemberLayout
-from .protocol import ShardedParam
+from ._protocol import ShardedParam
 
 
 def _unshard(rows: torch.Tensor, m: MemberLayout) -> torch.Tensor:
