@@ -16,7 +16,7 @@ from typing import Any
 # module reads a private torch API that release may lack.
 from .torch_compat import UnsupportedTorchError, check_supported
 
-from .aliasing import (  # noqa: E402
+from ._aliasing import (  # noqa: E402
     ByteRange,
     byte_range,
     check_no_aliasing,
@@ -30,7 +30,7 @@ from . import checkpoint  # noqa: E402
 from . import _fork  # noqa: E402,F401  (os.register_at_fork: locks, gc pause, signals)
 from ._warn import warn  # noqa: E402
 from .checkpoint import compact_copy  # noqa: E402
-from .devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
+from ._devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
 from .errors import (  # noqa: E402
     AdoptionError,
     AliasingError,
@@ -54,13 +54,13 @@ from .errors import (  # noqa: E402
     UnfusedGroupWarning,
     UntestedTorchWarning,
 )
-from .holder import Holder  # noqa: E402
+from ._holder import Holder  # noqa: E402
 from .ownership.census import Census, StorageRecord, census  # noqa: E402
 from .ownership.interrupts import RollbackError  # noqa: E402
 from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools  # noqa: E402
 from .slices import Slice  # noqa: E402
-from .unreleased import UnreleasedOriginal  # noqa: E402
+from ._unreleased import UnreleasedOriginal  # noqa: E402
 
 __all__ = [
     "checkpoint",

@@ -17,7 +17,7 @@ from .ownership.validity import is_valid, moved
 from .ownership.relocate import compact, grow
 from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
 from .slices import Slice
-from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
+from ._requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools
 
 

@@ -30,7 +30,7 @@ from attrs import define
 from torch import nn
 
 from . import torch_compat as tc
-from .holder import Holder
+from ._holder import Holder
 
 Ref = Callable[[], Any]
 """How a binding finds an object again: called, it answers the object or ``None``."""

@@ -25,10 +25,10 @@ import torch
 
 from . import torch_compat as tc
 from ._npu_format import check_pool_storage
-from .aliasing import check_strided, extent_of, local_tensor
+from ._aliasing import check_strided, extent_of, local_tensor
 from ._table import table
-from .allocator import AllocSnapshot, RangeAllocator, align_up
-from .devices import DeviceLike, resolve_device
+from ._allocator import AllocSnapshot, RangeAllocator, align_up
+from ._devices import DeviceLike, resolve_device
 from .errors import (
     ForeignSliceError,
     FreedSliceError,
@@ -38,10 +38,10 @@ from .errors import (
     PoolInvariantError,
 )
 from .registry import AdoptionRegistry
-from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
+from ._requests import ShapeLike, check_dtype, check_shape, contiguous_strides
 from .slice_index import SliceIndex, SliceRun
 from .slices import Slice
-from .unreleased import Trace, UnreleasedOriginal
+from ._unreleased import Trace, UnreleasedOriginal
 
 _T = TypeVar("_T")
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ._torch import is_dtensor, local_of, mesh_of, placements_of
 
 

@@ -23,7 +23,7 @@ from attrs import define
 from .._warn import logger, warn
 from ..ownership.gcpause import gc_paused
 from ..ownership.interrupts import guarded_call
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
 from ._torch import after_backward, is_dtensor

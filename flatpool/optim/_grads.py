@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ._torch import local_of
 from ._companions import new_pool, views

@@ -26,7 +26,7 @@ import torch
 from attrs import define
 
 from .. import torch_compat as tc
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ..slices import Slice
 

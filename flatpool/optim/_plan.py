@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from attrs import define, field
 
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ._layout import Member, Places, Segment, plan_group, segments_of
 from ._rules import Rule, group_refusal

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..aliasing import local_tensor
+from .._aliasing import local_tensor
 from ._torch import dtensor_like, is_dtensor
 from ._errors import NotPooledError
 

@@ -28,11 +28,11 @@ import torch
 from .. import torch_compat as tc
 from .._npu_format import check_plain_format
 from .._warn import warn
-from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
+from .._aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
-from ..holder import Holder
+from .._holder import Holder
 from ..registry import Binding, binding
-from ..requests import check_dtype
+from .._requests import check_dtype
 from ..slices import Slice
 from ..state import PoolState, pool_of_storage
 from .faults import checkpoint

@@ -19,8 +19,8 @@ import torch
 from attrs import define
 
 from .. import torch_compat as tc
-from ..aliasing import extent_of, local_tensor, own_storage
-from ..devices import allocator_counters
+from .._aliasing import extent_of, local_tensor, own_storage
+from .._devices import allocator_counters
 from .._table import table
 from ..errors import InvalidTypeError
 from ..slices import Slice

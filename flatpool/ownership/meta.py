@@ -15,12 +15,12 @@ from typing import Callable, Union, cast
 import torch
 
 from .. import torch_compat as tc
-from ..aliasing import check_strided
+from .._aliasing import check_strided
 from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
-from ..holder import Holder
+from .._holder import Holder
 from ..registry import binding
 from ..slices import Slice
-from ..requests import check_dtype
+from .._requests import check_dtype
 from ..state import PoolState
 from .faults import checkpoint
 from .moves import Dest, Member, Move, SlotSet, fresh_on, move

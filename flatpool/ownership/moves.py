@@ -32,7 +32,7 @@ import torch
 
 from .. import torch_compat as tc
 from ..errors import AdoptionError
-from ..holder import Holder
+from .._holder import Holder
 from .faults import checkpoint
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import torch_compat as tc
-from ..aliasing import check_no_wrapper, check_strided, extent_of
+from .._aliasing import check_no_wrapper, check_strided, extent_of
 from .._warn import warn
 from ..errors import InvalidRequestError, OrphanedSliceWarning
 from ..registry import Binding, TensorRef, binding

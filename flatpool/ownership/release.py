@@ -40,7 +40,7 @@ from ..errors import (
     PoolInvariantError,
 )
 from ..state import PoolState
-from ..unreleased import UnreleasedOriginal
+from .._unreleased import UnreleasedOriginal
 from .faults import checkpoint
 from .interrupts import run_undo
 from .moves import Member, Move

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..allocator import RangeAllocator, align_up
+from .._allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError
 from ..registry import Binding
 from ..slices import Slice

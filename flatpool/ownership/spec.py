@@ -9,7 +9,7 @@ import torch
 from attrs import define, field
 
 from ..errors import InvalidRequestError, InvalidTypeError
-from ..holder import Holder
+from .._holder import Holder
 from ..slices import Slice
 
 OnPinned = Literal["raise", "warn", "force"]

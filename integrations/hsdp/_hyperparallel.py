@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from flatpool import OnPinned
-from flatpool.devices import DeviceLike
+from flatpool._devices import DeviceLike
 
 from .failsafe import keep_fused
 from .group import GroupBuffers, adopt_group, bucket_members

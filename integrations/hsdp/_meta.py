@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from flatpool import FlatPool, InvalidRequestError, InvalidTypeError
 from flatpool import torch_compat as tc
-from flatpool.devices import DeviceLike, resolve_device
+from flatpool._devices import DeviceLike, resolve_device
 
 from .group import GroupBuffers, plan_buckets
 from .layout import Bucket, MemberLayout

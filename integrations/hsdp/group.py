@@ -22,7 +22,7 @@ from attrs import define, field
 
 from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned, Slice
 from flatpool import torch_compat as tc
-from flatpool.devices import DeviceLike, resolve_device
+from flatpool._devices import DeviceLike, resolve_device
 from flatpool.ownership.gcpause import gc_paused
 from flatpool.ownership.interrupts import guarded_call
 from flatpool.ownership.adopt import adopt_many

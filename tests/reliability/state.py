@@ -14,7 +14,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import FlatPool, Slice
-from flatpool.aliasing import local_tensor
+from flatpool import local_tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 

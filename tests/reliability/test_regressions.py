@@ -88,7 +88,7 @@ def test_a_journal_left_open_by_an_interrupted_exit_is_ended_by_the_rollback() -
     the next journaled block took itself for a nested one and undid nothing when it failed
     (found by the SIGALRM fuzz: "allocator state changed", 11 of 26 seeds of 1,000 landings).
     Every rollback restores the allocator, which now also ends such a journal."""
-    from flatpool.allocator import RangeAllocator
+    from flatpool._allocator import RangeAllocator
 
     alloc = RangeAllocator(1024, alignment=1)
     before = alloc.snapshot()

@@ -25,7 +25,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import AdoptSpec, FlatPool, InvalidRequestError, PoolExhaustedError, Slice, census
-from flatpool.allocator import align_up
+from flatpool._allocator import align_up
 
 from .state import Snapshot, check_layout
 
