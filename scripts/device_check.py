@@ -19,7 +19,7 @@ step passed.
 flatpool is put on the path from the working tree, nothing installed or downloaded: a scratch
 folder holds ``flatpool/`` as links to this checkout's files plus ``flatpool/integrations`` ->
 ``integrations/`` (what pyproject's package-dir maps), and goes first on ``PYTHONPATH`` for
-every process the steps start (pytest, the demo's ranks).
+every process the steps start (pytest, the demo's ranks); ``examples`` -> ``examples/`` beside it.
 """
 
 from __future__ import annotations
@@ -71,16 +71,19 @@ def out_dir(arg: str | None) -> Path:
 
 
 def checkout_site(scratch: Path) -> Path:
-    """A folder that makes ``import flatpool`` (and ``flatpool.integrations``) this checkout's.
+    """A folder that makes ``import flatpool`` (and ``flatpool.integrations``) this checkout's,
+    and ``import examples`` (the demo step's) too.
 
     ``flatpool/`` in it links each entry of the checkout's ``flatpool/``, plus ``integrations``
-    -> the checkout's ``integrations/``; where links cannot be made, the files are copied.
+    -> the checkout's ``integrations/``; ``examples`` links the checkout's ``examples/``; where
+    links cannot be made, the files are copied.
     """
     site = scratch / "site"
     pkg = site / "flatpool"
     pkg.mkdir(parents=True)
     entries = [(e, pkg / e.name) for e in (REPO / "flatpool").iterdir() if e.name != "__pycache__"]
     entries.append((REPO / "integrations", pkg / "integrations"))
+    entries.append((REPO / "examples", site / "examples"))
     for src, dst in entries:
         try:
             dst.symlink_to(src, target_is_directory=src.is_dir())
