@@ -301,7 +301,7 @@ def test_unreadable_manifests(tmp_path: Path) -> None:
 def test_the_package_imports_no_upper_layer_and_no_optional_dependency() -> None:
     """flatpool.memory sits below flatpool.integrations and must load without matplotlib or
     torch_npu: no import statement of its modules names them (matplotlib is loaded by name,
-    on demand, in mpl.py only)."""
+    on demand, in _mpl.py only)."""
     import flatpool.memory
 
     folder = Path(flatpool.memory.__file__).parent
@@ -315,4 +315,4 @@ def test_the_package_imports_no_upper_layer_and_no_optional_dependency() -> None
             for name in names:
                 assert not any(bad in name for bad in ("integrations", "matplotlib", "torch_npu")), \
                     f"{path.name} imports {name}"
-    assert os.path.exists(folder / "mpl.py")
+    assert os.path.exists(folder / "_mpl.py")

@@ -52,9 +52,6 @@ class Journal:
         self._undo.append(undo)
         register()
 
-    def on_rollback(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
     def rollback(self) -> None:
         while self._undo:
             run_undo(self._undo[-1])
