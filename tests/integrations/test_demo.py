@@ -101,3 +101,14 @@ def test_optim_flat_adds_the_optimizer_storage_rows(capfd: pytest.CaptureFixture
         assert g0 == g1 == g2 and int(s2) == 3 * int(g2)  # one pool per kind per group
         assert s0 == s1 == of and int(saved) == int(s0) - int(s2) > 0
     assert out.count("bit-identical training") == 2 and "DIFFER" not in out
+
+
+def test_one_rank_says_the_group_is_not_fused_by_design(capfd: pytest.CaptureFixture[str]) -> None:
+    """At shard world size 1 ``fuse_fully_sharded`` leaves the group unfused on purpose; the
+    demo said FAIL for that row (and exited 1), it says why and passes."""
+    code = demo.main(["--world-size", "1", "--hidden", "32", "--ffn", "64", "--steps", "1"])
+    text, err = capfd.readouterr()
+    assert code == 0, text + err
+    row = next(line for line in text.splitlines() if line.strip().startswith("flatpool adopt"))
+    assert "not fused, by design: shard world size is 1" in row and "FAIL" not in text
+    assert re.search(r"meta init .* ok$", text, re.M), text
