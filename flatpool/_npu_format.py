@@ -78,8 +78,9 @@ def private_format(t: torch.Tensor, device: torch.device | None = None) -> str |
     return None if code in PLAIN_FORMATS else format_name(code)
 
 
-def check_plain_format(t: torch.Tensor, what: str, device: torch.device | None = None) -> None:
-    """Raise :class:`NpuFormatError` if ``t`` (named ``what``) is in a private NPU format."""
+def check_plain_format(t: torch.Tensor, what: object, device: torch.device | None = None) -> None:
+    """Raise :class:`NpuFormatError` if ``t`` (named ``what``: its ``str()``, made only for the
+    message) is in a private NPU format."""
     name = private_format(t, device)
     if name is not None:
         raise NpuFormatError(

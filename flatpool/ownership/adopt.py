@@ -630,7 +630,7 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
             "move it to the pool's device first or use a pool on its device"
         )
-    check_plain_format(inner, str(o), device)  # NPU: refuse private storage formats
+    check_plain_format(inner, o, device)  # NPU: refuse private storage formats
     if numel == 0:
         raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
     if inference:
