@@ -1,18 +1,15 @@
 """Optimizer step: flatpool's flat step vs torch's per-parameter ``foreach=True`` and
-``fused=True`` steps, and vs a bare AdamW step over one tensor of the same bytes (CPU).
+``fused=True`` steps, and vs a bare AdamW step over one tensor of the same bytes (CPU), in one
+process; then the same on a real 2-rank FSDP2 job (:mod:`benchmarks.bench_optim_fsdp2`).
 
 Parameters are mixed small shapes (16 to 512 elements, 1-D and 2-D, float32), every one with a
 gradient, AdamW with weight decay. The flat case adopts them into one pool (``alignment=1``,
-the HSDP layer's packing) and steps through :class:`flatpool.optim.FlatOptimizer` with its
-per-member checks at every step (``verify="step"``, the default), and once more with the
-checks moved into the module's forward pre-hook (``verify="forward"``: the step checks only its
-pools), whose cost is shown beside it. Cases run round-robin in one process; ratios are medians
-of per-round ratios. Peak memory is the largest sum of live bytes the CPU allocator reports to
+the HSDP layer's packing) and steps through ``optimizer.step()`` with a
+:class:`flatpool.optim.FlatOptimizer` set up on it (every step re-reads the optimizer's state,
+param groups and gradients). Cases run round-robin in one process; ratios are medians of
+per-round ratios. Peak memory is the largest sum of live bytes the CPU allocator reports to
 torch's profiler during one warm step (state already made), temporaries included. Every case
 runs with one intra-op thread.
-
-The optimizer step does no communication, so one process measures what each rank of a 2-rank
-job would run; on a small shared machine two ranks would only measure their contention.
 """
 
 from __future__ import annotations
@@ -58,19 +55,12 @@ def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
         opt.step()  # state made: every timed step is a warm one
         steps[name] = opt.step
     ps = params()
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)  # absorbed into the gradient pool at setup
     opt = torch.optim.AdamW(ps, foreach=True, **kw)  # type: ignore[arg-type]
-    fo = FlatOptimizer(opt, [_adopted(ps, "bench")])
-    _fill_grads(ps, g)
-    fo.step()
-    steps["flat"] = fo.step
-    ps2 = params()
-    module = torch.nn.ParameterList(ps2)  # a module for the forward hook of verify="forward"
-    fo_fw = FlatOptimizer(torch.optim.AdamW(ps2, foreach=True, **kw),  # type: ignore[arg-type]
-                          [_adopted(ps2, "bench-fw")], module=module, verify="forward")
-    _fill_grads(ps2, g)
-    fo_fw.step()
-    steps["flat_forward"] = fo_fw.step
-    steps["forward_checks"] = lambda: fo_fw._pre_forward()
+    FlatOptimizer(opt, [_adopted(ps, "bench")])
+    opt.step()
+    steps["flat"] = opt.step
     total = sum(p.numel() for p in ps)
     one = torch.nn.Parameter(torch.randn(total, generator=g))
     one.grad = torch.randn(total, generator=g)
@@ -86,16 +76,6 @@ def _adopted(ps: list[Any], name: str) -> Any:
     pool = FlatPool(alignment=1, name=name)
     pool.adopt(ps)
     return pool
-
-
-def _fill_grads(ps: list[Any], g: Any) -> None:
-    """Random values in the pooled gradients (the flat optimizer made them, zeroed)."""
-    import torch
-
-    with torch.no_grad():
-        for p in ps:
-            assert p.grad is not None
-            p.grad.normal_(generator=g)
 
 
 def peak_bytes(step: Callable[[], object]) -> int:
@@ -116,6 +96,8 @@ def peak_bytes(step: Callable[[], object]) -> int:
 def run(quick: bool) -> list[Result]:
     import torch
 
+    from . import bench_optim_fsdp2
+
     sizes = (200, 1000) if quick else (1000, 10000)
     results: list[Result] = []
     threads = torch.get_num_threads()
@@ -125,7 +107,7 @@ def run(quick: bool) -> list[Result]:
             results.extend(_size(n, quick))
     finally:
         torch.set_num_threads(threads)
-    return results
+    return results + bench_optim_fsdp2.run(quick)
 
 
 def _size(n: int, quick: bool) -> list[Result]:
@@ -158,13 +140,7 @@ def _size(n: int, quick: bool) -> list[Result]:
             "optim", f"AdamW step, {n} params: flat vs bare AdamW on one tensor of the same bytes",
             fmt_s(median(flat)), fmt_s(median(t["bare"])), vs_bare,
             "reported", None,
-            note="verify='step': per-member checks at every step"))
-        results.append(Result(
-            "optim", f"AdamW step, {n} params: flat, checks in forward (verify='forward') vs bare",
-            fmt_s(median(t["flat_forward"])), fmt_s(median(t["bare"])),
-            median_ratio(t["flat_forward"], t["bare"]), "<= 1.2" if big else "reported",
-            None if quick or not big else median_ratio(t["flat_forward"], t["bare"]) <= 1.2,
-            note=f"the forward hook's checks: {fmt_s(median(t['forward_checks']))} a call"))
+            note="the flat step checks every member's gradient and state entries each step"))
         with torch.no_grad():
             peaks = {k: peak_bytes(steps[k]) for k in ("flat", "foreach")}
         results.append(Result(

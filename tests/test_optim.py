@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -138,13 +139,16 @@ def test_gradients_autograd_made_die_at_the_step() -> None:
 
 def test_no_gradient_storage_is_made_with_the_module_hook() -> None:
     _, _, flat, o_flat, fo, pool = pair("adamw")
-    grad_pool = fo.grads.buffer(pool)
+    assert fo.grads.buffer(pool) is None  # no gradient memory before a backward, as with torch
     for step in range(3):
         train_step(flat, step)
+        grad_pool = fo.grads.buffer(pool)  # one block per backward (released by zero_grad)
+        assert grad_pool is not None
         assert all(grad_pool.owns(p.grad) for p in flat.parameters())  # backward wrote there
         fo.step()
         o_flat.zero_grad(set_to_none=True)
         assert all(p.grad is None for p in flat.parameters())
+        assert fo.grads.buffer(pool) is None
 
 
 def test_state_dict_save_load_resume_is_identical() -> None:
@@ -188,17 +192,29 @@ def test_state_dict_save_load_resume_is_identical() -> None:
         assert len(records) == 4 and all(r.pool is not None for r in records)
 
 
-def test_torch_step_on_pooled_state_is_refused() -> None:
-    _, _, flat, o_flat, fo, _ = pair("adamw")
-    train_step(flat, 0)
-    before = [p.detach().clone() for p in flat.parameters()]
-    with pytest.raises(FlatStepError, match="FlatOptimizer.step"):
+def test_optimizer_step_is_the_flat_step_and_close_gives_torchs_back() -> None:
+    """Issue 30: ``optimizer.step()`` itself runs the flat step, with the optimizer's step hooks
+    once a step; ``close()`` leaves no attribute behind and each parameter keeps a step tensor
+    of its own, so torch's step goes on identically. (Until issue 30 ``optimizer.step()`` on
+    pooled Adam state raised ``FlatStepError``: one step count was shared by a segment.)"""
+    ref, o_ref, flat, o_flat, fo, _ = pair("adamw")
+    calls: list[str] = []
+    o_flat.register_step_pre_hook(lambda *a: calls.append("pre"))
+    o_flat.register_step_post_hook(lambda *a: calls.append("post"))
+    for step in range(5):
+        if step == 3:
+            fo.close()
+            assert "step" not in o_flat.__dict__ and "zero_grad" not in o_flat.__dict__
+        train_step(ref, step)
+        train_step(flat, step)
+        o_ref.step()
         o_flat.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
-    fo.close()  # per parameter from now on: each parameter has its own step count again
-    o_flat.step()
-    steps = {id(o_flat.state[p]["step"].untyped_storage()) for p in flat.parameters()}
-    assert len(steps) == 6
+        o_ref.zero_grad()
+        o_flat.zero_grad()
+        assert_same(ref, o_ref, flat, o_flat)
+    assert calls == ["pre", "post"] * 5
+    steps = {id(o_flat.state[p]["step"]) for p in flat.parameters()}
+    assert len(steps) == 6 and {float(o_flat.state[p]["step"]) for p in flat.parameters()} == {5.0}
 
 
 def test_non_elementwise_optimizer_is_refused() -> None:
@@ -244,7 +260,9 @@ def test_parameters_outside_the_pools_fall_back() -> None:
     _fallback_case(lambda m, g: None, "in none of the given pools")
 
 
-def test_different_step_counts_fall_back() -> None:
+def test_different_step_counts_step_flat() -> None:
+    """Each parameter has its own step count (issue 30): counts that differ split a segment into
+    runs of equal counts, still flat (until issue 30 the group fell back)."""
     ref, flat = mlp(), mlp()
     pool = FlatPool()
     pool.adopt(list(flat.parameters()))
@@ -258,34 +276,38 @@ def test_different_step_counts_fall_back() -> None:
             o.step()
             o.zero_grad()
         opts.append(o)
-    with pytest.warns(FlatStepWarning, match="different step counts"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatStepWarning)
         fo = FlatOptimizer(opts[1], [pool], module=flat)
-    assert fo.fallback == [0]
-    for step in range(2, 4):
-        train_step(ref, step)
-        train_step(flat, step)
-        opts[0].step()
-        fo.step()
+        assert not fo.fallback
+        for step in range(2, 4):
+            train_step(ref, step)
+            train_step(flat, step)
+            opts[0].step()
+            opts[1].step()
     assert_same(ref, opts[0], flat, opts[1])
+    assert float(opts[1].state[flat[4].weight]["step"]) == 3.0
 
 
-def test_a_missing_gradient_dissolves_the_group() -> None:
+def test_a_missing_gradient_is_skipped_as_torch_skips_it() -> None:
+    """A parameter without a gradient is skipped (no weight decay, no step count), the rest of
+    its segment steps flat (until issue 30 the group fell back for good)."""
     ref, o_ref, flat, o_flat, fo, _ = pair("adamw")
-    for step in range(4):
-        train_step(ref, step)
-        train_step(flat, step)
-        if step == 2:
-            ref[4].bias.grad = None
-            flat[4].bias.grad = None
-            with pytest.warns(FlatStepWarning, match="no gradient"):
-                fo.step()
-        else:
-            fo.step()
-        o_ref.step()
-        o_ref.zero_grad()
-        o_flat.zero_grad()
-    assert fo.fallback == [0] and not fo.segments
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatStepWarning)
+        for step in range(4):
+            train_step(ref, step)
+            train_step(flat, step)
+            if step == 2:
+                ref[4].bias.grad = None
+                flat[4].bias.grad = None
+            o_ref.step()
+            o_flat.step()
+            o_ref.zero_grad()
+            o_flat.zero_grad()
+    assert not fo.fallback and len(fo.segments) == 1
     assert_same(ref, o_ref, flat, o_flat)
+    assert float(o_flat.state[flat[4].bias]["step"]) == 3.0
 
 
 def test_capturable_and_complex_fall_back() -> None:
@@ -303,27 +325,34 @@ def test_capturable_and_complex_fall_back() -> None:
         FlatOptimizer(torch.optim.Adam([z], foreach=True), [p2])
 
 
-def test_a_parameter_that_left_the_pool_is_refused_until_readopted() -> None:
+def test_a_parameter_that_left_the_pool_is_stepped_by_torch_until_readopted() -> None:
+    """A member that left its pooled place is stepped by torch's own step (a warning says so),
+    and flat again once re-adopted (until issue 30 the step raised ``LostPlaceError``)."""
     ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
-    for m, o, s in ((ref, o_ref, o_ref.step), (flat, o_flat, fo.step)):
+    for m, o in ((ref, o_ref), (flat, o_flat)):
         train_step(m, 0)
-        s()
+        o.step()
         o.zero_grad()
     w = flat[2].weight
     with torch.no_grad():
         w.set_(w.detach().clone())  # a framework re-materialized it elsewhere
     train_step(ref, 1)
-    train_step(flat, 1)
-    before = [p.detach().clone() for p in flat.parameters()]
-    with pytest.raises(LostPlaceError, match="left its place"):
-        fo.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
+    with pytest.warns(FlatStepWarning, match="in none of the given pools"):
+        train_step(flat, 1)  # the forward's check finds it
+        o_flat.step()
+    o_ref.step()
+    assert_same(ref, o_ref, flat, o_flat)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the clone we made above is kept alive by nobody
         pool.readopt()
     assert pool.owns(w)
-    fo.step()
-    o_ref.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatStepWarning)
+        train_step(ref, 2)
+        train_step(flat, 2)
+        o_flat.step()
+        o_ref.step()
+    assert fo.replans == 2 and len(fo.segments) == 1
     assert_same(ref, o_ref, flat, o_flat)
 
 
@@ -413,40 +442,46 @@ def test_pool_growth_replans_and_keeps_state() -> None:
     assert len(records) == 5 and all(r.pool is not None for r in records)
 
 
-def test_checks_in_the_forward_hook() -> None:
+def test_verify_forward_is_accepted_and_the_step_still_checks() -> None:
+    """``verify="forward"`` is accepted (compatibility); every step checks what it relies on,
+    so a member moved after the forward is stepped by torch, not flat from a stale place."""
     cls, kw = OPTIMIZERS["adamw"]
     ref, flat = mlp(), mlp()
     pool = FlatPool()
     pool.adopt(list(flat.parameters()))
     o_ref = cls(ref.parameters(), foreach=True, **kw)
     o_flat = cls(flat.parameters(), foreach=True, **kw)
-    fo = FlatOptimizer(o_flat, [pool], module=flat, verify="forward")
+    FlatOptimizer(o_flat, [pool], module=flat, verify="forward")
     for step in range(3):
         train_step(ref, step)
         train_step(flat, step)
+        if step == 2:
+            w = flat[0].weight
+            with torch.no_grad():
+                w.set_(w.detach().clone())
         o_ref.step()
-        fo.step()
+        if step == 2:
+            with pytest.warns(FlatStepWarning, match="in none of the given pools"):
+                o_flat.step()
+        else:
+            o_flat.step()
         o_ref.zero_grad()
         o_flat.zero_grad()
     assert_same(ref, o_ref, flat, o_flat)
-    w = flat[0].weight
-    with torch.no_grad():
-        w.set_(w.detach().clone())
-    with pytest.raises(LostPlaceError):
-        train_step(flat, 3)  # the forward hook finds it, before any gradient is made
-    assert all(p.grad is None for p in flat.parameters())
 
 
-def test_a_sparse_gradient_is_refused_before_anything_moves() -> None:
+def test_a_sparse_gradient_is_torchs_to_refuse() -> None:
+    """A sparse gradient: the group is torch's, whose Adam refuses it before stepping anything
+    (until issue 30 flatpool raised its own ``FlatStepError``)."""
     ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
     train_step(flat, 0)
-    fo.step()
+    o_flat.step()
     before = [p.detach().clone() for p in flat.parameters()]
     state = {k: v.clone() for k, v in o_flat.state[flat[0].weight].items()}
     grads = [p.grad.clone() for p in flat.parameters()]  # type: ignore[union-attr]
-    flat[2].bias.grad = torch.ones(16).to_sparse()  # torch refuses other shapes and dtypes itself
-    with pytest.raises(FlatStepError, match="cannot be pooled"):
-        fo.step()
+    flat[2].bias.grad = torch.ones(16).to_sparse()
+    with pytest.warns(FlatStepWarning, match="sparse"), pytest.raises(RuntimeError, match="sparse"):
+        o_flat.step()
     assert all(torch.equal(a, b) for a, b in zip(before, flat.parameters()))
     assert all(torch.equal(v, o_flat.state[flat[0].weight][k]) for k, v in state.items())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads[:3], list(flat.parameters())[:3]))
@@ -507,27 +542,82 @@ def test_an_lr_scheduler_changes_the_flat_step_like_the_per_parameter_one() -> N
     assert_same(ref, o_ref, flat, o_flat)
 
 
-def test_an_interrupted_replan_is_redone_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flatpool.optim import state as state_mod
+def test_an_interrupted_replan_is_redone_at_the_next_step() -> None:
+    """A Ctrl-C anywhere in a step's re-plan and adoption (before any kernel runs) leaves the
+    optimizer consistent: the next step re-does what was left and equals torch's."""
+    import sys
 
-    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
-    for m, o, s in ((ref, o_ref, o_ref.step), (flat, o_flat, fo.step)):
-        train_step(m, 0)
-        s()
-        o.zero_grad()
-    pool.grow(pool.capacity * 2)  # the next step re-plans into new mirrors
-    real = state_mod.StateBuffers._adopt
+    from flatpool.optim import stepper as stepper_mod
 
-    def interrupted(self: Any, *args: Any) -> bool:
-        real(self, *args)  # the dict entries are rebound, then the "Ctrl-C" lands
-        raise KeyboardInterrupt
+    optim_dir = str(Path(stepper_mod.__file__).parent)
+    k = 0
+    while True:
+        ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            train_step(m, 0)
+            o.step()
+            o.zero_grad()
+        pool.grow(pool.capacity * 2)  # the next step re-plans into new companions
+        train_step(ref, 1)
+        train_step(flat, 1)
+        seen = [0]
+        ran = [False]
 
-    monkeypatch.setattr(state_mod.StateBuffers, "_adopt", interrupted)
-    train_step(ref, 1)
-    train_step(flat, 1)
-    with pytest.raises(KeyboardInterrupt):
-        fo.step()
-    monkeypatch.setattr(state_mod.StateBuffers, "_adopt", real)
-    fo.step()
-    o_ref.step()
-    assert_same(ref, o_ref, flat, o_flat)
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_name == "run" and frame.f_code.co_filename == stepper_mod.__file__:
+                ran[0] = True  # the kernels start: no more interrupts
+            if ran[0] or not frame.f_code.co_filename.startswith(optim_dir):
+                return None
+            if event == "line":
+                if seen[0] == k:
+                    seen[0] += 1
+                    raise KeyboardInterrupt
+                seen[0] += 1
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            o_flat.step()
+            done = True
+        except KeyboardInterrupt:
+            done = False
+        finally:
+            sys.settrace(None)
+        if not done:
+            assert all(torch.equal(a, b) for a, b in zip(before_step(ref, o_ref), flat.parameters()))
+            o_flat.step()
+        o_ref.step()
+        assert_same(ref, o_ref, flat, o_flat)
+        if done:
+            break
+        k += max(1, k // 8)
+    assert k > 50
+
+def before_step(ref: nn.Module, o_ref: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The reference's parameters (not stepped yet)."""
+    return [p.detach() for p in ref.parameters()]
+
+
+def test_grad_scaler_with_a_fused_group() -> None:
+    """A GradScaler hands a fused optimizer ``grad_scale``/``found_inf``: with the default policy
+    torch's own fused step handles the group (a warning says so); with ``fused="fused"`` the flat
+    fused kernel reads them. Both stay within fused's bound of per-parameter fused."""
+    for policy in ("foreach", "fused"):
+        ref, flat = mlp(), mlp()
+        pool = FlatPool()
+        pool.adopt(list(flat.parameters()))
+        o_ref = torch.optim.AdamW(ref.parameters(), fused=True, lr=1e-2)
+        o_flat = torch.optim.AdamW(flat.parameters(), fused=True, lr=1e-2)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            FlatOptimizer(o_flat, [pool], module=flat, fused=policy)  # type: ignore[arg-type]
+            scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 6) for _ in range(2)]
+            for step in range(4):
+                for m, o, s in ((ref, o_ref, scalers[0]), (flat, o_flat, scalers[1])):
+                    s.scale(m(batch(step)).square().mean()).backward()
+                    s.step(o)
+                    s.update()
+                    o.zero_grad()
+        assert any("grad_scale" in str(w.message) for w in said) == (policy == "foreach")
+        for a, b in zip(ref.parameters(), flat.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

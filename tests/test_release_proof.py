@@ -117,6 +117,34 @@ def test_module_attribute_and_shared_parameter_are_named() -> None:
     assert report.all_released and pool.owns(other.weight)
 
 
+def test_python_holders_come_first_and_a_views_base_is_not_called_cpp_only() -> None:
+    """Issue 32.2: a view of a detached alias (``m.weight.detach()[0]``) keeps the alias alive
+    only through autograd's view link, which gc cannot see. The message named that alias "held
+    only from C++" first, before the dict entry that really holds it (and the kept-alive
+    warning opened with it). The user's holders are named first, and an alias that is only
+    some found view's base is not called a C++ holder."""
+    pool = FlatPool(capacity=CAP)
+    model = torch.nn.Linear(4, 4)
+    model.mine = {"w": model.weight.detach()[0]}  # type: ignore[assignment]
+    kept = (model.bias.detach()[:2],)
+    state = State(pool, [model.weight, model.bias])
+    err = _raises_pinned(pool, [model.weight, model.bias])
+    lines = str(err).splitlines()
+    assert lines[1].split("is held by: ")[1].startswith("Linear.mine['w'] (tensor (4,) float32)")
+    assert lines[2].split("is held by: ")[1].startswith("tuple[0] (tensor (2,) float32)")
+    assert "held only from C++" not in str(err)
+    state.check(pool, [model.weight, model.bias])
+    # A holder that really is C++-only beside a Python one: the Python one first.
+    w = torch.randn(6)
+    a = torch.randn(3, requires_grad=True)
+    loss = (a * w[:3]).sum()  # the graph saved w[:3]
+    stash = [w[3:].detach()]
+    err = _raises_pinned(pool, w)
+    held = str(err).splitlines()[1].split("is held by: ")[1].split("; ")
+    assert held[0].startswith("list[0]") and held[-1].startswith("held only from C++"), held
+    del loss, stash, kept
+
+
 def test_optimizer_state_key_is_named() -> None:
     pool = FlatPool(capacity=CAP)
     model = torch.nn.Linear(4, 1)
@@ -517,3 +545,24 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
                          timeout=300)
     assert out.returncode != 0 and "InvalidRequestError" in out.stderr
     assert "FLATPOOL_CXX_HOLDER_WAIT_S='soon'" in out.stderr
+
+
+def test_a_view_of_a_leaf_is_adopted_and_a_computed_tensor_is_refused() -> None:
+    """A view of a leaf requiring grad (``w.view(-1)``: not a leaf, its ``grad_fn`` a view
+    function) moves with its base and gradients still reach the leaf; ``w * 2`` is refused."""
+    pool = FlatPool(device="cpu")
+    w = torch.nn.Parameter(torch.arange(8.0))
+    flat = w.view(-1)
+    assert not flat.is_leaf and type(flat.grad_fn).__name__ == "ViewBackward0"
+    old = StorageWeakRef(w.untyped_storage())
+    pool.adopt([AdoptSpec(flat, views=[w])])
+    assert old.expired()
+    assert pool.owns(w) and pool.owns(flat)
+    assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    (flat * torch.arange(8.0)).sum().backward()
+    assert torch.equal(w.grad, torch.arange(8.0))
+    before = pool.used_bytes
+    computed = w * 2
+    with pytest.raises(InvalidRequestError, match=r"not a leaf of autograd.*MulBackward0"):
+        pool.adopt([computed])
+    assert pool.used_bytes == before and not pool.owns(computed)

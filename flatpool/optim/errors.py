@@ -20,9 +20,10 @@ class NotPooledError(FlatStepError, ValueError):
 
 
 class LostPlaceError(FlatStepError, RuntimeError):
-    """A parameter, its gradient or its optimizer state left its pooled place since the flat
-    step was planned (``to_empty``, ``load_state_dict(assign=True)``, a framework's own
-    re-materialization); call :meth:`FlatOptimizer.readopt` (or let ``readopt="auto"`` do it)."""
+    """Kept for code that catches it: no longer raised. Since issue 30 a member that left its
+    pooled place (``to_empty``, ``load_state_dict(assign=True)``, a framework's own
+    re-materialization) is stepped by torch's own step, with a ``FlatStepWarning``, until it is
+    back in its pool."""
 
 
 __all__ = ["FlatStepError", "LostPlaceError", "NotPooledError", "UnsupportedOptimizerError"]

@@ -1,83 +1,99 @@
-"""``FlatOptimizer``: one optimizer step per flat segment instead of one per parameter.
+"""``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step.
 
-Set up once over a torch optimizer whose parameters were adopted into pools. Every parameter
-group that can step flat gets pooled gradients (:mod:`.grads`) and pooled state (:mod:`.state`);
-:meth:`FlatOptimizer.step` then runs torch's own functional kernel once per segment over one
-flat tensor each. A group that cannot (see :func:`flatpool.optim.layout.plan`,
-:func:`flatpool.optim.rules.group_refusal`, :func:`flatpool.optim.state.state_refusal`) is
-stepped by the optimizer's own ``step``, per parameter, and a :class:`FlatStepWarning` says why.
+Set up once over a torch optimizer whose parameters were adopted into pools. From then on
+``optimizer.step()`` itself is the flat step (:mod:`.dropin`): before every step the plan is
+checked against the optimizer and its pools (:mod:`.plan`), and each group is stepped flat, or
+by torch's own step per parameter, as torch's state decides (:mod:`.stepper`). Gradients are
+pooled with torch's ``.grad`` semantics and memory (:mod:`.grads`), optimizer state per
+parameter in companion pools (:mod:`.state`).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from .. import torch_compat as tc
+from attrs import define
+
 from .._warn import logger, warn
+from ..ownership.gcpause import gc_paused
+from ..ownership.interrupts import guarded_call
+from ..aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
-from .buffers import Mirrors, segment_view
-from .errors import FlatStepError, LostPlaceError
-from .grads import GradBuffers
-from .layout import Member, gaps, plan
-from .rules import group_refusal, rule_for
-from .state import StateBuffers, state_refusal
-from .wrap import is_dtensor, supported
-from ..aliasing import local_tensor
+from ._torch import after_backward, is_dtensor
+from . import clip
+from .companions import Companions
+from .dropin import DropIn
+from .grads import Grads, unpoolable
+from .journal import Journal, committed
+from .layout import Segment
+from .plan import Plan, make_plan, stale
+from .rules import rule_for
+from .state import State, plain_assign
+from .stepper import Stepper
 
 FusedPolicy = Literal["foreach", "fused"]
 Verify = Literal["step", "forward"]
-
-_data_ptr = torch.Tensor.data_ptr
-_local_of = operator.attrgetter("_local_tensor")
+Pools = Sequence[FlatPool] | Callable[[], Sequence[FlatPool]]
 
 
-def _locals(params: list[torch.Tensor], wrapped: bool | None) -> list[torch.Tensor]:
-    """The members' data tensors (a DTensor's local tensor); mapped in C when all members are
-    alike (``wrapped`` True: all wrappers, False: all plain, None: mixed)."""
-    if wrapped is False:
-        return params
-    if wrapped:
-        return list(map(_local_of, params))
-    return [getattr(p, "_local_tensor", p) for p in params]
+_grad_of = operator.attrgetter("grad")
 
 
-def _norm_input(grad: torch.Tensor) -> torch.Tensor:
-    """What torch's norm reads: a torch DTensor as it is (its reduction runs), the local tensor
-    of any other wrapper (a HyperParallel-style DTensor's ops on lists cannot dispatch)."""
-    return grad if is_dtensor(grad) else local_tensor(grad)
+def _output_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _output_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _output_tensors(o)]
+    return []
+
+
+@define(frozen=True)
+class _Current:
+    """What one plan made; replaced whole when the optimizer is planned again."""
+
+    plan: Plan
+    grads: Grads
+    state: State
+    stepper: Stepper
 
 
 class FlatOptimizer:
     """Flat steps for ``optimizer`` over parameters adopted into ``pools``.
+
+    After setup ``optimizer.step()`` runs the flat step (so LR schedulers, ``GradScaler``,
+    ``step(closure)`` and the optimizer's step hooks work as with torch alone) and
+    ``optimizer.zero_grad()`` releases the gradient pools; :meth:`close` gives the optimizer
+    back its own. Setup is all-or-nothing, an interrupt included.
 
     Args:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (others raise
             :class:`UnsupportedOptimizerError`).
         pools: the pools holding the parameters, or a function returning them now (the HSDP
             layer's pools can appear later: :func:`flatpool.integrations.hsdp.optim.flat_optimizer`).
-        module: when given, a forward pre-hook re-installs pooled gradients after
-            ``optimizer.zero_grad()`` set them to ``None``, so backward accumulates into the
-            pool and no per-parameter gradient storage is ever made.
+        module: when given, a hook on its outputs installs zeroed pooled gradients when a
+            backward pass reaches them (for parameters that require grad and have none), so the
+            backward writes into the pool; those nothing wrote to are given back as ``None`` when
+            the backward ends. Its forward pre-hook checks the plan (members put back into their
+            pools).
         fused: for groups created with ``fused=True``: ``"foreach"`` (default) runs the foreach
             math, bit-identical to ``foreach=True``; ``"fused"`` runs torch's fused kernel over
             the flat tensors (not bit-identical to fused per parameter; see docs/optim.md).
-        verify: where the per-member checks run (each member's place, and that its
-            ``.grad`` is its pooled view; about a microsecond a member): ``"step"`` (default)
-            at every step; ``"forward"`` in the module's forward pre-hook only, so the step
-            itself checks only the pools and the optimizer's state dict (O(pools)) and trusts
-            that nothing replaced a ``.grad`` between backward and step.
+        verify: accepted for compatibility; every step checks everything it relies on.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        pools: Sequence[FlatPool] | Callable[[], Sequence[FlatPool]],
+        pools: Pools,
         *,
         module: nn.Module | None = None,
         fused: FusedPolicy = "foreach",
@@ -86,28 +102,70 @@ class FlatOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidTypeError(f"FlatOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._pool_source = pools if callable(pools) else tuple(pools)
-        self.pools = self._current_pools()
+        first_pools = self._current_pools()
         if fused not in ("foreach", "fused"):
             raise InvalidTypeError(f"fused must be 'foreach' or 'fused', got {fused!r}")
         if verify not in ("step", "forward"):
             raise InvalidTypeError(f"verify must be 'step' or 'forward', got {verify!r}")
+        if module is not None and not isinstance(module, nn.Module):
+            raise InvalidTypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if verify == "forward" and module is None:
-            raise InvalidRequestError("verify='forward' runs the checks in the module's "
-                                      "forward pre-hook: pass module=")
+            raise InvalidRequestError("verify='forward' runs checks in the module's forward "
+                                      "pre-hook: pass module=")
+        owner = getattr(optimizer.step, "_flatpool_dropin", None)
+        if isinstance(owner, DropIn) and owner.active:
+            raise InvalidRequestError(
+                f"this {type(optimizer).__name__} is already stepped by a FlatOptimizer: "
+                "close() that one first")
         self.optimizer = optimizer
         self.rule = rule_for(optimizer)
         self.fused: FusedPolicy = fused
         self.verify = verify
-        self._mirrors = Mirrors()
-        self._inside = False
+        self.module = module
         self.replans = 0
-        """How many times the state or layout was re-adopted after the first plan."""
-        self._plan(first=True)
-        self._handles = [optimizer.register_step_pre_hook(self._guard)]
-        if module is not None:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+        """How many times the plan was made again after setup (its pools, groups, state object
+        or a member's place changed)."""
+        self.reasons: dict[int, str] = {}
+        """Why (part of) a param group is stepped by torch's own step, per group."""
+        self._said: set[tuple[int, str]] = set()
+        self._closed = False
+        self._backward_queued = False
+        self._handles: list[Any] = []
+        self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
+        self._dropin.step.__func__._flatpool_dropin = self._dropin  # type: ignore[attr-defined]
+        guarded_call(lambda: self._setup(first_pools), gc_paused())
 
-    # -- planning -------------------------------------------------------------------------
+    def _setup(self, pools: list[FlatPool]) -> None:
+        """Plan, pool what the members hold, install: everything others see changes in one
+        journaled commit (:mod:`.journal`). The gc is paused: setup makes tens of thousands of
+        small objects, and each automatic collection would walk all of them."""
+        self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
+        with committed() as journal:
+            self._absorb_existing(journal.set_attr, journal.set_item)
+            self._dropin.install(journal)
+            if self.module is not None:
+                self._install_hooks(self.module, journal)
+
+    # -- planning ---------------------------------------------------------------------------
+    @property
+    def _plan(self) -> Plan:
+        return self._now.plan
+
+    @property
+    def grads(self) -> Grads:
+        """The pooled gradients (:mod:`.grads`)."""
+        return self._now.grads
+
+    @property
+    def state(self) -> State:
+        """The pooled optimizer state (:mod:`.state`)."""
+        return self._now.state
+
+    @property
+    def pools(self) -> list[FlatPool]:
+        """The parameter pools of the current plan."""
+        return self._now.plan.pools
+
     def _current_pools(self) -> list[FlatPool]:
         src = self._pool_source
         pools = list(src() if callable(src) else src)
@@ -116,243 +174,265 @@ class FlatOptimizer:
                 raise InvalidTypeError(f"pools must be FlatPools, got {type(p).__name__}")
         return pools
 
-    def _plan(self, first: bool = False) -> None:
-        opt = self.optimizer
-        self._planned = False  # an exception in here (a Ctrl-C too) leaves the next step to re-plan
-        self.pools = self._current_pools()
-        segments, reasons = plan(opt.param_groups, self.pools)
-        for g, group in enumerate(opt.param_groups):
-            why = group_refusal(group)
-            if why is None:
-                why = next((f"{tuple(p.shape)}: {r}" for p in group["params"]
-                            if (r := supported(p)) is not None), None)
-            if why is not None and g not in reasons:
-                reasons[g] = why
-        by_group: dict[int, list[Member]] = {}
-        for s in segments:
-            if s.group not in reasons:
-                by_group.setdefault(s.group, []).extend(s.members)
-        for g, members in by_group.items():
-            why = state_refusal(opt, self.rule, opt.param_groups[g], members)
-            if why is not None:
-                reasons[g] = why
-        segments = [s for s in segments if s.group not in reasons]
-        for g, why in sorted(reasons.items()):
-            warn(f"param_groups[{g}] of {type(opt).__name__} is stepped per parameter, not flat: "
-                 f"{why}", FlatStepWarning)
+    def _adopt_plan(self, plan: Plan) -> None:
+        """Make ``plan`` current: new companion pools (old state is copied over from the entries
+        that still hold it), new gradient bookkeeping, warnings for what is not flat."""
+        companions = Companions()
+        sparse = self._sparse_params()
+        grads = Grads(plan.members)
+        grads.sparse = {i for i, m in enumerate(plan.members) if id(m.param) in sparse}
+        state = State(self.optimizer, self.rule, plan.members,
+                      [plan.groups[m.group].group for m in plan.members], companions)
+        stepper = Stepper(self.optimizer, self.rule, plan, grads, state, companions, self.fused,
+                          self._say)
+        self._now = _Current(plan, grads, state, stepper)  # one store: never half a plan
+        self.reasons = {}
+        for g, gp in enumerate(plan.groups):
+            if gp.refusal is not None:
+                self._say(g, gp.refusal)
+            elif gp.others:
+                i, why = next(iter(gp.others.items()))
+                self._say(g, f"{len(gp.others)} of its parameters, e.g. params[{i}] "
+                             f"{tuple(gp.params[i].shape)}: {why}")
+        half = sorted({(s.group, str(s.dtype)) for s in plan.segments if not s.flat})
+        for g, dtype in half:
+            self._say(g, f"its {dtype} members: a flat {dtype} step is not bit-identical to the "
+                         "per-parameter one (torch's vectorized and scalar paths round "
+                         "differently), so torch's own step runs them over their pooled state")
         if self.fused == "foreach" and any(
-                opt.param_groups[s.group].get("fused") for s in segments):
+                plan.groups[s.group].group.get("fused") for s in plan.segments):
             warn("fused=True asked: the flat step runs the foreach math (bit-identical to "
                  "foreach=True; fused per parameter differs from it by a few ulp, see "
                  "docs/optim.md); pass fused='fused' to run torch's fused kernel flat",
-                 FlatStepWarning)
-        self.segments = segments
-        self.fallback = sorted(reasons)
-        self.reasons = reasons
-        members = [m for s in segments for m in s.members]
-        self.grads = GradBuffers(members, self._mirrors)
-        self.state = StateBuffers(opt, self.rule, segments, self._mirrors, steps_on_device=(
-            self.fused == "fused" and any(opt.param_groups[s.group].get("fused") for s in segments)))
-        with torch.no_grad():
-            for s in segments:  # free bytes inside a segment: zero, so they stay inert
-                for a, b in gaps(s):
-                    s.pool.view_bytes(a, b - a).zero_()
-        self._members = members
-        self._index_members()
-        self._state_dict = opt.state
-        self._groups = len(opt.param_groups)
-        self._keys = [p.storage_key for p in self.pools]
-        self._used = {id(s.pool): s.pool.used_bytes for s in segments if gaps(s)}
-        self._planned = True
-        if not first:
-            self.replans += 1
-            logger.info("flatpool.optim: re-adopted gradients and state of %d segment(s)",
-                        len(segments))
+                 FlatStepWarning, past_torch=True)
 
-    def _index_members(self) -> None:
-        self._expected: tuple[tuple[int | None, ...] | None, list[int | None]] = (None, [])
-        """(the pools' storage keys, each member's expected data address) for the check."""
-        self._params = [m.param for m in self._members]
-        kinds = {hasattr(p, "_local_tensor") for p in self._params}
-        self._wrapped = kinds.pop() if len(kinds) == 1 else (False if not kinds else None)
+    def _sparse_params(self) -> set[int]:
+        """Parameters that get sparse gradients: the weights of the module's sparse embeddings,
+        and those seen with one."""
+        now: _Current | None = getattr(self, "_now", None)
+        found = {id(now.grads.params[i]) for i in now.grads.sparse} if now is not None else set()
+        if self.module is not None:
+            for m in self.module.modules():
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                    found.add(id(m.weight))
+        return found
+
+    def _say(self, g: int, why: str) -> None:
+        """Warn once per group and reason that (part of) the group is stepped by torch."""
+        self.reasons[g] = why
+        if (g, why) not in self._said:
+            self._said.add((g, why))
+            warn(f"param_groups[{g}] of {type(self.optimizer).__name__}: stepped per parameter "
+                 f"by torch's own step, not flat: {why}", FlatStepWarning, past_torch=True)
+
+    def _absorb_existing(self, set_attr: Callable[[Any, str, Any], None] = setattr,
+                         set_item: Callable[[dict[Any, Any], str, Any], None] = plain_assign) -> None:
+        """Copy every gradient and every state entry the members already have into the pools
+        and rebind them (setup, and after a re-plan)."""
+        plan, grads, state = self._plan, self.grads, self.state
+        absorb = [i for i, m in enumerate(plan.members) if m.param.grad is not None
+                  and unpoolable(m.param.grad, m) is None]
+        grads.absorb(absorb, set_attr)
+        adopt = []
+        for gp in plan.groups:
+            adopt += state.existing(range(gp.lo, gp.hi), gp.group)
+        state.adopt(adopt, set_item)
+
+    def _ensure_plan(self) -> None:
+        pools = self._current_pools()
+        why = stale(self._plan, self.optimizer, self.rule, pools)
+        if why is None:
+            return
+        self.grads.settle()
+        guarded_call(lambda: self._replan(pools), gc_paused())
+        self.replans += 1
+        logger.info("flatpool.optim: planned again (%s): %d segment(s)", why,
+                    len(self._plan.segments))
+
+    def _replan(self, pools: list[FlatPool]) -> None:
+        self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
+        self._absorb_existing()
 
     def readopt(self) -> None:
-        """Re-plan after the parameters, their pools or the optimizer's state changed (a
-        ``load_state_dict``, DCP load, ``to_empty`` followed by re-adoption of the parameters):
-        current gradients and state values are copied into the pooled places."""
-        self._plan()
+        """Plan again now and copy current gradients and state into the pooled places (the
+        step does this by itself whenever something it relies on changed)."""
+        self.grads.settle()
+        guarded_call(lambda: self._replan(self._current_pools()), gc_paused())
+        self.replans += 1
 
-    def _check(self) -> None:
-        opt = self.optimizer
-        if callable(self._pool_source) and [id(p) for p in self._current_pools()] != [
-                id(p) for p in self.pools]:
-            self._plan()  # the framework made new pools (a group adopted late)
-            return
-        if (not self._planned or opt.state is not self._state_dict
-                or len(opt.param_groups) != self._groups
-                or [p.storage_key for p in self.pools] != self._keys
-                or any(s.pool.used_bytes != self._used[id(s.pool)]
-                       for s in self.segments if id(s.pool) in self._used)):
-            self._lost_check()
-            self._plan()
-            return
-        if self.verify == "step":
-            self._lost_check()
+    # -- what is where ----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups (what ``GradScaler.unscale_``/``step`` read)."""
+        return self.optimizer.param_groups
 
-    def _lost_check(self) -> None:
-        """Every member still on its pool's storage at its offset.
+    @property
+    def segments(self) -> list[Segment]:
+        """The segments (:mod:`.layout` glossary) of the current plan."""
+        return [] if self._closed else list(self._plan.segments)
 
-        The healthy path is one C-level pass: each member's data address against its pool's base
-        address plus its offset. Members hold elements, and the pool's live storage owns those
-        bytes, so an equal address means the member reads and writes exactly the bytes the flat
-        step updates (the precise storage-identity check below runs only on a mismatch, to name
-        the member)."""
-        pool_keys = tuple(p.storage_key for p in self.pools)
-        if self._expected[0] != pool_keys:  # made once per set of pool storages
-            bases = {id(p): p.base_address for p in self.pools}
-            self._expected = (pool_keys, [None if bases.get(id(m.pool)) is None else
-                                          int(bases[id(m.pool)] or 0) + m.offset
-                                          for m in self._members])
-        locals_ = _locals(self._params, self._wrapped)
-        if list(map(_data_ptr, locals_)) == self._expected[1]:
-            return
-        keys = dict(zip(map(id, self.pools), pool_keys))
-        for m, local in zip(self._members, locals_):
-            key = keys.get(id(m.pool))
-            if (key is None or tc.storage_address(local) != key
-                    or local.storage_offset() * m.dtype.itemsize != m.offset):
-                raise LostPlaceError(
-                    f"a {tuple(m.param.shape)} parameter of param_groups[{m.group}] left its "
-                    f"place (byte {m.offset} of pool {m.pool.name!r}): re-adopt it "
-                    "(pool.readopt(), or the HSDP layer's revalidate(), which its forward hook "
-                    "runs) before stepping; nothing was stepped")
+    @property
+    def fallback(self) -> list[int]:
+        """Param groups with no member: torch's own step steps them whole."""
+        if self._closed:
+            return list(range(len(self.optimizer.param_groups)))
+        return [g for g, gp in enumerate(self._plan.groups) if gp.lo == gp.hi]
 
-    # -- hooks ----------------------------------------------------------------------------
+    def buffers(self) -> dict[str, list[FlatPool]]:
+        """The companion pools: ``{"grad": [...], "state": [...]}`` (state includes the step
+        pools; gradient pools exist from a backward (or a step) to ``zero_grad()``)."""
+        return {"grad": self.grads.pools(), "state": self.state.pools()}
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _install_hooks(self, module: nn.Module, journal: Journal) -> None:
+        pre, post = self._pre_forward, self._post_forward
+        journal.add_hook(module._forward_pre_hooks, pre,
+                         lambda: self._handles.append(module.register_forward_pre_hook(pre)))
+        journal.add_hook(module._forward_hooks, post,
+                         lambda: self._handles.append(module.register_forward_hook(post)))
+
     def _pre_forward(self, *_: Any) -> None:
-        if torch.is_grad_enabled():
-            if self.verify == "forward":
-                self._lost_check()
-            self.grads.install()
+        if torch.is_grad_enabled() and not self._closed:
+            self._ensure_plan()
 
-    def _guard(self, *_: Any) -> None:
-        if not self._inside and self.rule.has_step and self.segments:
-            raise FlatStepError(
-                f"{type(self.optimizer).__name__}.step() called on an optimizer whose state "
-                "flatpool pooled (one step count shared by each flat segment): torch's "
-                "per-parameter step would count it once per parameter. Call "
-                "FlatOptimizer.step(), or FlatOptimizer.close() first")
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not self._closed:
+            for t in _output_tensors(output):
+                t.register_hook(self._backward_started)  # type: ignore[no-untyped-call]
 
-    def close(self) -> None:
-        """Remove the hooks and give each parameter a step count of its own again: the
-        optimizer steps per parameter from now on (the state stays in the pools)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for g in {s.group for s in self.segments}:
-            self.state.dissolve(g)
-            self.reasons[g] = "closed"
-        self.segments = []
-        self.fallback = list(range(len(self.optimizer.param_groups)))
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        """The backward reached the module's output: before any gradient of its parameters is
+        made, install the pooled views (so nothing but a running backward ever sees one that
+        nothing wrote to), and settle them when the backward ends."""
+        if not self._backward_queued and not self._closed:
+            self._backward_queued = True
+            self.grads.install_missing()
+            after_backward(lambda: after_backward(self._backward_ended))  # after FSDP2's
 
-    # -- the step -------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step: flat per segment, per parameter for the fallback groups."""
+    def _backward_ended(self) -> None:
+        self._backward_queued = False
+        self.grads.settle()
+
+    # -- the step ---------------------------------------------------------------------------
+    def _step_body(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check()
-        if self.verify == "step":
-            missing = {m.group for m in self.grads.install(fill_missing=False)}
-            for g in sorted(missing):
-                self._dissolve(g, "a parameter has no gradient this step (torch skips it; a "
-                                  "flat step cannot)")
-        opt = self.optimizer
         with torch.no_grad():
-            for i, seg in enumerate(self.state.segments):
-                if seg.group in self.reasons:
-                    continue  # dissolved since the plan
-                group = opt.param_groups[seg.group]
-                fused = bool(group.get("fused")) and self.fused == "fused"
-                params = [segment_view(seg.pool, seg)]
-                grads = [self.grads.flat(seg)]
-                fresh = self.state.fresh[i]
-                state: dict[str, list[torch.Tensor | None]] = {
-                    k: [None] if fresh else [v] for k, v in self.state.flats(i).items()}
-                slot = self.state.slots[i]
-                self.rule.run(opt, group, params, grads, state,
-                              [slot] if slot is not None else [], fused)
-                if fresh:
-                    self.state.settle_fresh(i, state)
-        if self.fallback:
-            self._step_groups(self.fallback)
+            self.grads.settle()
+            self._ensure_plan()
+            stepper = self._now.stepper
+            stepper.run(stepper.prepare())
         return loss
 
-    def _dissolve(self, g: int, why: str) -> None:
-        warn(f"param_groups[{g}] of {type(self.optimizer).__name__} is stepped per parameter "
-             f"from now on: {why}", FlatStepWarning)
-        self.state.dissolve(g)
-        self.segments = [s for s in self.segments if s.group != g]
-        self.fallback = sorted(set(self.fallback) | {g})
-        self.reasons[g] = why
-        self._members = [m for m in self._members if m.group != g]
-        self._index_members()
-        self.grads = GradBuffers(self._members, self._mirrors)
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``optimizer.step(closure)`` (the flat step, hooks included)."""
+        return self.optimizer.step(closure)
 
-    def _step_groups(self, groups: Sequence[int]) -> None:
-        opt = self.optimizer
-        saved = opt.param_groups
-        self._inside = True
-        try:
-            opt.param_groups = [saved[g] for g in groups]
-            opt.step()
-        finally:
-            opt.param_groups = saved
-            self._inside = False
+    def _zero_grad_body(self, opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        self.grads.settle()
+        type(opt).zero_grad(opt, set_to_none)
+        if set_to_none:
+            self.grads.release()
 
-    # -- gradient norm --------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the optimizer its own ``step`` and ``zero_grad`` back and remove the hooks.
+        Each parameter keeps its own state tensors (views of the pools), which torch's step
+        updates in place."""
+        if self._closed:
+            return
+        self.grads.settle()
+        self._dropin.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._closed = True
+
+    # -- gradient norm ----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False, exact: bool = True) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer, with the
-        scaling done once per gradient buffer.
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)`` over the
+        optimizer's parameters (in param_groups order): the same norm and the same scaled
+        gradients bit for bit, the pooled ones scaled once per run (:mod:`.clip`).
 
-        ``exact`` (default): the norm is torch's own over the (pooled) gradients, so norm and
-        result are bit-identical to clipping the parameters. ``exact=False``: the norm is taken
-        over the flat buffers (one norm a segment), equal up to rounding (docs/optim.md gives
-        the measured difference); single-process only (a sharded norm needs its reduction).
+        ``exact=False``: the norm is taken over the flat gradient ranges (one norm a run), equal
+        up to rounding (docs/optim.md gives the measured difference); single-process plain
+        tensors only.
         """
-        if self.verify == "step":
-            self.grads.install(fill_missing=False)  # absorb foreign gradients; None stays None
-        pooled = {id(m.param) for m in self._members}
-        others = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in pooled]
-        flats = [self.grads.flat(s) for s in self.segments]
-        if exact:
-            grads = [_norm_input(p.grad) for g in self.optimizer.param_groups
-                     for p in g["params"] if p.grad is not None]
-        else:
-            if self._wrapped is not False or any(local_tensor(g) is not g for g in others):
-                raise InvalidRequestError(
-                    "clip_grad_norm_(exact=False) takes the norm of this rank's flat buffers: "
-                    "sharded (DTensor) parameters need the reduction of exact=True")
-            grads = flats + others
-        if not grads:
-            return torch.tensor(0.0)
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=True)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
         with torch.no_grad():
-            if flats:
-                torch._foreach_mul_(flats, local.to(flats[0].device))
-            if others:
-                torch._foreach_mul_(others, coef)
+            self.grads.settle()
+            if not self._closed:
+                self._ensure_plan()
+            runs, others = self._grad_runs()  # gradients installed elsewhere absorbed first
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grads = [g for g in map(_grad_of, params) if g is not None]
+            if not grads:
+                total = torch.tensor(0.0)
+            elif exact:
+                total = clip.total_norm(grads, norm_type, error_if_nonfinite)
+            else:
+                if any(is_dtensor(g) or local_tensor(g) is not g for g in grads):
+                    raise InvalidRequestError(
+                        "clip_grad_norm_(exact=False) takes the norm of this rank's flat "
+                        "buffers: sharded (DTensor) parameters need the reduction of exact=True")
+                total = torch.nn.utils.get_total_norm(runs + others, norm_type,
+                                                      error_if_nonfinite, foreach=True)
+            if grads:
+                clip.scale(runs + others, clip.coefficient(max_norm, total))
         return total
 
-    # -- what is where --------------------------------------------------------------------
-    def buffers(self) -> dict[str, list[FlatPool]]:
-        """The companion pools: ``{"grad": [...], "state": [...]}`` (state includes the step
-        slots)."""
-        return {"grad": self.grads.pools(), "state": self.state.pools()}
+    def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients to scale: pooled ones of float32/float64 members as flat ranges (runs of
+        adjacent members that all have one; gradients installed elsewhere are absorbed first),
+        every other gradient as it is."""
+        if self._closed:
+            return [], [g for p in self.optimizer.param_groups for g in map(_grad_of, p["params"])
+                        if g is not None]
+        grads = self.grads
+        pooled = grads.pooled(0, len(grads.members))
+        if not all(pooled):
+            todo = [i for i in compress(range(len(pooled)), map(operator.not_, pooled))
+                    if (g := grads.params[i].grad) is not None
+                    and unpoolable(g, grads.members[i]) is None]
+            grads.absorb(todo)
+            for i in todo:
+                pooled[i] = True
+        runs: list[torch.Tensor] = []
+        covered = [False] * len(pooled)
+        for segs in self._now.stepper.segments.values():
+            for seg, idx in segs:
+                if seg.flat:
+                    runs += self._ranges(seg, idx, pooled, covered)
+        others = [g for i in compress(range(len(covered)), map(operator.not_, covered))
+                  if (g := grads.params[i].grad) is not None]
+        others += [g for gp in self._plan.groups for i in gp.others
+                   if (g := gp.params[i].grad) is not None]
+        return runs, others
+
+    def _ranges(self, seg: Segment, idx: list[int], pooled: list[bool], covered: list[bool]
+                ) -> list[torch.Tensor]:
+        """A segment's gradient ranges over its runs of members with pooled gradients."""
+        grads, ms = self.grads, seg.members
+        itemsize = seg.dtype.itemsize
+        flags = list(map(pooled.__getitem__, idx))
+        if all(flags):  # the whole segment
+            for i in idx:
+                covered[i] = True
+            return [grads.range(seg, seg.start, seg.numel)]
+        out = []
+        a = None
+        for k in range(len(ms) + 1):
+            ok = k < len(ms) and flags[k]
+            if ok and a is None:
+                a = k
+            elif not ok and a is not None:
+                start, end = ms[a].offset, ms[k - 1].end
+                out.append(grads.range(seg, start, (end - start) // itemsize))
+                for i in idx[a:k]:
+                    covered[i] = True
+                a = None
+        return out
 
 
 __all__ = ["FlatOptimizer", "FusedPolicy", "Verify"]

@@ -1,105 +1,240 @@
-"""Pooled gradients: every member's ``.grad`` is a view of one buffer per parameter pool,
-laid out like the pool, so a flat step and a flat clip read one tensor per segment.
+"""Pooled gradients with torch's ``.grad`` semantics and torch's memory.
 
-Autograd and FSDP2 both add into an existing ``.grad`` in place (FSDP2: ``grad._local_tensor +=
-reduce-scatter output``) and install a new tensor only when ``.grad`` is ``None``. So the
-buffers are kept installed: :meth:`GradBuffers.install` (a forward pre-hook, and the start of
-every flat step) puts a zeroed pooled view where ``optimizer.zero_grad()`` left ``None``, and
-copies a gradient someone installed elsewhere into its place, which lets the outside storage
-die. ``zero_grad(set_to_none=False)`` zeroes the pooled views in place.
+Every member's ``.grad`` is a view of one gradient pool per parameter pool (``<pool>/grad``, the
+member at its own offset), so the flat step and the flat clip read one range per segment.
+Autograd and FSDP2 add into an existing ``.grad`` in place (FSDP2: ``grad._local_tensor +=
+reduce-scatter output``), so a zeroed view installed when a backward pass starts (a hook on the
+module's output fires before any parameter's gradient is made) makes the backward write
+straight into the pool. Three rules keep this torch's ``.grad``:
+
+* **Written or not.** A pre-installed view that nothing wrote to would make a parameter that
+  took no part in the backward (unused, frozen) look like one with a zero gradient, which torch
+  steps (weight decay, momentum) where it skips ``None``. Each view is a base-less tensor with a
+  version counter of its own, bumped by every in-place write (autograd's accumulation, FSDP2's
+  ``+=``); :meth:`Grads.settle` gives the views still at their install-time version back as
+  ``None``. It runs when a backward pass ends (an autograd final callback, after FSDP2's), and
+  before anything else reads gradients through the flat optimizer (step, clip, ``zero_grad``).
+* **Only for parameters that require grad**: a frozen parameter gets no view.
+* **Memory like torch.** The gradient pool holds no slices and nothing but the installed views
+  refers to its storage, so when ``zero_grad(set_to_none=True)`` drops every ``.grad``,
+  :meth:`Grads.release` drops the pool and the storage is freed (one block); the next forward
+  makes one block again. With ``set_to_none=False`` torch zeroes the views in place.
+
+A gradient installed elsewhere (autograd made one, the user assigned one, ``.grad.data = x``)
+is copied into its place at the next step (:meth:`Grads.absorb`) and its own storage dies with
+its last reference.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ..aliasing import local_tensor
 from ..pool import FlatPool
-from .buffers import Mirrors, member_view, segment_view
-from .errors import FlatStepError
+from ._torch import local_of
+from .companions import new_pool, views
 from .layout import Member, Segment
 from .wrap import wrap_like
 
-
 _grad_of = operator.attrgetter("grad")
+_version_of = operator.attrgetter("_version")
+_requires_grad_of = operator.attrgetter("requires_grad")
+_is_none = functools.partial(operator.is_, None)
+_data_ptr = torch.Tensor.data_ptr
 
 
-class GradBuffers:
-    """The gradient views of ``members``, one mirror of each member's pool."""
+class Grads:
+    """The gradient views of ``members`` (every member of every group, in plan order)."""
 
-    def __init__(self, members: Sequence[Member], mirrors: Mirrors) -> None:
+    def __init__(self, members: Sequence[Member]) -> None:
         self.members = list(members)
-        self._bufs: dict[int, FlatPool] = {}
-        for m in self.members:
-            if id(m.pool) not in self._bufs:
-                self._bufs[id(m.pool)] = mirrors.get(m.pool, "grad")[0]
-        self.locals = [member_view(self._bufs[id(m.pool)], m) for m in self.members]
-        self.views = [wrap_like(m.param, v) for m, v in zip(self.members, self.locals)]
-        self._params = [m.param for m in self.members]
-        self.install()
+        self.params = [m.param for m in self.members]
+        self.wrapped = [local_tensor(p) is not p for p in self.params]
+        self._pools: dict[int, FlatPool] = {}
+        """The current gradient pool of each parameter pool (absent: released)."""
+        self._flat: dict[int, torch.Tensor] = {}
+        """Each segment's gradient range in the current gradient pools (dropped with them)."""
+        n = len(self.members)
+        self.locals: list[torch.Tensor | None] = [None] * n
+        self.objs: list[torch.Tensor | None] = [None] * n
+        """Per member: its view's local tensor and the object installed as ``.grad``."""
+        self.addrs: list[int | None] = [None] * n
+        self.sparse: set[int] = set()
+        """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
+        self._all_placed = False
+        """Every member has a view (no ``None`` in :attr:`objs`)."""
+        self.unwritten: tuple[list[int], list[int]] = ([], [])
+        """Pre-installed views not known to be written: member indices, install-time versions
+        (one attribute, replaced whole: an interrupt never leaves the two lists apart)."""
 
-    def buffer(self, pool: FlatPool) -> FlatPool:
-        return self._bufs[id(pool)]
+    # -- the gradient pools ------------------------------------------------------------------
+    def buffer(self, pool: FlatPool) -> FlatPool | None:
+        """The current gradient pool of ``pool`` (``None`` while released)."""
+        return self._pools.get(id(pool))
 
     def pools(self) -> list[FlatPool]:
-        return list(self._bufs.values())
+        return list(self._pools.values())
 
-    def flat(self, segment: Segment) -> torch.Tensor:
-        return segment_view(self._bufs[id(segment.pool)], segment)
+    def _pool(self, pool: FlatPool) -> tuple[FlatPool, bool]:
+        """The gradient pool of ``pool``, and whether it was made just now (all zeros)."""
+        have = self._pools.get(id(pool))
+        if have is not None:
+            return have, False
+        made = new_pool(f"{pool.name}/grad", pool.capacity, pool.device)
+        self._pools[id(pool)] = made
+        return made, True
 
-    def install(self, *, fill_missing: bool = True) -> list[Member]:
-        """Make every member's ``.grad`` its pooled view, in one pass over the members.
+    def range(self, seg: Segment, start: int, n: int) -> torch.Tensor:
+        """``n`` elements of a segment's gradients from byte ``start`` (its members there have
+        pooled gradients, so the gradient pool exists): a slice of the segment's range, made
+        once per gradient pool."""
+        key = id(seg)
+        flat = self._flat.get(key)
+        if flat is None:
+            flat = self._flat[key] = self._pools[id(seg.pool)].view_at(
+                seg.start, (seg.numel,), seg.dtype)
+        a = (start - seg.start) // seg.dtype.itemsize
+        return flat if n == seg.numel else flat[a:a + n]
 
-        A gradient elsewhere is copied into the view (its own storage then dies). ``None``
-        becomes a zeroed view (all of them at once: one fill of each buffer) with
-        ``fill_missing``; otherwise it stays ``None`` and the members left so are returned.
-        """
-        grads = list(map(_grad_of, self._params))
-        if all(map(operator.is_, grads, self.views)):
-            return []
-        todo_none: list[int] = []
-        todo_copy: list[int] = []
-        for i, (g, v) in enumerate(zip(grads, self.views)):
-            if g is v:
-                continue
-            if g is None:
-                todo_none.append(i)
-            else:
-                todo_copy.append(i)
-        missing = [] if fill_missing else [self.members[i] for i in todo_none]
-        if not fill_missing:
-            todo_none = []
+    # -- views -----------------------------------------------------------------------------
+    def _place(self, indices: Iterable[int]) -> list[int]:
+        """Give each member a new view at its place; returns the indices whose place was not
+        known to be zero (their pool already existed)."""
+        dirty = []
+        by_pool: dict[int, list[int]] = {}
+        for i in indices:
+            by_pool.setdefault(id(self.members[i].pool), []).append(i)
+        for idx in by_pool.values():
+            ms = [self.members[i] for i in idx]
+            gpool, made = self._pool(ms[0].pool)
+            locals_ = views(gpool, [m.offset for m in ms], [m.shape for m in ms],
+                            [m.dtype for m in ms])
+            for i, m, local in zip(idx, ms, locals_):
+                self.locals[i] = local
+                self.objs[i] = wrap_like(m.param, local) if self.wrapped[i] else local
+                self.addrs[i] = _data_ptr(local)
+            if not made:
+                dirty += idx
+        self._all_placed = not any(map(_is_none, self.objs))
+        return dirty
+
+    def install_missing(self) -> None:
+        """When a backward starts: a zeroed view for every member that requires grad and has none
+        (not for those that get sparse gradients: accumulating one into a dense view would
+        make it dense)."""
+        sparse = self.sparse
+        todo = [i for i, (g, rg) in enumerate(zip(map(_grad_of, self.params),
+                                                  map(_requires_grad_of, self.params)))
+                if g is None and rg and i not in sparse]
+        if not todo:
+            return
         with torch.no_grad():
-            if todo_copy:
-                src = []
-                for i in todo_copy:
-                    g = local_tensor(self.members[i].param.grad)  # type: ignore[arg-type]
-                    if g.is_sparse or g.shape != self.locals[i].shape or g.dtype != self.locals[i].dtype:
-                        raise FlatStepError(
-                            f"{self._name(i)}: its gradient ({g.layout}, {tuple(g.shape)}, "
-                            f"{g.dtype}) cannot be pooled at its place "
-                            f"({tuple(self.locals[i].shape)}, {self.locals[i].dtype}); "
-                            "set it to None or give it the parameter's local shape and dtype")
-                    src.append(g)
-                torch._foreach_copy_([self.locals[i] for i in todo_copy], src)
-                for i in todo_copy:
-                    self.members[i].param.grad = self.views[i]
-            if todo_none:
-                if len(todo_none) == len(self.members):
-                    for buf in self._bufs.values():
-                        buf.view_bytes(0, buf.capacity).zero_()
-                else:
-                    torch._foreach_zero_([self.locals[i] for i in todo_none])
-                for i in todo_none:
-                    self.members[i].param.grad = self.views[i]
-        return missing
+            dirty = self._place(todo)
+            if dirty:
+                torch._foreach_zero_([self.locals[i] for i in dirty])  # type: ignore[misc]
+        versions = list(map(_version_of, [self.locals[i] for i in todo]))
+        at, vs = self._without(todo)
+        self.unwritten = (at + todo, vs + versions)
+        for i in todo:  # installed last: an interrupt before leaves .grad None, as it was
+            self.params[i].grad = self.objs[i]
 
-    def _name(self, i: int) -> str:
-        m = self.members[i]
-        return f"param_groups[{m.group}] parameter {tuple(m.param.shape)} at byte {m.offset} of {m.pool.name!r}"
+    def settle(self) -> None:
+        """Give every pre-installed view nothing wrote to back as ``None`` (torch's state: no
+        gradient reached the parameter). C-level passes; a loop only over those given back."""
+        at, versions = self.unwritten
+        if not at:
+            return
+        objs = [self.objs[i] for i in at]
+        grads = list(map(_grad_of, [self.params[i] for i in at]))
+        kept = map(operator.is_, grads, objs)
+        same = map(operator.eq, map(_version_of, [self.locals[i] for i in at]), versions)
+        back = [i for i, k, s in zip(at, kept, same) if k and s]
+        for i in back:  # before forgetting them: an interrupt here leaves the rest to the next
+            self.params[i].grad = None
+        self.unwritten = ([], [])
+
+    def _without(self, indices: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The unwritten record without ``indices``."""
+        drop = set(indices)
+        at, versions = self.unwritten
+        if not drop or not at:
+            return at, versions
+        kept = [(i, v) for i, v in zip(at, versions) if i not in drop]
+        return [i for i, _ in kept], [v for _, v in kept]
+
+    def absorb(self, indices: Sequence[int],
+               assign: Callable[[Any, str, Any], None] = setattr) -> None:
+        """Copy each member's gradient (installed elsewhere) into its place and install the
+        pooled view instead; values first, then the rebinding (an interrupt between leaves the
+        old gradient installed, copied again next time)."""
+        if not indices:
+            return
+        src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
+        with torch.no_grad():  # our own view moved (``.grad.data = x``): the user's now
+            self._place([i for i in indices if self._pools.get(id(self.members[i].pool)) is None
+                         or not self._at_place(i)])
+            torch._foreach_copy_([self.locals[i] for i in indices], src)  # type: ignore[misc]
+        del src
+        self.unwritten = self._without(indices)
+        for i in indices:
+            assign(self.params[i], "grad", self.objs[i])
+
+    def pooled(self, lo: int, hi: int) -> list[bool]:
+        """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, at its place (not moved
+        by ``.grad.data = x`` or a rebound DTensor local). C-level passes when all are."""
+        objs = self.objs[lo:hi]
+        same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
+        if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
+            same = [s and o is not None for s, o in zip(same, objs)]
+        if all(same):
+            locals_ = self.locals[lo:hi]
+            wrapped = self.wrapped[lo:hi]
+            if ((not any(wrapped) or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
+                    and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
+                return same
+        return [s and self._at_place(lo + k) for k, s in enumerate(same)]
+
+    def _at_place(self, i: int) -> bool:
+        obj, local = self.objs[i], self.locals[i]
+        if obj is None or local is None:
+            return False
+        if self.wrapped[i] and local_tensor(obj) is not local:
+            return False
+        return _data_ptr(local) == self.addrs[i]
+
+    def release(self) -> bool:
+        """Drop the gradient pools and the views when no member has a gradient: their memory is
+        freed unless someone else still holds a gradient (as with torch's own gradients)."""
+        if not all(map(_is_none, map(_grad_of, self.params))):
+            return False
+        self._all_placed = False
+        self._pools.clear()
+        self._flat.clear()
+        n = len(self.members)
+        self.locals = [None] * n
+        self.objs = [None] * n
+        self.addrs = [None] * n
+        self.unwritten = ([], [])
+        return True
 
 
-__all__ = ["GradBuffers"]
+def unpoolable(grad: torch.Tensor, m: Member) -> str | None:
+    """Why a gradient installed elsewhere cannot be copied into ``m``'s place (torch's own step
+    then handles the group: Adam refuses a sparse gradient, SGD steps it), or ``None``."""
+    local = local_tensor(grad)
+    if local.layout != torch.strided:
+        return f"a {local.layout} gradient"
+    if (local_tensor(m.param) is m.param) != (local is grad):
+        return f"a {type(grad).__name__} gradient of a {type(m.param).__name__} parameter"
+    if local.shape != m.shape or local.dtype != m.dtype or local.device != m.pool.device:
+        return (f"a gradient of shape {tuple(local.shape)}, {local.dtype} on {local.device} "
+                f"(the parameter: {tuple(m.shape)}, {m.dtype})")
+    return None
+
+
+__all__ = ["Grads", "unpoolable"]

@@ -1,31 +1,49 @@
-"""Where each parameter of an optimizer lives, and the flat ranges one kernel can step.
+"""Where each parameter of an optimizer lives, and the byte ranges one flat kernel may step.
 
-A *member* is a parameter whose data (its local tensor, for a DTensor) is one contiguous run
-inside a slice of a given pool. A *segment* is a maximal run of members of one param group and
-one dtype whose slices follow each other in their pool with no other live slice between them:
-one byte range ``[start, end)`` of the pool that a flat kernel steps in one call. Free bytes
-between two of its slices, and the padding of a slice past its member's elements, ride along;
-they hold zero gradient and zero state, which every flat rule leaves at zero.
+Glossary (the other modules cite these names):
+
+* A **member** is a parameter of a param group whose data (its local tensor, for a DTensor) is
+  one contiguous run of elements inside a live slice of one of the given pools.
+* A **segment** is a maximal sequence of members of one param group, pool and dtype, in storage
+  order, where each next member's slice follows the previous one's with no byte between them
+  that any slice could ever occupy: only *alignment padding*, the bytes before the next multiple
+  of the pool's alignment, where no slice can start (every slice starts at a multiple of it).
+  A flat kernel steps a segment's byte range: its members' elements, the padding inside their
+  own slices (FSDP2's uneven shards) and that alignment padding. A free gap or another slice
+  ends a segment: its bytes belong to someone else, or may later.
+
+Places are looked up by storage identity (one dictionary of the pools' storages), so planning is
+linear in the number of parameters whatever the number of pools.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from attrs import define
 
+from .. import torch_compat as tc
 from ..aliasing import local_tensor
 from ..pool import FlatPool
 from ..slices import Slice
 
+FLAT_DTYPES = (torch.float32, torch.float64)
+"""Dtypes whose flat step is bit-identical to the per-parameter one. torch's CPU kernels compute
+a float16/bfloat16 ``add(x, y, alpha=a)`` differently in the vectorized body (32 elements a
+vector) and in the scalar tail, so an element's result depends on its position in its tensor
+(see docs/optim.md); members of other dtypes are stepped per parameter by torch's own step."""
+
 
 @define(frozen=True, eq=False)
 class Member:
-    """One parameter at its pooled place (``offset`` in bytes of its pool's storage)."""
+    """One parameter at its pooled place (``offset``: bytes into its pool's storage)."""
 
     param: torch.Tensor
     group: int
+    index: int
     pool: FlatPool
     slice: Slice
     offset: int
@@ -36,10 +54,14 @@ class Member:
     def numel(self) -> int:
         return self.shape.numel()
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel * self.dtype.itemsize
+
 
 @define(frozen=True, eq=False)
 class Segment:
-    """Members of one (pool, dtype, param group) whose slices are adjacent in the pool."""
+    """Members of one (pool, dtype, param group) a flat kernel steps as one range (glossary)."""
 
     pool: FlatPool
     dtype: torch.dtype
@@ -52,91 +74,115 @@ class Segment:
     def numel(self) -> int:
         return (self.end - self.start) // self.dtype.itemsize
 
-
-def place_of(param: torch.Tensor, pools: Sequence[FlatPool]) -> tuple[FlatPool, Slice, int] | str:
-    """``(pool, slice, byte offset)`` of ``param``'s data, or why it has no flat place."""
-    if not param.requires_grad:
-        return "requires_grad=False: torch skips it (it never has a gradient)"
-    local = local_tensor(param)
-    if local.is_sparse or local.layout != torch.strided:
-        return f"layout {local.layout}: not one strided run"
-    if local.is_complex():
-        return "complex parameter: a flat step would need view_as_real of the whole range"
-    for pool in pools:
-        if pool.owns(local):
-            slc = pool.slice_of(local)
-            if slc is None:
-                return f"in pool {pool.name!r} but in no live slice"
-            if not local.is_contiguous():
-                return "not contiguous in its slice"
-            if slc.dtype != local.dtype:
-                return f"its slice holds {slc.dtype}, the parameter is {local.dtype}"
-            return pool, slc, int(local.storage_offset()) * local.dtype.itemsize
-    return "in none of the given pools (adopt it first)"
+    @property
+    def flat(self) -> bool:
+        """Stepped as one range; other dtypes are stepped per parameter (:data:`FLAT_DTYPES`)."""
+        return self.dtype in FLAT_DTYPES
 
 
-def plan(
-    param_groups: Sequence[dict[str, object]], pools: Sequence[FlatPool]
-) -> tuple[list[Segment], dict[int, str]]:
-    """Segments of every group that can step flat, and ``{group index: reason}`` for those
-    that cannot (every parameter of such a group is stepped per parameter)."""
-    reasons: dict[int, str] = {}
+class Places:
+    """The given pools, found by the identity of their storages; a slice by bisecting the
+    pool's slice starts (read once per plan)."""
+
+    def __init__(self, pools: Sequence[FlatPool]) -> None:
+        self.pools = list(pools)
+        self.by_key = {p.storage_key: p for p in self.pools if p.storage_key is not None}
+        self._starts: dict[int, tuple[list[int], tuple[Slice, ...]]] = {}
+
+    def _slice_at(self, pool: FlatPool, start: int, nbytes: int) -> Slice | None:
+        """The live slice holding bytes ``[start, start + nbytes)`` of ``pool``."""
+        got = self._starts.get(id(pool))
+        if got is None:
+            slices = pool.slices()  # in storage order
+            got = self._starts[id(pool)] = ([s.offset for s in slices], slices)
+        k = bisect.bisect_right(got[0], start) - 1
+        if k < 0:
+            return None
+        slc = got[1][k]
+        return slc if start + nbytes <= slc.offset + slc.nbytes else None
+
+    def of(self, param: torch.Tensor) -> tuple[FlatPool, Slice, int] | str:
+        """``(pool, slice, byte offset)`` of ``param``'s data, or why it has no flat place."""
+        local = local_tensor(param)
+        if local.layout != torch.strided:
+            return f"layout {local.layout}: not one strided run"
+        if local.is_complex():
+            return "a complex parameter"
+        if local.numel() == 0:
+            return "no elements (an empty shard): nothing to pool"
+        if local.device.type == "meta":
+            return "a meta tensor (not materialized yet)"
+        pool = self.by_key.get(tc.storage_address(local))
+        if pool is None:
+            return "in none of the given pools (adopt it first)"
+        if not local.is_contiguous():
+            return "not contiguous in its slice"
+        start = int(local.storage_offset()) * local.dtype.itemsize
+        slc = self._slice_at(pool, start, local.numel() * local.dtype.itemsize)
+        if slc is None:
+            return f"in pool {pool.name!r} but in no live slice"
+        if slc.dtype != local.dtype:
+            return f"its slice holds {slc.dtype}, the parameter is {local.dtype}"
+        return pool, slc, start
+
+
+def plan_group(g: int, group: dict[str, Any], places: Places,
+               taken: dict[tuple[int, int], Member]) -> tuple[list[Member], dict[int, str]]:
+    """The members of ``param_groups[g]``, and ``{index in the group: reason}`` for its
+    parameters that have no flat place (they are stepped per parameter). ``taken`` maps
+    ``(id(pool), slice_id)`` to the member holding it, across groups: a second parameter on
+    one slice is not a member."""
     members: list[Member] = []
-    owner: dict[tuple[int, int], Member] = {}  # (id(pool), slice_id) -> member
-    for g, group in enumerate(param_groups):
-        found: list[Member] = []
-        params = group["params"]
-        assert isinstance(params, list)
-        for i, p in enumerate(params):
-            where = place_of(p, pools)
-            if isinstance(where, str):
-                reasons[g] = f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}: {where}"
-                break
-            pool, slc, offset = where
-            if (id(pool), slc.slice_id) in owner or any(
-                    m.slice.slice_id == slc.slice_id and m.pool is pool for m in found):
-                reasons[g] = (f"param_groups[{g}]['params'][{i}] shares slice {slc.slice_id} of "
-                              f"pool {pool.name!r} with another parameter")
-                break
-            local = local_tensor(p)
-            found.append(Member(p, g, pool, slc, offset, local.shape, local.dtype))
-        if g not in reasons:
-            for m in found:
-                owner[(id(m.pool), m.slice.slice_id)] = m
-            members.extend(found)
-    return _segments(members, owner, pools), reasons
+    others: dict[int, str] = {}
+    for i, p in enumerate(group["params"]):
+        where = places.of(p)
+        if isinstance(where, str):
+            others[i] = where
+            continue
+        pool, slc, offset = where
+        key = (id(pool), slc.slice_id)
+        if key in taken:
+            others[i] = f"shares slice {slc.slice_id} of pool {pool.name!r} with another parameter"
+            continue
+        local = local_tensor(p)
+        m = Member(p, g, i, pool, slc, offset, local.shape, local.dtype)
+        taken[key] = m
+        members.append(m)
+    return members, others
 
 
-def _segments(members: list[Member], owner: dict[tuple[int, int], Member],
-              pools: Sequence[FlatPool]) -> list[Segment]:
+def segments_of(members: Sequence[Member]) -> list[Segment]:
+    """The segments (glossary) of ``members``, pool by pool in storage order."""
+    by_pool: dict[int, list[Member]] = {}
+    for m in members:
+        by_pool.setdefault(id(m.pool), []).append(m)
     out: list[Segment] = []
-    for pool in pools:
-        run: list[Member] = []
-        for slc in sorted(pool.slices(), key=lambda s: s.offset):
-            m = owner.get((id(pool), slc.slice_id))
-            if run and (m is None or m.group != run[0].group or m.dtype != run[0].dtype):
-                out.append(_segment(run))
-                run = []
-            if m is not None:
+    for ms in by_pool.values():
+        ms.sort(key=lambda m: m.offset)
+        run = [ms[0]]
+        for m in ms[1:]:
+            last = run[-1]
+            if m.group == last.group and m.dtype == last.dtype and _adjacent(last, m):
                 run.append(m)
-        if run:
-            out.append(_segment(run))
+            else:
+                out.append(_segment(run))
+                run = [m]
+        out.append(_segment(run))
     return out
+
+
+def _adjacent(a: Member, b: Member) -> bool:
+    """No slice can ever start between ``a``'s slice and ``b``'s: no multiple of the pool's
+    alignment lies in ``[a.slice.end, b.slice.offset)``."""
+    align = a.pool.alignment
+    if b.slice.offset < a.slice.end:
+        return False
+    return -(-a.slice.end // align) * align >= b.slice.offset
 
 
 def _segment(run: list[Member]) -> Segment:
     first, last = run[0], run[-1]
-    return Segment(first.pool, first.dtype, first.group, tuple(run), first.slice.offset,
-                   last.slice.end)
+    return Segment(first.pool, first.dtype, first.group, tuple(run), first.offset, last.end)
 
 
-def gaps(segment: Segment) -> list[tuple[int, int]]:
-    """Free byte ranges inside a segment (between its slices)."""
-    out = []
-    for a, b in zip(segment.members, segment.members[1:]):
-        if b.slice.offset > a.slice.end:
-            out.append((a.slice.end, b.slice.offset))
-    return out
-
-
-__all__ = ["Member", "Segment", "gaps", "place_of", "plan"]
+__all__ = ["FLAT_DTYPES", "Member", "Places", "Segment", "plan_group", "segments_of"]

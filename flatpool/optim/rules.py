@@ -1,10 +1,12 @@
-"""The flat rule of each supported optimizer: its state kinds and one call of torch's own
-functional kernel over lists of tensors (one flat tensor each for a flat step).
+"""The flat rule of each supported optimizer: which state it keeps, when torch makes it, and one
+call of torch's own functional kernel over lists of tensors (one flat tensor each for a flat
+step).
 
 Only elementwise optimizers have a rule: their step over a concatenation equals the
-concatenation of their steps, so torch's foreach kernel over one flat tensor computes, element
-for element, what it computes over the parameters one by one (measured bit-identical; the
-tests hold it to ``torch.equal``).
+concatenation of their steps, so torch's kernel over one flat float32/float64 tensor computes,
+element for element, what it computes over the parameters one by one (measured bit-identical;
+the tests hold it to ``torch.equal``). The kernel runs in the form torch itself picks for the
+group (foreach or the for-loop, :func:`flatpool.optim._torch.foreach_choice`).
 """
 
 from __future__ import annotations
@@ -16,31 +18,46 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _adam
-from torch.optim.adamw import adamw as _adamw
 from torch.optim.sgd import sgd as _sgd
 
 from .errors import UnsupportedOptimizerError
+
+try:  # torch releases before AdamW became Adam(decoupled_weight_decay=True)
+    from torch.optim.adamw import adamw as _adamw
+except ImportError:  # pragma: no cover
+    _adamw = None  # type: ignore[assignment]
+
+State = dict[str, list[Tensor | None]]
 
 
 class Rule(Protocol):
     """What a flat step needs to know about one optimizer class."""
 
     has_step: bool
-    """The state has a per-parameter ``step`` count (shared by a segment once pooled)."""
+    """The state has a per-parameter ``step`` count."""
+
+    made_by_kernel: bool
+    """New state is made by the kernel from the gradient (SGD's momentum buffer is a clone of
+    the first gradient), not as zeros before it (Adam)."""
 
     def kinds(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """State tensors shaped like the parameter, for this param group."""
+        """State tensors shaped like the parameter, for this param group, in torch's order."""
         ...
 
-    def lazy(self, group: dict[str, Any]) -> bool:
-        """True when the state is made by the first step from the gradient (SGD momentum)
-        rather than zeros: the flat step then lets torch make it and copies it in."""
+    def fresh(self, state: dict[str, Any] | None, group: dict[str, Any]) -> bool:
+        """torch makes this parameter's state at its next step."""
         ...
 
-    def run(self, opt: torch.optim.Optimizer, group: dict[str, Any], params: list[Tensor],
-            grads: list[Tensor], state: dict[str, list[Tensor | None]], steps: list[Tensor],
-            fused: bool) -> None:
-        """One step of ``group``'s math over these lists (torch's functional kernels)."""
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """The group options :meth:`run` passes to the kernel (groups with equal ones can share
+        one kernel call)."""
+        ...
+
+    def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+            state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
+            grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """One step of ``group``'s math over these lists (torch's functional kernel); a ``None``
+        state entry is made by the kernel and left in ``state``."""
         ...
 
 
@@ -49,28 +66,35 @@ _ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(_adam).param
 
 class AdamRule:
     has_step = True
+    made_by_kernel = False
+
+    def __init__(self, adamw: bool) -> None:
+        self.adamw = adamw
 
     def kinds(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else (
             "exp_avg", "exp_avg_sq")
 
-    def lazy(self, group: dict[str, Any]) -> bool:
-        return False
+    def fresh(self, state: dict[str, Any] | None, group: dict[str, Any]) -> bool:
+        return not state  # torch: ``if len(state) == 0`` makes step, exp_avg, exp_avg_sq
 
-    def run(self, opt: torch.optim.Optimizer, group: dict[str, Any], params: list[Tensor],
-            grads: list[Tensor], state: dict[str, list[Tensor | None]], steps: list[Tensor],
-            fused: bool) -> None:
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (tuple(group["betas"]), group["lr"], group["weight_decay"], group["eps"],
+                group["amsgrad"], group["maximize"], group.get("decoupled_weight_decay"))
+
+    def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+            state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
+            grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         kw: dict[str, Any] = dict(
-            foreach=not fused, fused=fused, capturable=False, differentiable=False,
-            grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
-            has_complex=False, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-            maximize=group["maximize"])
+            foreach=foreach and not fused, fused=fused, capturable=False, differentiable=False,
+            grad_scale=grad_scale, found_inf=found_inf, has_complex=False,
+            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         fn: Callable[..., None] = _adam
         if "decoupled_weight_decay" in group and _ADAM_HAS_DECOUPLED:
             kw["decoupled_weight_decay"] = group["decoupled_weight_decay"]
-        elif isinstance(opt, torch.optim.AdamW):  # torch releases with a separate AdamW kernel
+        elif self.adamw and _adamw is not None:
             fn = _adamw
         fn(params, grads, _full(state["exp_avg"]), _full(state["exp_avg_sq"]),
            _full(state.get("max_exp_avg_sq", [])), steps, **kw)
@@ -78,24 +102,29 @@ class AdamRule:
 
 class SGDRule:
     has_step = False
+    made_by_kernel = True
 
     def kinds(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def lazy(self, group: dict[str, Any]) -> bool:
-        return True
+    def fresh(self, state: dict[str, Any] | None, group: dict[str, Any]) -> bool:
+        return group["momentum"] != 0 and (not state or state.get("momentum_buffer") is None)
 
-    def run(self, opt: torch.optim.Optimizer, group: dict[str, Any], params: list[Tensor],
-            grads: list[Tensor], state: dict[str, list[Tensor | None]], steps: list[Tensor],
-            fused: bool) -> None:
-        bufs = state.get("momentum_buffer", [None] * len(params))
-        _sgd(
-            params, grads, bufs, has_sparse_grad=False, foreach=not fused, fused=fused,
-            grad_scale=getattr(opt, "grad_scale", None), found_inf=getattr(opt, "found_inf", None),
-            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
-            dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+    def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                group["nesterov"], group["maximize"])
+
+    def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+            state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
+            grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        bufs = state.get("momentum_buffer", [])
+        _sgd(params, grads, bufs, has_sparse_grad=False, foreach=foreach and not fused,
+             fused=fused, grad_scale=grad_scale, found_inf=found_inf,
+             weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+             dampening=group["dampening"], nesterov=group["nesterov"],
+             maximize=group["maximize"])
         if "momentum_buffer" in state:
-            state["momentum_buffer"] = bufs  # torch made the buffers of a first step here
+            state["momentum_buffer"] = bufs  # the buffers torch made for a first step
 
 
 def _full(xs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -106,7 +135,8 @@ def _full(xs: Sequence[Tensor | None]) -> list[Tensor]:
 
 
 _RULES: dict[type[torch.optim.Optimizer], Rule] = {
-    torch.optim.Adam: AdamRule(), torch.optim.AdamW: AdamRule(), torch.optim.SGD: SGDRule(),
+    torch.optim.Adam: AdamRule(adamw=False), torch.optim.AdamW: AdamRule(adamw=True),
+    torch.optim.SGD: SGDRule(),
 }
 
 
@@ -116,19 +146,22 @@ def rule_for(opt: torch.optim.Optimizer) -> Rule:
     if rule is None:
         raise UnsupportedOptimizerError(
             f"{type(opt).__name__}: no flat rule (flatpool steps torch.optim.Adam, AdamW and SGD "
-            "flat, whose math is elementwise and matches torch's foreach kernel bit for bit). "
+            "flat, whose math is elementwise and matches torch's kernel bit for bit). "
             "Step this optimizer per parameter with optimizer.step()")
     return rule
 
 
 def group_refusal(group: dict[str, Any]) -> str | None:
-    """Why a param group's options make a flat step other than its step, or ``None``."""
+    """Why a param group's options make every flat step other than torch's, or ``None``: such a
+    group is stepped by torch's own step, per parameter."""
     for key in ("capturable", "differentiable"):
         if group.get(key):
             return f"{key}=True: the flat step runs the non-capturable, non-differentiable kernel"
-    if torch.is_tensor(group.get("lr")):
-        return "a tensor lr: the foreach kernel takes it only when capturable"
+    for key in ("lr", "betas", "momentum", "weight_decay"):
+        value = group.get(key)
+        if torch.is_tensor(value) or (isinstance(value, tuple) and any(map(torch.is_tensor, value))):
+            return f"a tensor {key}: torch's kernels take it only in their capturable form"
     return None
 
 
-__all__ = ["AdamRule", "Rule", "SGDRule", "group_refusal", "rule_for"]
+__all__ = ["AdamRule", "Rule", "SGDRule", "State", "group_refusal", "rule_for"]

@@ -1,156 +1,336 @@
-"""Pooled optimizer state: each state kind of a member is a view of one mirror per parameter
-pool, and each segment's ``step`` count is one shared scalar slot.
+"""Pooled optimizer state: each member's state entries are views of its companion pools.
 
-The optimizer's own ``state`` dict stays keyed per parameter, holding those views (DTensors for
-DTensor parameters), so ``state_dict()``, ``load_state_dict``, DCP and
-``get_optimizer_state_dict`` see what they always see. Adopting state copies whatever the dict
-holds now (torch's lazily made tensors, or what ``load_state_dict`` installed) into the pooled
-places and rebinds the dict entries; the old tensors die with their last reference.
+``optimizer.state`` stays what torch reads and writes: keyed per parameter, one dict per
+parameter, each entry a tensor of its own (a view of the member's place in
+``<pool>/<kind>``, a DTensor for a DTensor parameter; ``step`` a 0-d view of the member's
+element of ``<pool>/step``). So ``state_dict()``, ``load_state_dict``, ``deepcopy``,
+``torch.save`` and DCP see per-parameter state, and torch's own step (for the parameters the
+flat step leaves to it) updates the pooled views in place.
+
+Before every flat step :meth:`State.all_pooled` compares each entry with the view it expects
+(identity, C-level passes); on a mismatch :meth:`State.classify` looks at the member. An entry
+torch or the user replaced (a ``load_state_dict``, ``opt.state[p]["exp_avg"] = t``, state torch
+made on its own step) is *adopted*: its values are copied into the member's place and the entry
+rebound to the pooled view, values first (an interrupt in between leaves the user's tensor,
+adopted again next time). A parameter without state gets it as torch would make it at this
+step (:meth:`State.make_fresh`). Anything else (a missing key, a tensor of another shape or
+dtype) is torch's to handle: the group is stepped by torch's own step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .. import torch_compat as tc
 from ..aliasing import local_tensor
-from ..pool import FlatPool
-from .buffers import Mirrors, member_view, segment_view
-from .layout import Member, Segment
+from ._torch import is_dtensor, step_dtype
+from ._torch import local_of as wrapped_local
+from .companions import Companions, StepSlots, views
+from .layout import Member
 from .rules import Rule
 from .wrap import wrap_like
 
-
-def state_refusal(opt: torch.optim.Optimizer, rule: Rule, group: dict[str, Any],
-                  members: Sequence[Member]) -> str | None:
-    """Why a group's current state cannot be pooled (mixed initialized / not, differing step
-    counts, foreign shapes), or ``None``."""
-    kinds = rule.kinds(group)
-    if not kinds and not rule.has_step:
-        return None
-    st = [opt.state.get(m.param, {}) for m in members]
-    full = [all(k in s for k in kinds) and (not rule.has_step or "step" in s) for s in st]
-    if any(full) and not all(full):
-        return (f"{sum(full)} of {len(full)} parameters have optimizer state: a flat step needs "
-                "all or none initialized")
-    if not any(full):
-        return None
-    for m in members:
-        for k in kinds:
-            t = opt.state[m.param][k]
-            if not isinstance(t, torch.Tensor) or local_tensor(t).shape != m.shape:
-                return f"state {k!r} of a {tuple(m.shape)} parameter is not a tensor of its shape"
-    if rule.has_step:
-        steps = {float(opt.state[m.param]["step"]) for m in members}
-        if len(steps) > 1:
-            return f"parameters are at different step counts {sorted(steps)[:4]}"
-    return None
+Assign = Callable[[dict[Any, Any], str, Any], None]
+"""How an entry is rebound (``d[key] = value``; setup journals it)."""
 
 
-class StateBuffers:
-    """Pooled state of the flat groups' members; made by adopting the current state."""
+def plain_assign(d: dict[Any, Any], key: str, value: Any) -> None:
+    d[key] = value
 
-    def __init__(self, opt: torch.optim.Optimizer, rule: Rule, segments: Sequence[Segment],
-                 mirrors: Mirrors, *, steps_on_device: bool = False) -> None:
+
+POOLED, FRESH = "pooled", "fresh"
+Entry = tuple[int, str, torch.Tensor]
+"""(member index, state key, the entry found there)."""
+
+
+class State:
+    """The pooled state of ``members`` (every member of every group, in plan order);
+    ``groups[i]`` is member ``i``'s param group."""
+
+    def __init__(self, opt: torch.optim.Optimizer, rule: Rule, members: Sequence[Member],
+                 groups: Sequence[dict[str, Any]], companions: Companions) -> None:
         self.opt, self.rule = opt, rule
-        self.segments = list(segments)
-        self._bufs: dict[tuple[int, str], FlatPool] = {}
-        self._steps: dict[int, FlatPool] = {}
-        self.slots: list[torch.Tensor | None] = []
-        self.fresh: list[bool] = []
-        """Per segment: its lazy state (SGD momentum) does not exist yet."""
-        self._flat: list[dict[str, torch.Tensor]] = []
-        step_slots = self._plan_steps(steps_on_device)
-        with torch.no_grad():
-            for i, seg in enumerate(self.segments):
-                group = opt.param_groups[seg.group]
-                kinds = rule.kinds(group)
-                for k in kinds:
-                    key = (id(seg.pool), k)
-                    if key not in self._bufs:
-                        self._bufs[key] = mirrors.get(seg.pool, k)[0]
-                self._flat.append({k: segment_view(self._bufs[(id(seg.pool), k)], seg) for k in kinds})
-                self.fresh.append(self._adopt(seg, kinds, step_slots[i]))
-                self.slots.append(step_slots[i])
+        self.members = list(members)
+        self.params = [m.param for m in self.members]
+        self.wrapped = [local_tensor(p) is not p for p in self.params]
+        self.companions = companions
+        n = len(self.members)
+        self._kinds: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
+        """kind -> (each member's entry, its local tensor); None: not made yet."""
+        self.dicts: list[dict[str, Any] | None] = [None] * n
+        """Per member: the state dict object last seen with every entry pooled."""
+        self.slots: dict[tuple[int, torch.dtype, torch.device], StepSlots] = {}
+        self._slot_of: list[tuple[StepSlots, int] | None] = [None] * n
+        self._unchanged = False
+        self._seen: tuple[list[Any], list[Any]] | None = None
+        """``optimizer.state``'s keys and values when :meth:`_dicts_unchanged` last held."""
+        if rule.has_step:
+            self._plan_steps(groups)
 
-    def _plan_steps(self, on_device: bool) -> list[torch.Tensor | None]:
-        """One float32 slot per segment, one step pool per parameter pool: on the CPU, as torch
-        keeps ``step`` for its non-capturable kernels, or on the pool's device for the fused
-        kernel (which reads it there)."""
-        if not self.rule.has_step:
-            return [None] * len(self.segments)
-        per_pool: dict[int, list[int]] = {}
-        for i, seg in enumerate(self.segments):
-            per_pool.setdefault(id(seg.pool), []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(self.segments)
-        for indices in per_pool.values():
-            pool = self.segments[indices[0]].pool
-            steps = FlatPool(pool.device if on_device else "cpu", alignment=4,
-                             name=f"{pool.name}/step")
-            slots = steps.allocate_many([((1,), torch.float32)] * len(indices))
-            steps.materialize()
-            self._steps[id(pool)] = steps
-            for i, s in zip(indices, slots):
-                out[i] = steps.view_at(s.offset, (), torch.float32)
+    def _plan_steps(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Each member's element of its pool's step companion, of the dtype and device torch
+        gives its group's step tensors (CPU, its scalar dtype; the device for ``fused``)."""
+        by_pool: dict[int, list[int]] = {}
+        for i, m in enumerate(self.members):
+            by_pool.setdefault(id(m.pool), []).append(i)
+        for idx in by_pool.values():
+            idx.sort(key=lambda i: self.members[i].offset)
+            order = [self.members[i] for i in idx]
+            for i in idx:
+                fused = bool(groups[i].get("fused"))
+                m = self.members[i]
+                dtype = step_dtype(fused)
+                device = m.pool.device if fused else torch.device("cpu")
+                key = (id(m.pool), dtype, device)
+                slots = self.slots.get(key)
+                if slots is None:
+                    slots = self.slots[key] = StepSlots(m.pool, order, dtype, device)
+                self._slot_of[i] = (slots, slots.index[id(m)])
+
+    # -- where --------------------------------------------------------------------------
+    def _kind(self, kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        pair = self._kinds.get(kind)
+        if pair is None:  # one store: an interrupt never leaves half of it
+            pair = self._kinds[kind] = ([None] * len(self.members), [None] * len(self.members))
+        return pair
+
+    def step_slot(self, i: int) -> tuple[StepSlots, int]:
+        got = self._slot_of[i]
+        assert got is not None
+        return got
+
+    def ensure(self, kind: str, indices: Sequence[int]) -> None:
+        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet (a few
+        calls per pool: :func:`flatpool.optim.companions.views`)."""
+        entries, locals_ = self._kind(kind)
+        todo = [i for i in indices if entries[i] is None]
+        if not todo:
+            return
+        by_pool: dict[int, list[int]] = {}
+        for i in todo:
+            key = id(self._slot_of[i][0]) if kind == "step" else id(self.members[i].pool)  # type: ignore[index]
+            by_pool.setdefault(key, []).append(i)
+        for idx in by_pool.values():
+            if kind == "step":
+                slots = self.step_slot(idx[0])[0]
+                made = slots.views([self.step_slot(i)[1] for i in idx])
+                for i, v in zip(idx, made):
+                    entries[i] = locals_[i] = v
+                continue
+            ms = [self.members[i] for i in idx]
+            made = views(self.companions.get(ms[0].pool, kind), [m.offset for m in ms],
+                         [m.shape for m in ms], [m.dtype for m in ms])
+            for i, m, local in zip(idx, ms, made):
+                locals_[i] = local
+                entries[i] = wrap_like(m.param, local) if self.wrapped[i] else local
+
+    def view_of(self, i: int, kind: str) -> torch.Tensor:
+        """Member ``i``'s pooled ``kind`` entry (made on first use)."""
+        v = self._kind(kind)[0][i]
+        if v is None:
+            self.ensure(kind, [i])
+            v = self._kinds[kind][0][i]
+            assert v is not None
+        return v
+
+    def local_of(self, i: int, kind: str) -> torch.Tensor:
+        view = self.view_of(i, kind)
+        local = self._kinds[kind][1][i]
+        return view if local is None else local
+
+    def keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The entries torch keeps for a parameter of ``group``, in its order."""
+        return (("step",) if self.rule.has_step else ()) + self.rule.kinds(group)
+
+    # -- checking ---------------------------------------------------------------------------
+    def all_pooled(self, lo: int, hi: int, group: dict[str, Any]) -> bool:
+        """Every member of ``[lo, hi)`` has exactly its pooled entries (C-level passes)."""
+        keys = self.keys(group)
+        if not keys:
+            return True
+        sts = self.dicts[lo:hi] if self._unchanged else list(
+            map(self.opt.state.get, self.params[lo:hi]))
+        if not all(map(operator.is_, sts, self.dicts[lo:hi])):
+            return False
+        for k in keys:
+            pair = self._kinds.get(k)
+            if pair is None:
+                return False
+            try:
+                got = list(map(operator.itemgetter(k), sts))  # type: ignore[arg-type]
+            except (KeyError, TypeError):
+                return False
+            if not all(map(operator.is_, got, pair[0][lo:hi])):
+                return False
+        return True
+
+    def begin(self) -> None:
+        """Before a step's checks: whether ``optimizer.state`` still maps every member to the dict
+        recorded for it (one look for all groups; updates made while preparing the step keep
+        it true, as they record the dict ``optimizer.state`` holds)."""
+        self._unchanged = self._dicts_unchanged()
+
+    def _dicts_unchanged(self) -> bool:
+        """``optimizer.state`` maps the same parameters to the same dict objects as when last
+        seen (C-level identity passes over its keys and values: no tensor is hashed), so each
+        member's dict is the one recorded in :attr:`dicts`."""
+        state = self.opt.state
+        keys, values = list(state.keys()), list(state.values())
+        seen = self._seen
+        if (seen is not None and len(keys) == len(seen[0]) and all(map(operator.is_, keys, seen[0]))
+                and all(map(operator.is_, values, seen[1]))):
+            return True
+        known = {id(p): d for p, d in zip(self.params, self.dicts) if d is not None}
+        if all(known.get(id(p)) is d for p, d in zip(keys, values) if id(p) in known) and len(
+                known) == sum(1 for p in keys if id(p) in known):
+            self._seen = (keys, values)
+            return True
+        self._seen = None
+        return False
+
+    def pooled_groups(self, spans: Sequence[tuple[int, int, dict[str, Any]]]) -> list[bool]:
+        """:meth:`all_pooled` of each ``(lo, hi, group)``, with one pass per state key over
+        every member when the groups keep the same keys."""
+        keys = {self.keys(g) for _, _, g in spans}
+        if self._unchanged and len(keys) == 1:
+            ok = [True] * len(self.members)
+            try:
+                for k in next(iter(keys)):
+                    pair = self._kinds.get(k)
+                    if pair is None:
+                        return [lo == hi for lo, hi, _ in spans]
+                    got = map(operator.itemgetter(k), self.dicts)  # type: ignore[arg-type]
+                    ok = list(map(operator.and_, ok, map(operator.is_, got, pair[0])))
+            except (KeyError, TypeError):  # a member without a recorded dict or entry
+                pass
+            else:
+                return [all(ok[lo:hi]) for lo, hi, _ in spans]
+        return [self.all_pooled(lo, hi, g) for lo, hi, g in spans]
+
+    def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
+        """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries to adopt added
+        to ``adopt``), :data:`FRESH` (torch makes its state now), or why torch's own step must
+        handle it."""
+        st = self.opt.state.get(self.params[i])
+        if self.rule.fresh(st, group):
+            return FRESH
+        keys = self.keys(group)
+        if not keys:
+            return POOLED
+        assert st is not None
+        found = []
+        for k in keys:
+            v = st.get(k)
+            if v is None:
+                return f"its optimizer state has no {k!r} (torch's own step decides what that means)"
+            if v is self.view_of(i, k):
+                continue
+            why = self._foreign(i, k, v)
+            if why is not None:
+                return why
+            found.append((i, k, v))
+        adopt.extend(found)
+        if not found:
+            self._seen = None  # first: the snapshot was checked against the old dicts
+            self.dicts[i] = st
+        return POOLED
+
+    def existing(self, indices: Sequence[int], group: dict[str, Any]) -> list[Entry]:
+        """The adoptable entries members ``indices`` hold now (setup, and after a re-plan; a
+        member whose state torch must handle keeps it as it is)."""
+        state = self.opt.state
+        keys = self.keys(group)
+        sts: list[tuple[int, dict[str, Any]]] = [
+            (i, st) for i in indices if (st := state.get(self.params[i]))]
+        out: list[Entry] = []
+        for k in keys:
+            self.ensure(k, [i for i, _ in sts])
+            mine = self._kinds[k][0] if k in self._kinds else []
+            for i, st in sts:
+                v = st.get(k)
+                if v is not None and v is not mine[i] and self._foreign(i, k, v) is None:
+                    out.append((i, k, v))
         return out
 
-    def _adopt(self, seg: Segment, kinds: tuple[str, ...], slot: torch.Tensor | None) -> bool:
-        """Copy the members' current state into the pooled places and rebind the dict entries;
-        returns True when the (lazy) state does not exist yet."""
-        if not kinds and slot is None:
-            return False
-        states = [self.opt.state[m.param] for m in seg.members]
-        have = all(k in st for st in states for k in kinds) and (
-            not self.rule.has_step or all("step" in st for st in states))
-        fresh = not have
-        for k in kinds:
-            views = [member_view(self._bufs[(id(seg.pool), k)], m) for m in seg.members]
-            if have:
-                torch._foreach_copy_(views, [local_tensor(st[k]) for st in states])
-            elif not self.rule.lazy(self.opt.param_groups[seg.group]):
-                torch._foreach_zero_(views)
-            if have or not self.rule.lazy(self.opt.param_groups[seg.group]):
-                for m, st, v in zip(seg.members, states, views):
-                    st[k] = wrap_like(m.param, v)
-        if slot is not None:
-            slot.fill_(float(states[0]["step"]) if have else 0.0)
-            base = slot.untyped_storage()
-            off = slot.storage_offset()
-            for st in states:
-                st["step"] = torch.empty(0, dtype=torch.float32, device=slot.device).set_(
-                    base, off, (), ())
-        return fresh and self.rule.lazy(self.opt.param_groups[seg.group])
+    def _foreign(self, i: int, kind: str, v: Any) -> str | None:
+        """Why entry ``v`` cannot be adopted into member ``i``'s place, or ``None``."""
+        m = self.members[i]
+        if not isinstance(v, torch.Tensor):
+            return f"state {kind!r} is a {type(v).__name__}, not a tensor"
+        if kind == "step":
+            slots, _ = self.step_slot(i)
+            if (type(v) is not torch.Tensor or v.dim() != 0 or v.dtype != slots.dtype
+                    or v.device != slots.device or v.requires_grad):
+                return (f"state 'step' is a {tuple(v.shape)} {v.dtype} tensor on {v.device}, "
+                        f"not torch's 0-d {slots.dtype} on {slots.device}")
+            return None
+        if self.wrapped[i]:
+            if is_dtensor(m.param) != is_dtensor(v) or not hasattr(v, "_local_tensor"):
+                return f"state {kind!r} is a {type(v).__name__}, the parameter a {type(m.param).__name__}"
+            local = v._local_tensor
+        elif hasattr(v, "_local_tensor"):
+            return f"state {kind!r} is a {type(v).__name__}, the parameter a plain tensor"
+        else:
+            local = v
+        if (local.layout != torch.strided or local.shape != m.shape or local.dtype != m.dtype
+                or local.device != m.pool.device or v.requires_grad):
+            return (f"state {kind!r} ({tuple(local.shape)}, {local.dtype}, {local.device}) is not "
+                    f"shaped like its parameter ({tuple(m.shape)}, {m.dtype})")
+        return None
 
-    def flats(self, i: int) -> dict[str, torch.Tensor]:
-        return self._flat[i]
+    # -- changing ---------------------------------------------------------------------------
+    def adopt(self, items: Sequence[Entry], assign: Assign = plain_assign) -> None:
+        """Copy each foreign entry into its member's place, then rebind the entry."""
+        if not items:
+            return
+        dst = [self.local_of(i, k) for i, k, _ in items]
+        src = [wrapped_local(v) if self.wrapped[i] and k != "step" else v for i, k, v in items]
+        with torch.no_grad():  # a view of the same companion at another place: copied first
+            torch._foreach_copy_(dst, [s.clone() if tc.storage_address(s) == tc.storage_address(d)
+                                       else s for d, s in zip(dst, src)])
+        del dst, src
+        state = self.opt.state
+        done: dict[int, None] = {}
+        for i, k, _ in items:
+            assign(state[self.params[i]], k, self.view_of(i, k))
+            done[i] = None
+        self._seen = None  # first: the snapshot was checked against the old dicts
+        for i in done:
+            self.dicts[i] = state[self.params[i]]
 
-    def settle_fresh(self, i: int, made: dict[str, list[torch.Tensor | None]]) -> None:
-        """After the first step of a lazy segment: copy what torch made into the pool."""
-        seg = self.segments[i]
+    def make_fresh(self, indices: Sequence[int], group: dict[str, Any]) -> None:
+        """Adam's state as torch makes it at a parameter's first step (step 0, zeros), in the
+        members' places; each member's entries appear at once (one ``dict.update``)."""
+        keys = self.keys(group)
+        for k in keys:
+            self.ensure(k, indices)
         with torch.no_grad():
-            for k, flat in self._flat[i].items():
-                src = made[k][0]
-                assert src is not None
-                flat.copy_(src)
-                buf = self._bufs[(id(seg.pool), k)]
-                for m in seg.members:
-                    self.opt.state[m.param][k] = wrap_like(m.param, member_view(buf, m))
-        self.fresh[i] = False
+            for k in keys:
+                torch._foreach_zero_([self.local_of(i, k) for i in indices])
+        state = self.opt.state
+        for i in indices:
+            entries = {k: self.view_of(i, k) for k in keys}
+            st = state[self.params[i]]  # torch: ``state = self.state[p]``
+            st.update(entries)
+            self._seen = None  # first: the snapshot was checked against the old dicts
+            self.dicts[i] = st
 
-    def pools(self) -> list[FlatPool]:
-        return list(self._bufs.values()) + list(self._steps.values())
+    def install_made(self, indices: Sequence[int], kind: str) -> None:
+        """After a kernel made ``kind`` (its values already copied into the places)."""
+        self.ensure(kind, indices)
+        state = self.opt.state
+        for i in indices:
+            st = state[self.params[i]]
+            st[kind] = self.view_of(i, kind)
+            self._seen = None  # first: the snapshot was checked against the old dicts
+            self.dicts[i] = st
 
-    def dissolve(self, group: int) -> None:
-        """Give each member of ``group`` a step count of its own (before torch steps it per
-        parameter: a shared slot would be counted once per parameter)."""
-        for i, seg in enumerate(self.segments):
-            if seg.group == group and self.slots[i] is not None:
-                for m in seg.members:
-                    st = self.opt.state[m.param]
-                    if "step" in st:
-                        st["step"] = st["step"].clone()
+    def pools(self) -> list[Any]:
+        return self.companions.pools() + [s.pool for s in self.slots.values()]
 
 
-__all__ = ["StateBuffers", "state_refusal"]
+__all__ = ["FRESH", "POOLED", "State", "plain_assign"]

@@ -14,20 +14,15 @@ from __future__ import annotations
 import torch
 
 from ..aliasing import local_tensor
+from ._torch import dtensor_like, is_dtensor
 from .errors import NotPooledError
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as ``param``'s kind of tensor: itself for a plain tensor, a DTensor with
     ``param``'s mesh, placements, global shape and stride for a DTensor."""
-    if DTensor is not None and isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.size(), stride=param.stride())
+    if is_dtensor(param):
+        return dtensor_like(param, local)
     if local_tensor(param) is not param:
         if _layout_wrapper(param):
             out: torch.Tensor = type(param).from_local(local, param._layout)  # type: ignore[attr-defined]
@@ -39,10 +34,6 @@ def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
 def _layout_wrapper(param: torch.Tensor) -> bool:
     """A HyperParallel-style DTensor: ``type(p).from_local(local, p._layout)`` rebuilds it."""
     return callable(getattr(type(param), "from_local", None)) and hasattr(param, "_layout")
@@ -50,7 +41,7 @@ def _layout_wrapper(param: torch.Tensor) -> bool:
 
 def supported(param: torch.Tensor) -> str | None:
     """Why ``param``'s type cannot get pooled gradients and state, or ``None``."""
-    if DTensor is not None and isinstance(param, DTensor):
+    if is_dtensor(param):
         return None
     if local_tensor(param) is not param and not _layout_wrapper(param):
         return (f"{type(param).__name__} wrapper: only plain tensors, torch DTensors and "

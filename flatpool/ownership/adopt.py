@@ -671,6 +671,16 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is an inference tensor (made under torch.inference_mode()); it "
             "cannot be rebound in place: adopt a clone() made outside inference mode"
         )
+    if not _leaf_or_view(o.tensor):
+        with tc.no_torch_function():
+            computed_by = type(o.tensor.grad_fn).__name__
+        raise InvalidRequestError(
+            f"{o} is not a leaf of autograd: it was computed "
+            f"({computed_by}) from tensors that require grad, and its "
+            "graph may still read its storage. Adopt the leaf it was computed from (a "
+            "parameter, a buffer), or compute it without a graph (under torch.no_grad(), or "
+            "adopt a .detach()ed value once nothing else refers to the original)"
+        )
     o.dtype = check_dtype(dtype, o)
     size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
     o.geometry = (offset, size, stride)
@@ -722,6 +732,19 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
     # non-resizable storage counts as external (the safe answer: nothing is reported freed).
     o.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     return storage
+
+
+def _leaf_or_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a leaf of autograd or a view: a computed value (``w * 2``) is neither.
+    A view's history ends in view functions over its base's storage (sizes and strides, never
+    data), so it moves with its base like any view; were some graph to have saved its data, that
+    graph would hold the original storage and the release proof would refuse, naming it. Read
+    past a subclass's ``__torch_function__`` (an exact tensor or parameter has none to pass)."""
+    if type(t) in _PLAIN:
+        return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
+    with tc.no_torch_function():
+        ok = tc.impl_is_leaf(t) or tc.impl_base(t) is not None
+    return ok  # (not a return inside the block: see flatpool.ownership.interrupts)
 
 
 def _external_message(labels: list[str]) -> str:

@@ -222,14 +222,19 @@ def name_pins(
     key = tc.storage_key(storage)
     found = tensors_on_storage(key, skip)
     skip = skip | {id(found)}
+    with tc.no_torch_function():
+        bases = {id(b) for t in found if (b := tc.impl_base(t)) is not None}
     unseen = NUMPY_BASE if not storage.resizable() else CXX_ONLY
     for t in found:
-        where = name_referrers(t, skip) or [unseen]
+        where = name_referrers(t, skip)
+        if not where and id(t) in bases:
+            continue  # the base of a view found here: the view's holders keep it (autograd's link)
         with tc.no_torch_function():
             desc = f"tensor {tuple(tc.impl_size(t))} {str(tc.impl_dtype(t)).replace('torch.', '')}"
-        reasons.extend(f"{w} ({desc})" for w in where)
+        reasons.extend(f"{w} ({desc})" for w in where or [unseen])
     storage_refs = name_referrers(storage, skip)
     reasons.extend(f"{w} (the UntypedStorage object itself)" for w in storage_refs)
     if not reasons:
         reasons.append(CXX_ONLY)
-    return tuple(reasons)
+    # The holders a user can drop first; "held only from C++" last, and only as what it is.
+    return tuple(sorted(reasons, key=lambda r: r.startswith((CXX_ONLY, NUMPY_BASE))))

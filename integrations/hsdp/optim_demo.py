@@ -4,7 +4,7 @@ Each rank trains the same FSDP2 model (one ``fully_shard`` group per layer) thre
 same data: with no pools (plain FSDP2 and a per-parameter ``foreach`` AdamW), with the
 parameters pooled (:func:`fuse_fully_sharded`, one pool per group), and with everything pooled
 (:func:`flatpool.integrations.hsdp.optim.flat_optimizer` adds one gradient pool and one pool per
-state kind per group, and steps each group with one foreach AdamW). After the last step,
+state kind per group, and ``optimizer.step()`` steps each group with one AdamW kernel call). After the last step,
 :func:`flatpool.census` (model and optimizer as roots) counts, per kind, the distinct storages
 (memory allocations; tensors sharing one count once, and a pool is one) and their bytes. The
 table says it per rank, with what pooling saves against no pools, and whether the three
@@ -104,14 +104,15 @@ def _run(config: str, layers: int, hidden: int, steps: int) -> tuple[list[Usage]
     fully_shard(model, mesh=mesh)
     fused = fuse_fully_sharded(model) if config != "no pools" else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    fo = flat_optimizer(fused, opt) if fused is not None and config == "all pooled" else None
+    if fused is not None and config == "all pooled":
+        flat_optimizer(fused, opt)  # from now on opt.step() is the flat step
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x = torch.randn(8, hidden, generator=g)
         loss = model(x).square().mean()
         loss.backward()
-        (fo.step if fo is not None else opt.step)()
+        opt.step()  # the flat step when a flat optimizer was set up
         losses.append(loss.item())
         if step < steps - 1:
             opt.zero_grad()

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import census, local_tensor
 from flatpool.integrations.hsdp.fsdp2 import fuse_fully_sharded
@@ -226,12 +226,123 @@ def _reload(mesh: DeviceMesh, *, to_empty: bool) -> None:
     assert_identical(ref[:2], flat[:2])
 
 
+def torchtitan_order(mesh: DeviceMesh, materialize: bool) -> None:
+    """torchtitan's build order (issue 30, case 8): fuse on meta, ``to_empty()`` and init, build
+    the optimizer and the flat optimizer (the shards are outside their pools then: every group
+    is torch's, with a warning), and the first forward puts the shards back: the flat step
+    plans again and steps flat, with the fused plan's storages. Until issue 30 it never
+    re-planned (117 state storages instead of 18 on a small llama)."""
+    ref = build(mesh, fuse=False)
+    torch.manual_seed(0)
+    full = Stack().state_dict()
+    with torch.device("meta"):
+        model = Stack()
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fused = fuse_fully_sharded(model, materialize=materialize)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # init in place, as torchtitan's init_weights (no load_state_dict hook)
+        for name, p in model.named_parameters():
+            local_tensor(p).copy_(distribute_tensor(full[name], mesh, [Shard(0)]).to_local())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fo = flat_optimizer(fused, opt)
+    assert fo.fallback == [0], (fo.reasons, [str(w.message) for w in said])
+    l_ref = run_steps(*ref, range(STEPS))
+    l_flat = run_steps(model, opt, fo, range(STEPS))
+    assert l_ref == l_flat
+    assert fo.replans >= 1 and len(fo.segments) == 3 and not fo.fallback, (fo.replans, fo.reasons)
+    assert_identical(ref[:2], (model, opt))
+
+
+class Branchy(nn.Module):
+    """A submodule used every other step (``d``) and a layer frozen mid-training (``b``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 9)
+        self.b = nn.Linear(9, 7)
+        self.d = nn.Linear(7, 7)
+        self.c = nn.Linear(7, 5)
+        self.use_d = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        if self.use_d:
+            h = torch.tanh(self.d(h))
+        return self.c(h)
+
+
+def unused_and_frozen(mesh: DeviceMesh) -> None:
+    """An FSDP2 group the forward skips and a layer frozen mid-training get no gradient and are
+    skipped by the step, as on plain FSDP2 (issue 30, case 7): the pre-installed views nothing
+    wrote to are given back as ``None`` when the backward ends, before clipping reads them."""
+    runs = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = Branchy()
+        for sub in (model.a, model.b, model.d):
+            fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
+        fo = None
+        if fuse:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                fo = flat_optimizer(fuse_fully_sharded(model), opt)
+        seen = []
+        for step in range(6):
+            model.use_d = step % 2 == 0
+            if step == 3:
+                model.b.requires_grad_(False)
+            x, y = batch(step, 0)
+            nn.functional.mse_loss(model(x), y).backward()
+            seen.append([p.grad is None for p in model.parameters()])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
+            (opt.step if fo is None else fo.step)()
+            opt.zero_grad()
+        runs.append((model, opt, seen))
+    (m_ref, o_ref, seen_ref), (m_flat, o_flat, seen_flat) = runs
+    assert seen_ref == seen_flat, (seen_ref, seen_flat)
+    assert any(any(s) for s in seen_ref)  # some gradients were None
+    assert_identical((m_ref, o_ref), (m_flat, o_flat))
+
+
+def memory_like_torch(mesh: DeviceMesh) -> None:
+    """``zero_grad(set_to_none=True)`` frees the gradient pools (no gradient storage is left,
+    as on plain FSDP2); the next backward makes one gradient block per pool again;
+    ``set_to_none=False`` keeps and zeroes them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model, opt, fo = build(mesh, fuse=True)
+    assert fo is not None
+    for step in range(3):
+        x, y = batch(step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = [r for r in census(model).records if "grad" in r.roles]
+        assert sorted(r.pool or "" for r in grads) == sorted(f"{p.name}/grad" for p in fo.pools)
+        blocks = [StorageWeakRef(b.storage) for b in fo.buffers()["grad"]]
+        fo.step()
+        opt.zero_grad(set_to_none=False)
+        assert all(not local_tensor(p.grad).any() for p in model.parameters())  # type: ignore[arg-type]
+        assert not any(b.expired() for b in blocks)
+        opt.zero_grad()
+        assert all(b.expired() for b in blocks) and not fo.buffers()["grad"]
+        assert not [r for r in census(model, opt).records if "grad" in r.roles]
+
+
 def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     return {"fsdp2-flat-vs-foreach": lambda: flat_vs_foreach(mesh),
             "fsdp2-dcp-resume": lambda: dcp_resume(mesh),
             "fsdp2-no_sync-verify_forward": lambda: no_sync_and_forward_checks(mesh),
             "fsdp2-reload-in-place": lambda: reload_in_place(mesh),
-            "fsdp2-to_empty-reload": lambda: to_empty_reload(mesh)}
+            "fsdp2-to_empty-reload": lambda: to_empty_reload(mesh),
+            "fsdp2-torchtitan-order": lambda: torchtitan_order(mesh, materialize=True),
+            "fsdp2-torchtitan-order-adopt-at-forward": lambda: torchtitan_order(mesh, materialize=False),
+            "fsdp2-unused-and-frozen": lambda: unused_and_frozen(mesh),
+            "fsdp2-memory-like-torch": lambda: memory_like_torch(mesh)}
 
 
 def run_all() -> dict[str, str | None]:

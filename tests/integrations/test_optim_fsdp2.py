@@ -1,6 +1,8 @@
 """2-rank gloo: flat optimizer steps over FSDP2's fused groups vs torch's foreach step
 (20 AdamW steps, clipping, 2-step accumulation), storage counts, DCP save + resume, no_sync
-accumulation with the checks in the forward hook, model and optimizer state reloaded mid-training (re-adoption), also after ``to_empty``."""
+accumulation with the checks in the forward hook, model and optimizer state reloaded mid-training (re-adoption), also after ``to_empty``; torchtitan's build order (the optimizer
+before the first forward puts the shards back), an unused group and a frozen layer, gradient
+memory released by ``zero_grad()``."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import pytest
 from flatpool.integrations.hsdp.launch import launch
 
 SCENARIOS = ["fsdp2-flat-vs-foreach", "fsdp2-dcp-resume", "fsdp2-no_sync-verify_forward",
-             "fsdp2-reload-in-place", "fsdp2-to_empty-reload"]
+             "fsdp2-reload-in-place", "fsdp2-to_empty-reload", "fsdp2-torchtitan-order",
+             "fsdp2-torchtitan-order-adopt-at-forward", "fsdp2-unused-and-frozen",
+             "fsdp2-memory-like-torch"]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from torch import nn
 
 import flatpool
 from flatpool import AdoptSpec, FlatPool, Holder, Slice
+from flatpool.errors import FlatStepWarning
+from flatpool.optim import UnsupportedOptimizerError
 
 from .npu_stand_in import Format, npu_formats
 from .scenarios import Box, Wrapper, ints, one_rank_mesh
@@ -647,6 +650,13 @@ def _inference_tensor(c: Ctx) -> Call:
     return lambda: p.adopt(t)
 
 
+def _non_leaf(c: Ctx) -> Call:
+    p = c.pool()
+    w = c.tensor("w", torch.ones(4, requires_grad=True))
+    y = c.tensor("y", w * 2)
+    return lambda: p.adopt([y])
+
+
 def _inference_mode_pool(c: Ctx) -> Call:
     p = c.pool()
     a, b, w = ints(4), ints(8), nn.Parameter(ints(4))
@@ -1075,6 +1085,116 @@ def _npu_private_format(c: Ctx) -> Call:
     return call
 
 
+# -- the flat optimizer (flatpool.optim) ----------------------------------------------------
+
+
+def _flat_setup(c: Ctx, cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                **kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, FlatPool]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    pool = c.pool()
+    for name, p in model.named_parameters():
+        c.adopted(pool, name, p)
+    return model, cls(model.parameters(), **kw), pool
+
+
+def _flat_not_optimizer(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    model, _, pool = _flat_setup(c)
+    return lambda: FlatOptimizer(model, [pool])  # type: ignore[arg-type]
+
+
+def _flat_not_pool(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    model, opt, _ = _flat_setup(c)
+    return lambda: FlatOptimizer(opt, [list(model.parameters())])  # type: ignore[list-item]
+
+
+def _flat_bad_fused(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    _, opt, pool = _flat_setup(c)
+    return lambda: FlatOptimizer(opt, [pool], fused="yes")  # type: ignore[arg-type]
+
+
+def _flat_forward_no_module(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    _, opt, pool = _flat_setup(c)
+    return lambda: FlatOptimizer(opt, [pool], verify="forward")
+
+
+def _flat_unsupported(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    _, opt, pool = _flat_setup(c, torch.optim.Adagrad)
+    return lambda: FlatOptimizer(opt, [pool])
+
+
+def _flat_twice(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    model, opt, pool = _flat_setup(c)
+    FlatOptimizer(opt, [pool], module=model)
+    c.keep.append(opt)
+    return lambda: FlatOptimizer(opt, [pool], module=model)
+
+
+def _flat_clip_sharded(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    p = nn.Parameter(c.dtensor(ints(4)))
+    p.grad = c.dtensor(torch.ones(4))
+    c.tensor("grad", flatpool.local_tensor(p.grad))
+    with warnings.catch_warnings():  # outside the pools: torch's own step (another row)
+        warnings.simplefilter("ignore", FlatStepWarning)
+        fo = FlatOptimizer(torch.optim.SGD([p], lr=0.1), [c.pool()])
+    c.keep.append(fo)
+    return lambda: fo.clip_grad_norm_(1.0, exact=False)
+
+
+def _flat_outside(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    model, opt, pool = _flat_setup(c)
+    extra = nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra]})
+    return lambda: FlatOptimizer(opt, [pool], module=model)
+
+
+def _flat_half(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    pool = c.pool()
+    pool.adopt(list(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return lambda: FlatOptimizer(opt, [pool], module=model)
+
+
+def _flat_capturable(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    _, opt, pool = _flat_setup(c, torch.optim.Adam, capturable=True)
+    return lambda: FlatOptimizer(opt, [pool])
+
+
+def _flat_sparse(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 3, sparse=True)
+    pool = c.pool()
+    pool.adopt(emb.weight)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    FlatOptimizer(opt, [pool], module=emb)
+    emb(torch.tensor([1, 3])).sum().backward()
+    return lambda: opt.step()
+
+
 ROWS: tuple[Row, ...] = (
     Row("other-device", "tensor on another device than the pool (a meta tensor into a CPU "
         "pool; a CUDA tensor into a CPU pool takes the same device check)", _other_device,
@@ -1242,6 +1362,8 @@ ROWS: tuple[Row, ...] = (
     # Inference mode.
     Row("inference-tensor", "adopt() of an inference tensor (made under torch.inference_mode())",
         _inference_tensor, flatpool.InvalidRequestError, r"inference tensor.*clone"),
+    Row("non-leaf", "adopt() of a tensor autograd computed (`w * 2` with `w` requiring grad)",
+        _non_leaf, flatpool.InvalidRequestError, r"not a leaf of autograd.*MulBackward.*no_grad"),
     Row("inference-mode-pool", "a pool materialized by an adoption, compacted, grown, viewed and "
         "materialized into under torch.inference_mode(), then used outside", _inference_mode_pool, None, "",
         "works: the pool's storage is never an inference tensor (a later adoption outside "
@@ -1358,6 +1480,37 @@ ROWS: tuple[Row, ...] = (
         "torch_npu.get_npu_format, not yet on an NPU)", _npu_private_format,
         flatpool.NpuFormatError, r"FRACTAL_NZ \(29\).*npu_format_cast\(t, 2\)",
         "nothing changed; ND, NCHW and NCDHW tensors are adopted (test_npu_format.py)"),
+    # The flat optimizer.
+    Row("optim-not-an-optimizer", "FlatOptimizer(a module, pools)", _flat_not_optimizer,
+        flatpool.InvalidTypeError, r"needs a torch.optim.Optimizer"),
+    Row("optim-not-a-pool", "FlatOptimizer(opt, [a list of tensors])", _flat_not_pool,
+        flatpool.InvalidTypeError, r"pools must be FlatPools"),
+    Row("optim-bad-fused", "FlatOptimizer(opt, pools, fused='yes')", _flat_bad_fused,
+        flatpool.InvalidTypeError, r"'foreach' or 'fused'"),
+    Row("optim-forward-no-module", "FlatOptimizer(opt, pools, verify='forward') without module=",
+        _flat_forward_no_module, flatpool.InvalidRequestError, r"pass module="),
+    Row("optim-unsupported", "an optimizer without a flat rule (Adagrad, LBFGS, a subclass)",
+        _flat_unsupported, UnsupportedOptimizerError, r"no flat rule.*optimizer.step\(\)",
+        "nothing changed: no gradient or state touched, optimizer.step is torch's"),
+    Row("optim-twice", "a second FlatOptimizer on an optimizer one already steps",
+        _flat_twice, flatpool.InvalidRequestError, r"close\(\) that one first",
+        "nothing changed; the first one keeps stepping"),
+    Row("optim-clip-sharded-inexact", "clip_grad_norm_(exact=False) with DTensor gradients",
+        _flat_clip_sharded, flatpool.InvalidRequestError, r"exact=True", "nothing scaled"),
+    Row("optim-outside-pools", "a param group with parameters in none of the pools",
+        _flat_outside, FlatStepWarning, r"stepped per parameter by torch's own step.*in none "
+        r"of the given pools", "accepted: torch's own step steps that group, per parameter; "
+        "flat again once they are adopted"),
+    Row("optim-half", "float16/bfloat16 parameters", _flat_half, FlatStepWarning,
+        r"not bit-identical.*torch's own step runs them",
+        "accepted: torch's own step over their pooled state (a flat half-precision step rounds "
+        "differently)"),
+    Row("optim-capturable", "capturable/differentiable groups, a tensor lr or betas",
+        _flat_capturable, FlatStepWarning, r"capturable=True",
+        "accepted: torch's own step steps that group"),
+    Row("optim-sparse-grad", "a sparse gradient (Embedding(sparse=True))", _flat_sparse,
+        FlatStepWarning, r"sparse", "accepted: torch's own step handles the group (SGD steps "
+        "it, Adam raises its own RuntimeError)"),
 )
 
 

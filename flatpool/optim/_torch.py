@@ -1,0 +1,91 @@
+"""The private torch APIs the flat optimizer reads, each behind one named function.
+
+torch's optimizer is the flat optimizer's source of truth, so it follows torch's own decisions
+rather than re-deriving them: which kernel a group runs (``_default_to_fused_or_foreach``), the
+dtype of a new ``step`` (``_get_scalar_dtype``), the step without its hook wrapper (to run a
+group per parameter inside a step whose hooks already ran). DTensor views of pooled memory are
+made with DTensor's own constructor from the parameter's spec (``from_local`` costs about 150 us
+a tensor; the constructor 3 us), and the end of a backward pass is found with the autograd
+engine's final callbacks, as FSDP2 finds it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+StepFn = Callable[..., Any]
+
+
+def raw_step(opt: torch.optim.Optimizer) -> StepFn:
+    """``type(opt).step`` without torch's hook wrapper (``Optimizer.profile_hook_step``), called
+    as ``raw_step(opt)(opt, closure)``: the group-per-parameter part of a step whose hooks ran."""
+    step = type(opt).step
+    if getattr(step, "hooked", False):
+        return cast(StepFn, getattr(step, "__wrapped__", step))
+    return cast(StepFn, step)
+
+
+def with_step_hooks(body: StepFn) -> StepFn:
+    """``body(opt, *args, **kwargs)`` wrapped as torch wraps every optimizer's ``step``: the
+    global and the optimizer's pre-hooks (which may replace the arguments), the profiler's
+    record, ``_optimizer_step_code`` and the post-hooks, each exactly once."""
+    return Optimizer.profile_hook_step(body)
+
+
+def foreach_choice(params: list[torch.Tensor], group: dict[str, Any]) -> bool:
+    """Whether torch's functional kernel runs its foreach form for ``group``'s step over
+    ``params`` (its own resolution of ``foreach=None``)."""
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    if group.get("fused"):
+        return False
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable")),
+                                              use_fused=False)
+    return bool(foreach) and not torch.is_tensor(group.get("lr"))
+
+
+def step_dtype(fused: bool) -> torch.dtype:
+    """The dtype torch gives a new ``step`` tensor."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return cast(torch.dtype, _get_scalar_dtype(is_fused=fused or None))  # type: ignore[no-untyped-call]
+
+
+def after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass has finished (after every final
+    callback queued so far, FSDP2's last reduce-scatter included)."""
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(callback)
+
+
+def is_dtensor(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def dtensor_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor over ``local`` with ``param``'s spec (mesh, placements, global shape)."""
+    out: torch.Tensor = DTensor(local, param._spec, requires_grad=False)  # type: ignore[attr-defined,no-untyped-call]
+    return out
+
+
+mesh_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.mesh")
+"""A DTensor's mesh, read from its spec (C-level; the ``device_mesh`` property is Python)."""
+placements_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.placements")
+local_of: Callable[[torch.Tensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+"""A wrapper's local tensor (torch DTensor, HyperParallel-style DTensor)."""
+
+
+__all__ = ["after_backward", "dtensor_like", "foreach_choice", "is_dtensor", "local_of",
+           "mesh_of", "placements_of", "raw_step", "step_dtype", "with_step_hooks"]

@@ -1,0 +1,102 @@
+"""Companion pools: a parameter pool's optimizer state, at the same byte offsets.
+
+For each parameter pool and state kind (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+``momentum_buffer``) one pool of the same capacity, named ``<pool>/<kind>``: a member's state
+is a view at the member's own offset, so a segment's range of the parameter pool and the same
+range of each companion are what one flat kernel call reads. Companions hold no slices: nothing
+else is ever allocated in them, and a pool without slices has no reference cycle, so it dies,
+storage and all, the moment its last reference goes. Bytes outside the members' elements stay
+zero, a fixed point of every flat rule.
+
+``step`` counts are one element per member, in storage order, in ``<pool>/step``: each parameter
+keeps a step tensor of its own (a 0-d view of its element) and a segment's counts are one range
+(checked equal, and incremented, with one operation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import torch_compat as tc
+from ..pool import FlatPool, contiguous_strides
+from .layout import Member
+
+
+def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
+    """A zeroed, slice-less pool of ``nbytes``."""
+    pool = FlatPool(device, alignment=1, capacity=nbytes, name=name)
+    pool.materialize()
+    if nbytes:
+        pool.view_bytes(0, nbytes).zero_()
+    return pool
+
+
+def view(pool: FlatPool, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A base-less view (its own version counter) at byte ``offset`` of ``pool``."""
+    return pool.view_at(offset, tuple(shape), dtype)
+
+
+def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]],
+          dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """:func:`view` for many places of one pool: the storage read once, one grad-mode switch
+    (a few microseconds a view instead of ``view_at``'s tens)."""
+    storage = pool.storage
+    device = pool.device
+    out = []
+    with tc.outside_inference(), torch.no_grad():
+        for offset, shape, dtype in zip(offsets, shapes, dtypes):
+            t = torch.empty(0, dtype=dtype, device=device)
+            t.set_(storage, offset // dtype.itemsize, tuple(shape), contiguous_strides(shape))
+            out.append(t)
+    return out
+
+
+class Companions:
+    """One companion per (parameter pool, kind), made zeroed on first use and kept while the
+    parameter pool keeps its storage and capacity (a relocation moves members: new ones)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, str], tuple[tuple[object, ...], FlatPool]] = {}
+
+    def get(self, pool: FlatPool, kind: str) -> FlatPool:
+        sig = (pool.storage_key, pool.capacity)
+        have = self._made.get((id(pool), kind))
+        if have is not None and have[0] == sig:
+            return have[1]
+        made = new_pool(f"{pool.name}/{kind}", pool.capacity, pool.device)
+        self._made[(id(pool), kind)] = (sig, made)
+        return made
+
+    def keep_only(self, pools: Sequence[FlatPool]) -> None:
+        """Forget the companions of parameter pools no longer planned (their views, where still
+        installed, keep them alive until re-adopted)."""
+        ids = {id(p) for p in pools}
+        for key in [k for k in self._made if k[0] not in ids]:
+            del self._made[key]
+
+    def pools(self) -> list[FlatPool]:
+        return [m for _, m in self._made.values()]
+
+
+class StepSlots:
+    """``<pool>/step``: one element per member, in storage order (:mod:`.companions` doc)."""
+
+    def __init__(self, pool: FlatPool, members: Sequence[Member], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.index = {id(m): i for i, m in enumerate(members)}
+        self.pool = new_pool(f"{pool.name}/step", max(1, len(members)) * dtype.itemsize, device)
+        self.all = self.pool.view_at(0, (len(members),), dtype)
+
+    def views(self, ks: Sequence[int]) -> list[torch.Tensor]:
+        """The step tensors of members ``ks``: 0-d views of their elements."""
+        size = self.dtype.itemsize
+        return views(self.pool, [k * size for k in ks], [()] * len(ks), [self.dtype] * len(ks))
+
+    def span(self, a: int, b: int) -> torch.Tensor:
+        return self.all[a:b]
+
+
+__all__ = ["Companions", "StepSlots", "new_pool", "view", "views"]

@@ -1,0 +1,84 @@
+"""All-or-nothing changes to objects others can see (the optimizer, its state, ``.grad``s, a
+module's hooks): every change is recorded *before* it is made, so :meth:`Journal.rollback`
+puts back exactly what was there, wherever an exception (a Ctrl-C included) landed; each undo
+is absolute (it sets the old value), so running it twice is harmless.
+
+:func:`committed` runs a commit with signals deferred (the engine's
+:func:`flatpool.ownership.interrupts.signals_guarded`, never opened): a real Ctrl-C arrives
+after the commit or after its rollback, never half-way; an exception raised inside it anyway
+(a failing setter, a tracer) rolls everything back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..ownership.interrupts import run_undo, signals_guarded
+
+_MISSING = object()
+
+
+class Journal:
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def set_item(self, d: dict[Any, Any], key: Any, value: Any) -> None:
+        old = d.get(key, _MISSING)
+
+        def undo() -> None:
+            if old is _MISSING:
+                d.pop(key, None)
+            else:
+                d[key] = old
+
+        self._undo.append(undo)
+        d[key] = value
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        old = getattr(obj, name)
+        self._undo.append(lambda: setattr(obj, name, old))
+        setattr(obj, name, value)
+
+    def add_hook(self, hooks: dict[Any, Any], fn: object, register: Callable[[], object]) -> None:
+        """``register()`` adds ``fn`` to ``hooks`` (a module's hook dict); undo removes every
+        entry holding ``fn``."""
+
+        def undo() -> None:
+            for k in [k for k, v in hooks.items() if v is fn]:
+                hooks.pop(k, None)
+
+        self._undo.append(undo)
+        register()
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def rollback(self) -> None:
+        while self._undo:
+            run_undo(self._undo[-1])
+            self._undo.pop()
+
+
+@contextmanager
+def committed() -> Iterator[Journal]:
+    """A journal whose changes stand only if the block finishes (module doc). A signal deferred
+    during the block is delivered when it ends; if that raises, the changes are rolled back too
+    (the caller sees the interrupt and an unchanged world). The journal, and the old values it
+    holds, go when the block's context manager does."""
+    journal = Journal()
+    try:
+        with signals_guarded():  # never opened: signals wait until the block or rollback ends
+            try:
+                yield journal
+            except BaseException:
+                journal.rollback()
+                raise
+    except BaseException:
+        with signals_guarded():  # a signal delivered at the end: undo all (again: no-op)
+            journal.rollback()
+        raise
+
+
+__all__ = ["Journal", "committed"]

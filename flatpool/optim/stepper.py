@@ -1,0 +1,282 @@
+"""One optimizer step, decided by torch's own state, group by group.
+
+:meth:`Stepper.prepare` reads what torch reads (each member's ``.grad``, its
+``optimizer.state`` entries) and decides, per param group:
+
+* **flat**: the group's members with a gradient, in runs of adjacent members whose state is
+  pooled (or made now, as torch would make it) and whose ``step`` counts agree, each run one
+  call of torch's functional kernel over one flat tensor per list;
+* **torch's own step** for the rest of the group, per parameter (a sub-group of the same
+  options): parameters outside the pools, members whose dtype has no exact flat form
+  (:data:`flatpool.optim.layout.FLAT_DTYPES`); and for the *whole* group when its options, a
+  gradient (sparse, another shape) or its state (a missing key, a tensor of another dtype) are
+  torch's to handle, so torch's own step raises or handles it exactly as without flatpool.
+
+Gradients and state installed elsewhere are adopted on the way (copied into the pooled places).
+Members without a gradient are skipped, as torch skips them. Nothing is stepped until every
+group is prepared; :meth:`Stepper.run` then steps the groups in order, torch's part of a group
+first (if it raises, nothing of that group was stepped).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from itertools import compress
+from typing import Any
+
+import torch
+from attrs import define
+
+from ..ownership.interrupts import signals_guarded
+from ._torch import foreach_choice, raw_step
+from .companions import Companions, StepSlots
+from .grads import Grads, unpoolable
+from .layout import Segment
+from .plan import GroupPlan, Plan
+from .rules import Rule
+from .state import FRESH, POOLED, State
+
+Say = Callable[[int, str], None]
+
+
+@define
+class Run:
+    """A run of adjacent members of one segment, stepped with one kernel call."""
+
+    seg: Segment
+    members: list[int]
+    start: int
+    end: int
+    fresh: bool
+    step: float
+    slots: StepSlots | None
+    slot: int
+
+
+@define
+class GroupWork:
+    g: int
+    torch_group: dict[str, Any] | None
+    """What torch's own step runs first: the group itself, a sub-group, or nothing."""
+    runs: list[Run]
+
+
+class Stepper:
+    """The step over one plan (made again with every plan)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, rule: Rule, plan: Plan, grads: Grads,
+                 state: State, companions: Companions, fused_policy: str, say: Say) -> None:
+        self.opt, self.rule, self.plan = opt, rule, plan
+        self.grads, self.state, self.companions = grads, state, companions
+        self.fused_policy, self.say = fused_policy, say
+        index = {id(m): i for i, m in enumerate(plan.members)}
+        self.segments: dict[int, list[tuple[Segment, list[int]]]] = {}
+        for seg in plan.segments:
+            self.segments.setdefault(seg.group, []).append((seg, [index[id(m)] for m in seg.members]))
+        self._choice: dict[int, bool] = {}
+        self._flat: dict[tuple[int, str], torch.Tensor] = {}
+        """A segment's range of a state companion."""
+        self._param_bufs: dict[int, torch.Tensor] = {}
+        """The parameter pools' byte buffers, during one step."""
+
+    def foreach(self, g: int, gp: GroupPlan) -> bool:
+        if g not in self._choice:
+            self._choice[g] = foreach_choice(gp.params, gp.group)
+        return self._choice[g]
+
+    # -- deciding ---------------------------------------------------------------------------
+    def prepare(self) -> list[GroupWork]:
+        opt = self.opt
+        scaled = getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
+        self.state.begin()
+        groups = self.plan.groups
+        pooled = self.grads.pooled(0, len(self.plan.members))  # one pass for all groups
+        states = self.state.pooled_groups([(gp.lo, gp.hi, gp.group) for gp in groups])
+        works = []
+        for g, gp in enumerate(groups):
+            group = gp.group
+            work: GroupWork | str | None = gp.refusal
+            if work is None and scaled and not self._fused(group):
+                work = ("a GradScaler's grad_scale/found_inf for a fused optimizer: torch's fused "
+                        "step reads them")
+            if work is None:
+                work = self._group(g, gp, pooled[gp.lo:gp.hi], states[g])
+            if isinstance(work, str):
+                self.say(g, work)
+                work = GroupWork(g, group, [])
+            works.append(work)
+        return works
+
+    def _fused(self, group: dict[str, Any]) -> bool:
+        return bool(group.get("fused")) and self.fused_policy == "fused"
+
+    def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
+               ) -> GroupWork | str:
+        """``on``: per member, its gradient is pooled; ``state_pooled``: every member's state
+        entries are its pooled views."""
+        group, lo, hi = gp.group, gp.lo, gp.hi
+        grads, members = self.grads, self.plan.members
+        everyone = all(on)
+        absorb = []
+        for k in ([] if everyone else list(compress(range(len(on)), map(operator.not_, on)))):
+            grad = grads.params[lo + k].grad
+            if grad is None:
+                continue
+            why = unpoolable(grad, members[lo + k])
+            if why is not None:
+                if grad.layout != torch.strided:
+                    grads.sparse.add(lo + k)  # never pre-install a dense view for it again
+                return why
+            absorb.append(lo + k)
+            on[k] = True
+        for i in gp.others:
+            grad = gp.params[i].grad
+            if grad is not None and grad.layout != torch.strided:
+                return f"a {grad.layout} gradient"
+        grads.absorb(absorb)
+        fresh: set[int] = set()
+        if (everyone or any(on)) and not state_pooled:
+            adopt: list[tuple[int, str, torch.Tensor]] = []
+            for i in compress(range(lo, hi), on):
+                status = self.state.classify(i, group, adopt)
+                if status == FRESH:
+                    fresh.add(i)
+                elif status != POOLED:
+                    return status
+            self.state.adopt(adopt)
+        torch_params = [gp.params[i] for i in gp.others]
+        runs: list[Run] = []
+        everyone = all(on)
+        for seg, idx in self.segments.get(g, []):
+            if seg.flat:
+                runs += self._runs(seg, idx, on, lo, fresh, everyone)
+            else:
+                torch_params += [members[i].param for i in idx if on[i - lo]]
+        return GroupWork(g, dict(group, params=torch_params) if torch_params else None, runs)
+
+    def _runs(self, seg: Segment, idx: list[int], on: list[bool], lo: int, fresh: set[int],
+              everyone: bool) -> list[Run]:
+        """Split a segment into runs of active members with one state status and one step."""
+        slots: StepSlots | None = None
+        first = 0
+        steps = [0.0] * len(idx)
+        if self.rule.has_step:
+            slots, first = self.state.step_slot(idx[0])
+            steps = slots.span(first, first + len(idx)).tolist()
+        if everyone and not fresh and steps.count(steps[0]) == len(steps):
+            return [self._run(seg, idx, 0, len(idx), False, steps[0], slots, first)]
+        flags = [on[i - lo] for i in idx]
+        out: list[Run] = []
+        a = None
+        key: tuple[bool, float] | None = None
+        for k, i in enumerate(idx + [-1]):
+            this = None if k == len(idx) or not flags[k] else (
+                (True, 0.0) if i in fresh else (False, steps[k]))
+            if a is not None and this != key:
+                assert key is not None
+                out.append(self._run(seg, idx, a, k, key[0], key[1], slots, first))
+                a = None
+            if this is not None and a is None:
+                a, key = k, this
+        return out
+
+    @staticmethod
+    def _run(seg: Segment, idx: list[int], a: int, b: int, fresh: bool, step: float,
+             slots: StepSlots | None, first: int) -> Run:
+        return Run(seg, idx[a:b], seg.members[a].offset, seg.members[b - 1].end, fresh, step,
+                   slots, first + a)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def run(self, works: list[GroupWork]) -> None:
+        """Step every group in order: torch's part of a group (after the flat runs of the groups
+        before it), then its runs. Runs of groups whose kernel arguments are equal go to torch's
+        kernel together, as lists of flat tensors (one Python call of the kernel for many runs;
+        each tensor is stepped on its own, with its own step count)."""
+        batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
+        try:
+            for w in works:
+                if w.torch_group is not None:
+                    self._flush(batches)
+                    self.torch_step(w.torch_group)
+                if w.runs:
+                    gp = self.plan.groups[w.g]
+                    key = (self.foreach(w.g, gp), self._fused(gp.group),
+                           self.rule.arguments(gp.group))
+                    for r in w.runs:
+                        batches.setdefault(key + (r.fresh,), []).append((gp.group, r))
+            self._flush(batches)
+        finally:
+            self._param_bufs.clear()
+
+    def _flush(self, batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]]) -> None:
+        for key, jobs in batches.items():
+            self._kernel(jobs, foreach=key[0], fused=key[1], fresh=key[-1])
+        batches.clear()
+
+    def torch_step(self, group: dict[str, Any]) -> None:
+        """torch's own step (no hooks: they ran around the flat step) over one group."""
+        opt = self.opt
+        saved = opt.param_groups
+        with signals_guarded() as guard:  # the groups are put back whatever lands
+            guard.open()
+            try:
+                opt.param_groups = [group]
+                raw_step(opt)(opt, None)
+            finally:
+                guard.finishing()
+                opt.param_groups = saved
+
+    def _range(self, r: Run, kind: str) -> torch.Tensor:
+        """The run's range of a state companion (a slice of the segment's, made once per plan)
+        or of the parameter pool (a slice of its byte buffer, held for this step only: a view
+        kept past it would pin the storage a relocation of the pool must prove dead)."""
+        seg = r.seg
+        if kind == "param":
+            buf = self._param_bufs.get(id(seg.pool))
+            if buf is None:
+                buf = self._param_bufs[id(seg.pool)] = seg.pool.byte_buffer()
+            return buf[r.start:r.end].view(seg.dtype)
+        key = (id(seg), kind)
+        flat = self._flat.get(key)
+        if flat is None:
+            pool = self.companions.get(seg.pool, kind)
+            flat = self._flat[key] = pool.view_at(seg.start, (seg.numel,), seg.dtype)
+        a = (r.start - seg.start) // seg.dtype.itemsize
+        n = (r.end - r.start) // seg.dtype.itemsize
+        return flat if n == seg.numel else flat[a:a + n]
+
+    def _kernel(self, jobs: list[tuple[dict[str, Any], Run]], *, foreach: bool, fused: bool,
+                fresh: bool) -> None:
+        """One call of torch's kernel over the runs of ``jobs`` (groups with equal arguments)."""
+        rule, state = self.rule, self.state
+        group = jobs[0][0]
+        kinds = rule.kinds(group)
+        runs = [r for _, r in jobs]
+        made_now = fresh and rule.made_by_kernel
+        if fresh and not rule.made_by_kernel:
+            for g, r in jobs:
+                state.make_fresh(r.members, g)
+        lists: dict[str, list[torch.Tensor | None]] = {
+            k: [None] * len(runs) if made_now else [self._range(r, k) for r in runs] for k in kinds}
+        steps: list[torch.Tensor] = []
+        if rule.has_step:  # each run's first member's own step: torch's kernel counts it
+            steps = [state.view_of(r.members[0], "step") for _, r in jobs]
+        rule.run(group, [self._range(r, "param") for r in runs],
+                 [self.grads.range(r.seg, r.start, (r.end - r.start) // r.seg.dtype.itemsize)
+                  for r in runs],
+                 lists, steps, foreach=foreach, fused=fused,
+                 grad_scale=getattr(self.opt, "grad_scale", None) if fused else None,
+                 found_inf=getattr(self.opt, "found_inf", None) if fused else None)
+        for r in runs:
+            if r.slots is not None and len(r.members) > 1:  # the others' steps, as torch counts
+                r.slots.span(r.slot + 1, r.slot + len(r.members)).add_(1.0)
+        if made_now:
+            for k in kinds:
+                for (g, r), made in zip(jobs, lists[k]):
+                    assert made is not None
+                    self._range(r, k).copy_(made)
+                    state.install_made(r.members, k)
+
+
+__all__ = ["GroupWork", "Run", "Stepper"]
