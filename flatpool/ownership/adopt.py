@@ -26,7 +26,7 @@ from typing import Union
 import torch
 
 from .. import torch_compat as tc
-from .._npu_format import check_plain_format
+from .._npu_format import check_plain_format, formats_apply
 from .._warn import warn
 from ..aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
@@ -319,8 +319,9 @@ def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
     facts = iter(read_facts([o.primary for originals in batch for o in originals]))
     for (pool, _), originals in zip(batches, batch):
         seen: set[int] = set()
+        formats = formats_apply(pool.device)
         for o in originals:
-            storage = validate(o, next(facts))
+            storage = validate(o, next(facts), formats)
             if id(o.primary) in seen:
                 raise InvalidRequestError(f"{o.label} was given twice; name it once")
             seen.add(id(o.primary))
@@ -406,18 +407,17 @@ def _moves_alone(o: Original) -> bool:
 
 def _on_key(t: torch.Tensor, key: int) -> bool:
     """``t``'s own storage is original ``key`` (a live original's key is no other storage's:
-    a placeholder, meta or freed one never equals it)."""
-    with tc.no_torch_function():
-        try:
-            result = tc.storage_address(t) == key
-        except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
-            result = False
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+    a placeholder, meta or freed one never equals it). Call under ``no_torch_function()``."""
+    try:
+        return tc.storage_address(t) == key
+    except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
+        return False
 
 
 def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = None) -> Member:
-    with tc.no_torch_function():
-        base = tc.impl_base(obj)
+    """``obj``'s record: it moves off its base when that base lies on the original too.
+    Call under ``no_torch_function()``."""
+    base = tc.impl_base(obj)
     how = Move.OFF_BASE if base is not None and _on_key(base, key) else Move.IN_PLACE
     del base
     return member_of(obj, how, key, holder, primary)
@@ -426,18 +426,17 @@ def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = 
 def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:
     """The members behind ``obj`` that move with original ``key``: itself, its local tensor,
     or (a storage-less ``_make_subclass`` wrapper) itself onto its local tensor's place."""
-    out: list[Member] = []
-    on_key = _on_key(obj, key)
-    if on_key:
-        out.append(_member(obj, key, primary))
     inner = getattr(obj, "_local_tensor", None)
-    if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
-        local = _member(inner, key, primary, Holder(obj, "_local_tensor"))
-        out.append(local)
-        if not on_key:
-            with tc.no_torch_function():
-                meta = tc.impl_is_meta(obj)
-            if meta:  # a wrapper that lost its storage (deferred init): give it the local's
+    out: list[Member] = []
+    with tc.no_torch_function():  # (every read below is of a TensorImpl)
+        on_key = _on_key(obj, key)
+        if on_key:
+            out.append(_member(obj, key, primary))
+        if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
+            local = _member(inner, key, primary, Holder(obj, "_local_tensor"))
+            out.append(local)
+            if not on_key and tc.impl_is_meta(obj):
+                # a wrapper that lost its storage (deferred init): give it the local's place
                 out.append(Member(obj, Move.ONTO_LOCAL, None, local.offset, local.size,
                                   local.stride, local.dtype, -1, None, primary))
     return out
@@ -482,7 +481,8 @@ def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[
         if storage is not None and not storage.resizable() and not name_referrers(
                 t, {id(candidates)}):
             continue
-        found.append(_member(t, key, False))
+        with tc.no_torch_function():
+            found.append(_member(t, key, False))
     del candidates
     return found
 
@@ -640,9 +640,10 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
         return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
-def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
+def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
     """Check ``o``'s primary against the rules (its :data:`Facts` read already); fill in what
-    the adoption needs to know of it, and return its storage."""
+    the adoption needs to know of it, and return its storage. ``formats``: the pool's device
+    may hold private storage formats (:func:`~flatpool._npu_format.formats_apply`)."""
     inner = o.primary
     if facts is None:
         check_strided(inner, o)
@@ -663,7 +664,8 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
             "move it to the pool's device first or use a pool on its device"
         )
-    check_plain_format(inner, o, device)  # NPU: refuse private storage formats
+    if formats:  # (only an NPU has private storage formats, and o is on the pool's device)
+        check_plain_format(inner, o, device)
     if numel == 0:
         raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
     if inference:
