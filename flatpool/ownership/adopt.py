@@ -38,6 +38,7 @@ from ..state import PoolState, pool_of_storage
 from .faults import checkpoint
 from .moves import COPY_CHUNK, Dest, Member, Move, byte_view, copy_all, member_of, move
 from .pins import name_referrers, tensors_on_storage
+from .relocate import grow_within
 from .release import (Outside, Pins, Placed, check_all_placed, finish, held_outside_python,
                       outside_by_key)
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
@@ -161,13 +162,19 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
     batch = plan(txn, batches, discover, into_bound)
     every = [o for originals in batch for o in originals]
     _check_disjoint(every)
+    grown: dict[int, tuple[str, list[torch.Tensor]]] = {}  # old pool storage key -> name, held
     checkpoint("allocate")
     for (pool, _), originals in zip(batches, batch):
         todo = [o for o in originals if o.slice is None]
         if todo:
-            for o, slc in zip(todo, pool.allocate_many([(o.shape, o.dtype) for o in todo])):
+            requests = [(o.shape, o.dtype) for o in todo]
+            if _must_grow(pool, requests):
+                key, held = grow_within(txn, pool, requests)
+                grown[key] = (f"pool {pool.name!r}'s old storage", held)
+            for o, slc in zip(todo, pool.allocate_many(requests)):
                 o.slice, o.allocated = slc, True
     outside = _outside(every)
+    outside.update((key, held) for key, (_, held) in grown.items() if held)
     with tc.no_torch_function():  # (before the move: they read the originals)
         aliases = [tc.impl_detach(o.primary) if _copies_into_itself(txn, o) else None
                    for o in every]
@@ -198,8 +205,12 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
             pool.registry.bind_many([(o.slice.slice_id, _bindings(o))
                                      for o in originals if o.slice is not None])
 
+    old_storages = {key: name for key, (name, _) in grown.items()}
+    del grown  # (what it held must not pin the old storages through the release proof)
+
     def label_of(key: int) -> str:  # (only a message needs one)
-        return next(o for o in every if o.key == key).label
+        name = old_storages.get(key)
+        return name if name is not None else next(o for o in every if o.key == key).label
 
     expired, pinned = finish(txn, label_of, outside, on_pinned, bind,
                              lambda: [batch, every, *every, *(o.members for o in every)], force)
@@ -224,6 +235,13 @@ def _bindings(o: Original) -> list[Binding]:
     start, alone = o.extent.start, len(o.members) == 1
     return [binding(m.obj, m.offset * m.dtype.itemsize - start, m.size, m.stride, m.dtype,
                     m.holder, m.primary, alone) for m in o.members]
+
+
+def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+    """A growing pool (made without ``capacity=``) whose storage exists and lacks room for the
+    batch: it moves to a larger storage inside the adoption's transaction. (A planned pool
+    takes every request; a fixed one raises :class:`PoolExhaustedError`.)"""
+    return bool(requests) and pool.grows and pool.is_materialized and not pool.fits(requests)
 
 
 def _copies_into_itself(txn: Transaction, o: Original) -> bool:
