@@ -88,9 +88,11 @@ def resolve_device(device: DeviceLike) -> torch.device:
     of the current accelerator). ``"cuda"``/``"npu"`` without an index resolve to the current
     device of that backend, so two pools made the same way compare equal.
     """
-    if isinstance(device, bool):  # an int to Python, never meant as a device index
+    if type(device) is torch.device:  # (the most common, first: no abstract-class check)
+        dev = device
+    elif isinstance(device, bool):  # an int to Python, never meant as a device index
         raise InvalidTypeError(f"device must be a str, torch.device or int index, got {device!r}")
-    if isinstance(device, numbers.Integral):  # int, numpy integers
+    elif isinstance(device, numbers.Integral):  # int, numpy integers
         dev = _from_index(int(device))
     elif isinstance(device, str):
         if device.split(":", 1)[0].strip() == "npu":
@@ -113,7 +115,7 @@ def resolve_device(device: DeviceLike) -> torch.device:
         )
 
     if dev.type == "cpu":
-        return torch.device("cpu")
+        return dev if dev.index is None else torch.device("cpu")
     if dev.type == "meta":
         raise DeviceError(
             "a pool cannot live on the meta device: give the device its storage will live on "

@@ -78,8 +78,16 @@ def private_format(t: torch.Tensor, device: torch.device | None = None) -> str |
     return None if code in PLAIN_FORMATS else format_name(code)
 
 
-def check_plain_format(t: torch.Tensor, what: str, device: torch.device | None = None) -> None:
-    """Raise :class:`NpuFormatError` if ``t`` (named ``what``) is in a private NPU format."""
+def formats_apply(device: torch.device) -> bool:
+    """Tensors on ``device`` may have a private format, so :func:`check_plain_format` has
+    something to ask: on an npu device only (where torch_npu answers). A batch asks this once,
+    not once a tensor."""
+    return _format_query(device) is not None
+
+
+def check_plain_format(t: torch.Tensor, what: object, device: torch.device | None = None) -> None:
+    """Raise :class:`NpuFormatError` if ``t`` (named ``what``: its ``str()``, made only for the
+    message) is in a private NPU format."""
     name = private_format(t, device)
     if name is not None:
         raise NpuFormatError(
@@ -111,4 +119,5 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
 
 
 __all__ = ["ACL_FORMAT_ND", "FORMAT_NAMES", "PLAIN_FORMATS",
-           "check_plain_format", "check_pool_storage", "format_name", "private_format"]
+           "check_plain_format", "check_pool_storage", "format_name", "formats_apply",
+           "private_format"]

@@ -152,9 +152,14 @@ def binding(tensor: torch.Tensor, byte_offset: int, shape: tuple[int, ...],
     if holder is None:
         strong = alone and type(tensor) is torch.Tensor
         ref = TensorRef(tensor) if strong else tensor_ref(tensor)
-        return Binding(ref, byte_offset, shape, stride, dtype, None, None, False, primary)
-    return Binding(tensor_ref(tensor), byte_offset, shape, stride, dtype, _ref(holder.owner),
-                   holder.key, holder.item, primary)
+        return _make(Binding, (ref, byte_offset, shape, stride, dtype, None, None, False, primary))
+    return _make(Binding, (tensor_ref(tensor), byte_offset, shape, stride, dtype,
+                           _ref(holder.owner), holder.key, holder.item, primary))
+
+
+_make = tuple.__new__
+"""``Binding(*fields)`` without the named tuple's generated ``__new__``, a Python frame that
+costs as much as the rest of a binding (an adoption makes one a member)."""
 
 
 class AdoptionRegistry:

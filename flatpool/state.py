@@ -487,7 +487,8 @@ class PoolState:
             raise ForeignSliceError(
                 f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
             )
-        if self._index.get(slc.slice_id) != slc:
+        live = self._index.get(slc.slice_id)
+        if live is not slc and live != slc:  # (a copy of a handle is the same handle)
             raise FreedSliceError(
                 f"slice {slc.slice_id} of pool {self.name!r} (offset {slc.offset}, "
                 f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"

@@ -26,7 +26,7 @@ from typing import Union
 import torch
 
 from .. import torch_compat as tc
-from .._npu_format import check_plain_format
+from .._npu_format import check_plain_format, formats_apply
 from .._warn import warn
 from .._aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
@@ -36,10 +36,11 @@ from .._requests import check_dtype
 from ..slices import Slice
 from ..state import PoolState, pool_of_storage
 from .faults import checkpoint
-from .moves import COPY_CHUNK, Member, Move, byte_view, copy_all, member_of, move
+from .moves import COPY_CHUNK, Dest, Member, Move, byte_view, copy_all, member_of, move
 from .pins import name_referrers, tensors_on_storage
 from .relocate import grow_within
-from .release import Outside, Pins, Placed, check_placed, finish, held_outside_python, outside_by_key
+from .release import (Outside, Pins, Placed, check_all_placed, finish, held_outside_python,
+                      outside_by_key)
 from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 from .transaction import Transaction, atomic, check_not_in_backward
 
@@ -111,6 +112,10 @@ def normalize(targets: AdoptTargets) -> list[Adoptable]:
 
 
 # -- the pipeline ----------------------------------------------------------------------------
+_NOWHERE = ByteRange(0, 0)
+_NO_GEOMETRY: tuple[int, tuple[int, ...], tuple[int, ...]] = (0, (), ())
+
+
 class Original:
     """One original of a batch: what its target names, where its bytes lie, its members and its
     slice."""
@@ -128,9 +133,9 @@ class Original:
         self.primary: torch.Tensor = local_tensor(self.tensor)
         """The tensor that holds the data (a wrapper's local tensor, else the target's)."""
         self.key = 0
-        self.extent = ByteRange(0, 0)
+        self.extent = _NOWHERE
         """The bytes of the original the primary reaches (what the slice gets)."""
-        self.geometry: tuple[int, tuple[int, ...], tuple[int, ...]] = (0, (), ())
+        self.geometry: tuple[int, tuple[int, ...], tuple[int, ...]] = _NO_GEOMETRY
         """The primary's element offset, size and stride on the original."""
         self.shape: tuple[int, ...] = ()
         """The slice's shape: the primary's when contiguous, else a flat run of its extent."""
@@ -150,29 +155,33 @@ class Original:
 
 def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
              discover: bool, on_pinned: OnPinned, into_bound: bool) -> list[AdoptionReport]:
-    """The pipeline (see the module), in ``txn``; one report per ``(pool, specs)`` batch."""
-    batch = [plan(txn, pool, specs, discover, into_bound) for pool, specs in batches]
+    """The pipeline (see the module), in ``txn``; one report per ``(pool, specs)`` batch.
+
+    Each step runs once over the originals of every batch; only what belongs to one pool (its
+    slices, its invariants, its registry) is done pool by pool."""
+    batch = plan(txn, batches, discover, into_bound)
     every = [o for originals in batch for o in originals]
     _check_disjoint(every)
     grown: dict[int, tuple[str, list[torch.Tensor]]] = {}  # old pool storage key -> name, held
+    checkpoint("allocate")
     for (pool, _), originals in zip(batches, batch):
         todo = [o for o in originals if o.slice is None]
-        requests = [(o.shape, o.dtype) for o in todo]
-        checkpoint("allocate")
-        if _must_grow(pool, requests):
-            key, held = grow_within(txn, pool, requests)
-            grown[key] = (f"pool {pool.name!r}'s old storage", held)
-        for o, slc in zip(todo, pool.allocate_many(requests)):
-            o.slice, o.allocated = slc, True
+        if todo:
+            requests = [(o.shape, o.dtype) for o in todo]
+            if _must_grow(pool, requests):
+                key, held = grow_within(txn, pool, requests)
+                grown[key] = (f"pool {pool.name!r}'s old storage", held)
+            for o, slc in zip(todo, pool.allocate_many(requests)):
+                o.slice, o.allocated = slc, True
     outside = _outside(every)
     outside.update((key, held) for key, (_, held) in grown.items() if held)
-    for (pool, _), originals in zip(batches, batch):
-        with tc.no_torch_function():  # (before the move: they read the originals)
-            aliases = [tc.impl_detach(o.primary) if _copies_into_itself(o) else None
-                       for o in originals]
-        check_placed(pool, _move(txn, pool, originals))
-        _copy(txn, pool, originals, aliases)
-        del aliases
+    with tc.no_torch_function():  # (before the move: they read the originals)
+        aliases = [tc.impl_detach(o.primary) if _copies_into_itself(txn, o) else None
+                   for o in every]
+    check_all_placed(_move(txn, [(pool, originals) for (pool, _), originals
+                                 in zip(batches, batch)]))
+    _copy(txn, every, aliases)
+    del aliases
 
     def force(pins: Pins) -> None:
         """Also move every Python-visible tensor left on a pinned original."""
@@ -184,7 +193,7 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
                 o.members += found
                 if found:
                     found_in.append(o)
-                    check_placed(o.pool, _move(txn, o.pool, [o], found))  # (the bytes are there)
+                    check_all_placed(_move(txn, [(o.pool, [o])], found))  # (the bytes are there)
         # The tensors found explain links they add to moved impls (a view's base): judge again.
         held = _outside(found_in)
         for o in found_in:
@@ -193,13 +202,17 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
 
     def bind() -> None:
         for (pool, _), originals in zip(batches, batch):
-            pool.registry.bind_many((o.slice.slice_id, [_binding(o, m) for m in o.members])
-                                    for o in originals if o.slice is not None)
+            pool.registry.bind_many([(o.slice.slice_id, _bindings(o))
+                                     for o in originals if o.slice is not None])
 
-    first = {o.key: o.label for o in reversed(every)}
-    first.update((key, name) for key, (name, _) in grown.items())
-    del grown
-    expired, pinned = finish(txn, first.__getitem__, outside, on_pinned, bind,
+    old_storages = {key: name for key, (name, _) in grown.items()}
+    del grown  # (what it held must not pin the old storages through the release proof)
+
+    def label_of(key: int) -> str:  # (only a message needs one)
+        name = old_storages.get(key)
+        return name if name is not None else next(o for o in every if o.key == key).label
+
+    expired, pinned = finish(txn, label_of, outside, on_pinned, bind,
                              lambda: [batch, every, *every, *(o.members for o in every)], force)
     external = [o.label for o in every if o.external]
     if external:
@@ -217,9 +230,11 @@ def _item(txn: Transaction, o: Original, expired: dict[int, bool], pinned: Pins)
                        external=o.external)
 
 
-def _binding(o: Original, m: Member) -> Binding:
-    return binding(m.obj, m.byte_offset - o.extent.start, m.size, m.stride, m.dtype, m.holder,
-                   m.primary, len(o.members) == 1)
+def _bindings(o: Original) -> list[Binding]:
+    """What the registry keeps of ``o``'s members: each one's place relative to its slice."""
+    start, alone = o.extent.start, len(o.members) == 1
+    return [binding(m.obj, m.offset * m.dtype.itemsize - start, m.size, m.stride, m.dtype,
+                    m.holder, m.primary, alone) for m in o.members]
 
 
 def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
@@ -229,23 +244,22 @@ def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtyp
     return bool(requests) and pool.grows and pool.is_materialized and not pool.fits(requests)
 
 
-def _copies_into_itself(o: Original) -> bool:
-    """``o``'s fresh slice holds exactly its primary's elements (an exact tensor or parameter,
-    contiguous, no lazy conj/neg bit): its bytes are copied into the moved primary itself,
-    from an alias of the original taken before the move, with no byte view made on either side
-    (they cost more than the rest of a small tensor's copy). Call under
-    ``no_torch_function()``."""
+def _copies_into_itself(txn: Transaction, o: Original) -> bool:
+    """``o``'s slice has no bytes to keep (allocated here, or on a pool storage this transaction
+    made) and holds exactly its primary's elements (an exact tensor or parameter, contiguous, no
+    lazy conj/neg bit): its bytes are copied into the moved primary itself, from an alias of the
+    original taken before the move, with no byte view made on either side (they cost more than
+    the rest of a small tensor's copy). Call under ``no_torch_function()``."""
     t = o.primary
-    return (o.allocated and type(t) in _PLAIN and tc.impl_is_contiguous(t)
-            and not t.is_conj() and not t.is_neg())
+    return ((o.allocated or not txn.had_storage(o.pool)) and type(t) in _PLAIN
+            and tc.impl_is_contiguous(t) and not t.is_conj() and not t.is_neg())
 
 
-def _copy(txn: Transaction, pool: PoolState, originals: list[Original],
-          aliases: list[torch.Tensor | None]) -> None:
+def _copy(txn: Transaction, originals: list[Original], aliases: list[torch.Tensor | None]) -> None:
     """Copy every original's extent into its slice, after the move, in chunks (views cost host
     memory): into the moved primary from ``aliases[i]`` where :func:`_copies_into_itself` said
     so, else byte for byte (an existing slice's old bytes saved first, for a rollback)."""
-    flat = pool.byte_buffer()
+    flats: dict[int, torch.Tensor] = {}  # each pool's bytes, taken once (byte copies only)
     checkpoint("copy")
     for first in range(0, len(originals), COPY_CHUNK):
         dst: list[torch.Tensor] = []
@@ -256,13 +270,17 @@ def _copy(txn: Transaction, pool: PoolState, originals: list[Original],
                 dst.append(o.primary)
                 src.append(alias)
                 continue
+            flat = flats.get(id(o.pool))
+            if flat is None:
+                flat = flats[id(o.pool)] = o.pool.byte_buffer()
             view = flat.narrow(0, o.slice.offset, o.extent.nbytes)
-            if not o.allocated:
+            if not o.allocated and txn.had_storage(o.pool):
                 txn.save_bytes(view)
             dst.append(view)
             src.append(byte_view(txn.originals[o.key], o.extent.start, o.extent.nbytes))
         copy_all(dst, src)
         del dst, src
+    del flats
     # Copying into a primary bumped its version counter; the values are the ones it had.
     counted = [m for o in originals for m in o.members if m.version >= 0 and m.obj is o.primary]
     tc.set_versions([m.obj for m in counted], [m.version for m in counted])
@@ -276,61 +294,73 @@ def _outside(originals: list[Original]) -> Outside:
     return outside_by_key(((o.key, m.obj) for o in originals for m in o.members), held)
 
 
-def _move(txn: Transaction, pool: PoolState, originals: list[Original],
-          members: list[Member] | None = None) -> list[Placed]:
-    """Journal, then perform, the move of ``members`` (default: all) of ``originals`` onto
-    ``pool``; where each must land."""
-    target = pool.storage
-    places = []
-    moving = []
-    bounds = []
-    for o in originals:
-        assert o.slice is not None
-        lo = o.slice.offset
-        hi = lo + o.extent.nbytes  # (the slice's end: it holds the extent)
-        for m in (o.members if members is None else members):
-            item = m.dtype.itemsize
-            at = lo + m.offset * item - o.extent.start
-            if at % item:
-                raise AdoptionError(
-                    f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: not a "
-                    f"multiple of its element size {item}"
-                )
-            moving.append(m)
-            places.append((target, at // item, m.size, m.stride))
-            bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
+def _move(txn: Transaction, batches: Sequence[tuple[PoolState, Sequence[Original]]],
+          members: list[Member] | None = None) -> list[tuple[PoolState, list[Placed]]]:
+    """Journal, then perform, the move of ``members`` (default: all) of the originals of each
+    ``(pool, originals)`` batch onto its pool (one move over every batch); where each must
+    land, per pool."""
+    places: list[Dest] = []
+    moving: list[Member] = []
+    placed: list[tuple[PoolState, list[Placed]]] = []
+    for pool, originals in batches:
+        target = pool.storage
+        bounds: list[Placed] = []
+        for o in originals:
+            assert o.slice is not None
+            lo = o.slice.offset
+            hi = lo + o.extent.nbytes  # (the slice's end: it holds the extent)
+            start = o.extent.start
+            for m in (o.members if members is None else members):
+                item = m.dtype.itemsize
+                at = lo + m.offset * item - start
+                if at % item:
+                    raise AdoptionError(
+                        f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: "
+                        f"not a multiple of its element size {item}"
+                    )
+                moving.append(m)
+                places.append((target, at // item, m.size, m.stride))
+                bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
+        placed.append((pool, bounds))
+        del target
     move(txn.journal, moving, places)
-    return bounds
+    return placed
 
 
 # -- planning: the rules, written once ---------------------------------------------------------
-def plan(txn: Transaction, pool: PoolState, targets: list[Adoptable], discover: bool,
-         into_bound: bool) -> list[Original]:
-    """Validate every target and work out its members; nothing is changed."""
-    originals = [Original(pool, target, i) for i, target in enumerate(targets)]
-    seen: set[int] = set()
-    for o, facts in zip(originals, read_facts([o.primary for o in originals])):
-        storage = validate(o, facts)
-        if id(o.primary) in seen:
-            raise InvalidRequestError(f"{o.label} was given twice; name it once")
-        seen.add(id(o.primary))
-        txn.track(storage, pool, o.key)
-        del storage
-        slc = o.slice
-        if slc is not None:
-            pool.check_live(slc)
-            if slc.nbytes != o.extent.nbytes or slc.dtype != o.dtype:
-                raise InvalidRequestError(
-                    f"{o.label} needs {o.extent.nbytes} bytes of {o.dtype}; slice "
-                    f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}"
-                )
-            if not into_bound and pool.registry.holds(slc.slice_id):
-                raise InvalidRequestError(
-                    f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
-                )
-    for o in originals:
-        o.members = members(o, discover)
-    return originals
+def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]], discover: bool,
+         into_bound: bool) -> list[list[Original]]:
+    """Validate every target of every ``(pool, targets)`` batch and work out its members (the
+    facts the rules read, read once over all of them); nothing is changed."""
+    batch = [[Original(pool, target, i) for i, target in enumerate(targets)]
+             for pool, targets in batches]
+    facts = iter(read_facts([o.primary for originals in batch for o in originals]))
+    for (pool, _), originals in zip(batches, batch):
+        seen: set[int] = set()
+        formats = formats_apply(pool.device)
+        for o in originals:
+            storage = validate(o, next(facts), formats)
+            if id(o.primary) in seen:
+                raise InvalidRequestError(f"{o.label} was given twice; name it once")
+            seen.add(id(o.primary))
+            txn.track(storage, pool, o.key)
+            del storage
+            slc = o.slice
+            if slc is not None:
+                pool.check_live(slc)
+                if slc.nbytes != o.extent.nbytes or slc.dtype != o.dtype:
+                    raise InvalidRequestError(
+                        f"{o.label} needs {o.extent.nbytes} bytes of {o.dtype}; slice "
+                        f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}"
+                    )
+                if not into_bound and pool.registry.holds(slc.slice_id):
+                    raise InvalidRequestError(
+                        f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
+                    )
+    for originals in batch:
+        for o in originals:
+            o.members = members(o, discover)
+    return batch
 
 
 def members(o: Original, discover: bool) -> list[Member]:
@@ -373,14 +403,14 @@ def members(o: Original, discover: bool) -> list[Member]:
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
     _keep_views_with_their_base(unique.values())
+    start, end = o.extent.start, o.extent.end
     for m in unique.values():
-        nbytes = _span(m) * m.dtype.itemsize
-        if m.how is not Move.ONTO_LOCAL and not o.extent.contains(
-                ByteRange(m.byte_offset, m.byte_offset + nbytes)):
+        lo = m.byte_offset
+        hi = lo + _span(m.size, m.stride) * m.dtype.itemsize
+        if m.how is not Move.ONTO_LOCAL and not start <= lo <= hi <= end:
             raise InvalidRequestError(
-                f"a view of {o.label} reaches bytes outside it ({m.byte_offset}.."
-                f"{m.byte_offset + nbytes} vs {o.extent.start}..{o.extent.end}); adopt the "
-                "tensor it is a view of instead"
+                f"a view of {o.label} reaches bytes outside it ({lo}..{hi} vs {start}..{end}); "
+                "adopt the tensor it is a view of instead"
             )
     return list(unique.values())
 
@@ -395,18 +425,17 @@ def _moves_alone(o: Original) -> bool:
 
 def _on_key(t: torch.Tensor, key: int) -> bool:
     """``t``'s own storage is original ``key`` (a live original's key is no other storage's:
-    a placeholder, meta or freed one never equals it)."""
-    with tc.no_torch_function():
-        try:
-            result = tc.storage_address(t) == key
-        except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
-            result = False
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+    a placeholder, meta or freed one never equals it). Call under ``no_torch_function()``."""
+    try:
+        return tc.storage_address(t) == key
+    except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
+        return False
 
 
 def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = None) -> Member:
-    with tc.no_torch_function():
-        base = tc.impl_base(obj)
+    """``obj``'s record: it moves off its base when that base lies on the original too.
+    Call under ``no_torch_function()``."""
+    base = tc.impl_base(obj)
     how = Move.OFF_BASE if base is not None and _on_key(base, key) else Move.IN_PLACE
     del base
     return member_of(obj, how, key, holder, primary)
@@ -415,18 +444,17 @@ def _member(obj: torch.Tensor, key: int, primary: bool, holder: Holder | None = 
 def _expand(obj: torch.Tensor, key: int, primary: bool) -> list[Member]:
     """The members behind ``obj`` that move with original ``key``: itself, its local tensor,
     or (a storage-less ``_make_subclass`` wrapper) itself onto its local tensor's place."""
-    out: list[Member] = []
-    on_key = _on_key(obj, key)
-    if on_key:
-        out.append(_member(obj, key, primary))
     inner = getattr(obj, "_local_tensor", None)
-    if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
-        local = _member(inner, key, primary, Holder(obj, "_local_tensor"))
-        out.append(local)
-        if not on_key:
-            with tc.no_torch_function():
-                meta = tc.impl_is_meta(obj)
-            if meta:  # a wrapper that lost its storage (deferred init): give it the local's
+    out: list[Member] = []
+    with tc.no_torch_function():  # (every read below is of a TensorImpl)
+        on_key = _on_key(obj, key)
+        if on_key:
+            out.append(_member(obj, key, primary))
+        if isinstance(inner, torch.Tensor) and inner is not obj and _on_key(inner, key):
+            local = _member(inner, key, primary, Holder(obj, "_local_tensor"))
+            out.append(local)
+            if not on_key and tc.impl_is_meta(obj):
+                # a wrapper that lost its storage (deferred init): give it the local's place
                 out.append(Member(obj, Move.ONTO_LOCAL, None, local.offset, local.size,
                                   local.stride, local.dtype, -1, None, primary))
     return out
@@ -471,7 +499,8 @@ def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[
         if storage is not None and not storage.resizable() and not name_referrers(
                 t, {id(candidates)}):
             continue
-        found.append(_member(t, key, False))
+        with tc.no_torch_function():
+            found.append(_member(t, key, False))
     del candidates
     return found
 
@@ -481,20 +510,26 @@ def _keep_views_with_their_base(members: Iterable[Member]) -> None:
     the pool): that keeps its impl, which an autograd graph may have saved. Only a view whose
     base stays behind needs the impl swap."""
     members = list(members)
+    off_base = [m for m in members if m.how is Move.OFF_BASE]
+    if not off_base:
+        return
     moving = {tc.impl_address(m.obj) for m in members if m.how is Move.IN_PLACE}
     with tc.no_torch_function():
-        for m in members:
-            if m.how is Move.OFF_BASE:
-                base = tc.impl_base(m.obj)
-                if base is not None and tc.impl_address(base) in moving:
-                    m.how, m.impl = Move.IN_PLACE, 0
-                del base
+        for m in off_base:
+            base = tc.impl_base(m.obj)
+            if base is not None and tc.impl_address(base) in moving:
+                m.how, m.impl = Move.IN_PLACE, 0
+            del base
 
 
-def _span(m: Member) -> int:
-    if any(s == 0 for s in m.size):
-        return 0
-    return 1 + sum((s - 1) * abs(st) for s, st in zip(m.size, m.stride))
+def _span(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a tensor's first to its last (0 when it has none)."""
+    span = 1
+    for n, step in zip(size, stride):
+        if n == 0:
+            return 0
+        span += (n - 1) * abs(step)
+    return span
 
 
 def _check_disjoint(originals: list[Original]) -> None:
@@ -623,9 +658,10 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
         return result  # not `return f()`: see flatpool.ownership.interrupts
 
 
-def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
+def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
     """Check ``o``'s primary against the rules (its :data:`Facts` read already); fill in what
-    the adoption needs to know of it, and return its storage."""
+    the adoption needs to know of it, and return its storage. ``formats``: the pool's device
+    may hold private storage formats (:func:`~flatpool._npu_format.formats_apply`)."""
     inner = o.primary
     if facts is None:
         check_strided(inner, o)
@@ -646,7 +682,8 @@ def validate(o: Original, facts: Facts | None) -> torch.UntypedStorage:
             f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
             "move it to the pool's device first or use a pool on its device"
         )
-    check_plain_format(inner, str(o), device)  # NPU: refuse private storage formats
+    if formats:  # (only an NPU has private storage formats, and o is on the pool's device)
+        check_plain_format(inner, o, device)
     if numel == 0:
         raise InvalidRequestError(f"{o} is empty: zero-size tensors stay outside the pool")
     if inference:

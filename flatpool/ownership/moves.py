@@ -312,8 +312,7 @@ def fresh_on(
     """A new base-less tensor on ``storage`` at ``(offset, size, stride)`` in elements."""
     with tc.outside_inference():
         out = torch.empty(0, dtype=dtype, device=storage.device)
-        with torch.no_grad():
-            out.set_(storage, offset, tuple(size), tuple(stride))
+        out.set_(storage, offset, tuple(size), tuple(stride))  # (it requires no grad yet)
         if requires_grad:
             out.requires_grad_(True)
     return out

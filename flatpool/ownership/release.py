@@ -72,16 +72,32 @@ def check_placed(pool: PoolState, placed: Sequence[Placed]) -> None:
     """Raise :class:`PoolInvariantError` unless the pool is consistent and every moved member,
     read back from its TensorImpl, sits exactly where the move put it (inside its slice: the
     moves place each member inside its slice; the message says where one landed instead)."""
-    pool.check_invariants()
-    key = pool.storage_key
-    objs = [p[0] for p in placed]
+    check_all_placed([(pool, placed)])
+
+
+def check_all_placed(moved: Sequence[tuple[PoolState, Sequence[Placed]]]) -> None:
+    """:func:`check_placed` for each ``(pool, placed)``: the members of every pool read back
+    in one pass."""
+    expected = []
+    for pool, placed in moved:
+        pool.check_invariants()
+        key = pool.storage_key
+        expected += [(key, offset, size, stride) for _, _, _, offset, size, stride in placed]
+    objs = [p[0] for _, placed in moved for p in placed]
     with tc.no_torch_function():  # (one pass a fact over every member)
         landed = list(zip(map(tc.storage_address, objs), map(tc.impl_storage_offset, objs),
                           map(tuple, map(tc.impl_size, objs)),
                           map(tuple, map(tc.impl_stride, objs))))
     del objs
-    if landed == [(key, *p[3:]) for p in placed]:
+    if landed == expected:
         return
+    for pool, placed in moved:
+        _check_each(pool, placed)
+
+
+def _check_each(pool: PoolState, placed: Sequence[Placed]) -> None:
+    """The full verdict, member by member: where one landed instead."""
+    key = pool.storage_key
     with tc.no_torch_function():
         for t, lo, hi, offset, size, stride in placed:
             item = tc.impl_element_size(t)
@@ -494,7 +510,7 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
 
 __all__ = [
     "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "Labels", "Outside",
-    "Pins", "Placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
+    "Pins", "Placed", "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
     "held_outside_python", "load_factor", "look_again", "outside_by_key", "own_ids",
     "pinned_keys", "pinned_message", "set_cxx_holder_wait", "settle_delays", "storage_pinned",
 ]

@@ -33,6 +33,8 @@ def check_policy(on_pinned: object) -> OnPinned:
 
 
 def _sequence(value: object, what: str) -> tuple[object, ...]:
+    if type(value) is tuple:  # (what most callers pass: nothing to check or copy)
+        return value
     if isinstance(value, torch.Tensor):  # a tensor iterates over rows; a 0-d one raises
         fix = "views=[t]" if what == "views" else "holders=[Holder(owner, key)] for its places"
         raise InvalidTypeError(

@@ -118,6 +118,13 @@ class Transaction:
         self.weak: dict[int, int] = {}
         """After :meth:`release`: original key -> a weak reference to its storage."""
         self.phase = Phase.OPEN
+        self._stored = {id(p) for p, snap in zip(self.pools, self.snapshots)
+                        if snap is not None and snap.buffer_key is not None}
+
+    def had_storage(self, pool: PoolState) -> bool:
+        """``pool`` had a storage when the transaction began. One made since holds no bytes a
+        rollback must give back: the pool goes back to having none."""
+        return id(pool) in self._stored
 
     # -- originals -------------------------------------------------------------------------
     def track(self, storage: torch.UntypedStorage, pool: PoolState, key: int | None = None) -> int:

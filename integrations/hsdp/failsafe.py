@@ -77,16 +77,7 @@ def keep_fused(
                 if replan is not None:
                     logger.info("%s: planned anew (%s)", where, replan)
                     previous = GroupBuffers(skipped=replan, kept=previous.kept)  # old pools go
-                out = build(on_pinned, previous.kept)
-                if out.kept is not previous.kept:  # the group keeps one tracker for good
-                    out = evolve(out, kept=previous.kept)
-                if out.adopted:
-                    logger.info("%s: adopted %d member(s) into %d pool(s), %d bytes freed",
-                                where, sum(len(b.members) for b in out.buckets),
-                                len(out.buckets), out.freed_bytes)
-                elif out.skipped not in told:
-                    told.add(out.skipped or "")
-                    logger.info("%s: skipped: %s", where, out.skipped)
+                out = _built(build(on_pinned, previous.kept), previous.kept, where)
     except FlatPoolError as e:
         if on_pinned == "raise":
             raise
@@ -102,4 +93,45 @@ def keep_fused(
     return out, moved
 
 
-__all__ = ["Build", "keep_fused"]
+BuildAll = Callable[[OnPinned], list[GroupBuffers]]
+"""Adopt several groups anew in one transaction (``adopt_groups`` with the caller's
+arguments, each group's tracker among them), all or nothing."""
+
+
+def keep_all_fused(
+    fresh: Sequence[GroupBuffers], build: BuildAll, *, on_pinned: OnPinned = "warn",
+    where: Sequence[str],
+) -> list[GroupBuffers] | None:
+    """:func:`keep_fused` for groups never adopted yet (``fresh``: their current state), all in
+    one transaction; ``None`` when that fails, with every member as it was: the caller then
+    takes each group through :func:`keep_fused`, where a group that cannot fuse stays unfused
+    with its warning and the others fuse. So a failure changes what it costs, never what a
+    group ends up as."""
+    try:
+        with _Quiet() if on_pinned != "raise" else warnings.catch_warnings():
+            built = build(on_pinned)
+    except FlatPoolError:
+        return None
+    out = []
+    for b, f, w in zip(built, fresh, where):
+        out.append(_built(b, f.kept, w))
+        b.kept.report()
+    return out
+
+
+def _built(out: GroupBuffers, kept: KeptAlive, where: str) -> GroupBuffers:
+    """A group built anew, keeping the tracker it had (a group keeps one for good); logged
+    (a skip once per reason)."""
+    if out.kept is not kept:
+        out = evolve(out, kept=kept)
+    if out.adopted:
+        logger.info("%s: adopted %d member(s) into %d pool(s), %d bytes freed",
+                    where, sum(len(b.members) for b in out.buckets),
+                    len(out.buckets), out.freed_bytes)
+    elif out.skipped not in kept.logged:
+        kept.logged.add(out.skipped or "")
+        logger.info("%s: skipped: %s", where, out.skipped)
+    return out
+
+
+__all__ = ["Build", "BuildAll", "keep_all_fused", "keep_fused"]

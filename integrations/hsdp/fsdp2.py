@@ -45,8 +45,8 @@ from flatpool import InvalidTypeError
 from flatpool._warn import logger
 from flatpool.ownership.spec import check_policy
 
-from .failsafe import keep_fused
-from .group import GroupBuffers, adopt_group
+from .failsafe import keep_all_fused, keep_fused
+from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
 from ._kept import KeptAlive, KeptOriginal
 from .members import data_of, is_meta
 from ._meta import materialize_group
@@ -116,9 +116,7 @@ class FusedModule:
         g = self.groups[i]
 
         def build(on_pinned: OnPinned, kept: KeptAlive) -> GroupBuffers:
-            if materialize and g.fsdp_params and all(
-                is_meta(data_of(p, j)) for j, p in enumerate(g.fsdp_params)
-            ):
+            if materialize and self._all_meta(i):
                 return materialize_group(
                     g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
                 )
@@ -134,12 +132,41 @@ class FusedModule:
 
         return build
 
+    def _all_meta(self, i: int) -> bool:
+        """Group ``i`` has members and every one is on meta (materialized, not adopted)."""
+        params = self.groups[i].fsdp_params
+        return bool(params) and all(is_meta(data_of(p, j)) for j, p in enumerate(params))
+
     def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
         policy = self.on_pinned if on_pinned is None else on_pinned
         self.buffers[i], _ = keep_fused(
             GroupBuffers(skipped="not adopted yet", kept=self.buffers[i].kept),
             self.groups[i].fsdp_params, self._build(i, materialize), on_pinned=policy,
             where=f"fsdp{i}")
+
+    def _adopt_all(self, materialize: bool) -> None:
+        """Fuse every group: the ones to adopt all in one transaction (what a group costs once
+        per call is paid once), and only where that fails, group by group (:func:`keep_fused`:
+        a group that cannot fuse stays unfused with its warning, the others fuse)."""
+        todo = [i for i in range(len(self.groups)) if not (materialize and self._all_meta(i))]
+        for i in sorted(set(range(len(self.groups))) - set(todo)):
+            self._adopt(i, materialize=True)
+        fresh = [self.buffers[i] for i in todo]  # (as __init__ made them: never adopted)
+        requests = [GroupRequest(self.groups[i].fsdp_params, self.groups[i].device,
+                                 _world_size(self.groups[i]), f"fsdp{i}", f.kept)
+                    for i, f in zip(todo, fresh)]
+
+        def build(on_pinned: OnPinned) -> list[GroupBuffers]:
+            return adopt_groups(requests, alignment=self.alignment, on_pinned=on_pinned)
+
+        built = keep_all_fused(fresh, build, on_pinned=self.on_pinned,
+                               where=[f"fsdp{i}" for i in todo])
+        if built is None:
+            for i in todo:
+                self._adopt(i)
+            return
+        for i, b in zip(todo, built):
+            self.buffers[i] = b
 
     def revalidate(self, on_pinned: OnPinned | None = None) -> None:
         """Bring every group back into its pools: adopt late groups, re-adopt moved members,
@@ -237,8 +264,7 @@ def fuse_fully_sharded(
     """
     fused = FusedModule(module, alignment, on_pinned)
     with torch.no_grad():
-        for i in range(len(fused.groups)):
-            fused._adopt(i, materialize=materialize)
+        fused._adopt_all(materialize)
     if keep_valid:
         fused.install_hooks()
     return fused

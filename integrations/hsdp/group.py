@@ -179,6 +179,18 @@ def bucket_members(
     return out
 
 
+@define(frozen=True)
+class GroupRequest:
+    """One group for :func:`adopt_groups`: its members and :func:`adopt_group`'s arguments."""
+
+    params: Sequence[ShardedParam]
+    device: DeviceLike | None = None
+    world_size: int | None = None
+    name: str = "group"
+    kept: KeptAlive | None = None
+    """The tracker to record into (a re-planned group keeps its old one)."""
+
+
 def adopt_group(
     params: Sequence[ShardedParam],
     *,
@@ -208,36 +220,57 @@ def adopt_group(
             ``flatpool`` logger) until it dies.
         kept: the tracker to record into (a re-planned group keeps its old one).
     """
-    params = list(params)
+    request = GroupRequest(list(params), device, world_size, name, kept)
+    return adopt_groups([request], alignment=alignment, on_pinned=on_pinned)[0]
+
+
+def adopt_groups(groups: Sequence[GroupRequest], *, alignment: int = 1,
+                 on_pinned: OnPinned = "raise") -> list[GroupBuffers]:
+    """:func:`adopt_group` for several groups in one transaction over all their pools: every
+    group that is not skipped ends adopted, or every member of every group is as it was and
+    the error propagates. One :class:`GroupBuffers` per group, in order.
+
+    What a model's groups cost once per call (the signal guards, the gc pause, the
+    transaction's setup and its release proof) is paid once for all of them."""
     # thousands of small objects: no cycle collection passes meanwhile; the pause is taken and
     # let go with signals deferred (a Ctrl-C there would leave the process's gc paused)
-    return guarded_call(
-        lambda: _adopt_group(params, device, world_size, alignment, name, on_pinned, kept),
-        gc_paused())
+    return guarded_call(lambda: _adopt_groups(groups, alignment, on_pinned), gc_paused())
 
 
-def _adopt_group(
-    params: list[ShardedParam], device: DeviceLike | None, world_size: int | None,
-    alignment: int, name: str, on_pinned: OnPinned, kept: KeptAlive | None,
-) -> GroupBuffers:
-    data = data_all(params) if params else []
-    reason = skip_reason(params, world_size, data)
-    if reason is not None:
-        return GroupBuffers(skipped=reason)
-    dev = resolve_device(device) if device is not None else impl_device(data[0])
-    plans = plan_buckets(params, dev, alignment, name, data)
+def _adopt_groups(groups: Sequence[GroupRequest], alignment: int,
+                  on_pinned: OnPinned) -> list[GroupBuffers]:
+    out: list[GroupBuffers | None] = []
+    planned: list[tuple[int, list[ShardedParam], list[BucketPlan]]] = []
+    for g in groups:
+        params = list(g.params)
+        data = data_all(params) if params else []
+        reason = skip_reason(params, g.world_size, data)
+        if reason is not None:
+            out.append(GroupBuffers(skipped=reason))
+            continue
+        dev = resolve_device(g.device) if g.device is not None else impl_device(data[0])
+        planned.append((len(out), params, plan_buckets(params, dev, alignment, g.name, data)))
+        out.append(None)
 
     # One transaction over every bucket's pool: all of them adopted, or every member as it was.
-    reports = adopt_many([(pool, _specs(params, layouts)) for _, pool, layouts in plans],
-                         on_pinned=on_pinned)
-    kept = kept if kept is not None else KeptAlive()
-    freed = sum(report.freed_bytes for report in reports)
-    for (_, pool, layouts), report in zip(plans, reports):
-        if report.items and not report.all_released:  # something kept alive: name its members
-            kept.note(pool, report, [member_name(params[m.index], m.index)
-                                     for m in layouts if m.slice is not None])
-    buckets = tuple([Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans])
-    return GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
+    reports = iter(adopt_many([(pool, _specs(params, layouts))
+                               for _, params, plans in planned for _, pool, layouts in plans],
+                              on_pinned=on_pinned))
+    for i, params, plans in planned:
+        given = groups[i].kept
+        kept = given if given is not None else KeptAlive()
+        freed = 0
+        for _, pool, layouts in plans:
+            report = next(reports)
+            freed += report.freed_bytes
+            if report.items and not report.all_released:  # something kept alive: name its members
+                kept.note(pool, report, [member_name(params[m.index], m.index)
+                                         for m in layouts if m.slice is not None])
+        buckets = tuple([Bucket(dtype, pool, tuple(layouts)) for dtype, pool, layouts in plans])
+        out[i] = GroupBuffers(buckets=buckets, freed_bytes=freed, kept=kept)
+    done = [b for b in out if b is not None]
+    assert len(done) == len(out)
+    return done
 
 
 def _specs(params: Sequence[ShardedParam], layouts: list[MemberLayout]) -> list[AdoptSpec]:
@@ -289,6 +322,7 @@ def plan_buckets(
 
 
 __all__ = [
-    "BucketPlan", "GroupBuffers", "adopt_group", "adopt_spec", "bucket_members",
+    "BucketPlan", "GroupBuffers", "GroupRequest", "adopt_group", "adopt_groups", "adopt_spec",
+    "bucket_members",
     "layout_of", "plan_buckets", "skip_reason",
 ]
