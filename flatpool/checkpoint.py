@@ -47,9 +47,9 @@ from typing import Any, Optional
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from .pool import FlatPool
-from .state import pool_of_storage, was_pool_storage
+from ._state import pool_of_storage, was_pool_storage
 
 Reducer = Callable[[torch.Tensor], Any]
 DeepCopy = Callable[[torch.Tensor, Optional[dict[Any, Any]]], torch.Tensor]

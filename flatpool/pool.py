@@ -1,6 +1,6 @@
 """``FlatPool``: the public face of a pool, with its ownership operations.
 
-:class:`flatpool.state.PoolState` holds the storage, the layout and the registry and keeps them
+:class:`flatpool._state.PoolState` holds the storage, the layout and the registry and keeps them
 consistent; the ownership engine (:mod:`flatpool.ownership`) moves tensors in and out through
 that interface; this class puts the two together as one object.
 """
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import slice_index, slices, state
-from .ownership.adopt import AdoptTargets, adopt
-from .ownership.meta import MetaTargets, materialize_into
-from .ownership.readopt import readopt
-from .ownership.validity import is_valid, moved
-from .ownership.relocate import compact, grow
-from .ownership.spec import AdoptionReport, AdoptSpec, OnPinned
+from . import _slice_index, _state, slices
+from .ownership._adopt import AdoptTargets, adopt
+from .ownership._meta import MetaTargets, materialize_into
+from .ownership._readopt import readopt
+from .ownership._validity import is_valid, moved
+from .ownership._relocate import compact, grow
+from .ownership._spec import AdoptionReport, AdoptSpec, OnPinned
 from .slices import Slice
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools
+from ._state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_pools
 
 
 class FlatPool(PoolState):
@@ -89,7 +89,7 @@ class FlatPool(PoolState):
         self, targets: MetaTargets, slices: Sequence[Slice] | None = None
     ) -> tuple[Slice, ...]:
         """Give meta tensors/parameters pool storage in place (identity kept); see
-        :func:`flatpool.ownership.meta.materialize_into`."""
+        :func:`flatpool.ownership._meta.materialize_into`."""
         return materialize_into(self, targets, slices)
 
     def grow(self, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
@@ -108,7 +108,7 @@ class FlatPool(PoolState):
 # resolves their annotations (``Slice.pool``, ``live_pools()``) at run time. attrs evaluates
 # ``Slice.__init__``'s in a copy of the slices module's namespace made when the class was
 # defined: that copy gets the name too.
-for _namespace in (vars(slices), vars(slice_index), vars(state),
+for _namespace in (vars(slices), vars(_slice_index), vars(_state),
                    getattr(Slice.__init__, "__globals__")):
     _namespace["FlatPool"] = FlatPool
 

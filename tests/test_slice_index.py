@@ -1,4 +1,4 @@
-"""The live-slice index with batches as columns (flatpool/slice_index.py, issue 20).
+"""The live-slice index with batches as columns (flatpool/_slice_index.py, issue 20).
 
 A batch's slice handles are made only when read, and then always the same objects; frees of
 run members, singles placed into the gaps they leave, snapshots and restores all read exactly
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatpool import FlatPool, Slice
-from flatpool.slice_index import SliceIndex, SliceRun
+from flatpool._slice_index import SliceIndex, SliceRun
 
 
 def _model_floor(live: dict[int, Slice], offset: int) -> Slice | None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from attrs import define
 
-from ..ownership.interrupts import signals_guarded
+from ..ownership._interrupts import signals_guarded
 from ._torch import foreach_choice, raw_step
 from .companions import Companions, StepSlots
 from .grads import Grads, unpoolable

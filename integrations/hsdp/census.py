@@ -19,7 +19,7 @@ from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import own_storage
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .members import local_of
 from .protocol import ShardedParam

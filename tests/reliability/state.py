@@ -236,7 +236,7 @@ def check_layout(pool: FlatPool) -> None:
         usable = [(s, e) for s, e in free if alloc._usable(s, e) > 0]
         assert sorted(alloc._by_size) == alloc._by_size == sorted((e - s, s) for s, e in usable)
         assert alloc._by_usable == sorted((alloc._usable(s, e), s) for s, e in usable)
-        index = pool._index  # singles and runs (flatpool/slice_index.py) agree with the layout
+        index = pool._index  # singles and runs (flatpool/_slice_index.py) agree with the layout
         assert index.consistent() and len(index) == len(slices)
         assert index.ordered() == list(slices) and set(index.handles()) == set(slices)
         for s in slices:  # the by-offset lookup finds each slice from its first and last byte

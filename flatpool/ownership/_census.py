@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from attrs import define
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from ..aliasing import extent_of, local_tensor, own_storage
 from ..devices import allocator_counters
 from .._table import table
 from ..errors import InvalidTypeError
 from ..slices import Slice
-from ..state import PoolState, live_pools
-from .gcpause import gc_paused
-from .interrupts import guarded_call
+from .._state import PoolState, live_pools
+from ._gcpause import gc_paused
+from ._interrupts import guarded_call
 
 _LEGIT_ROLES = ("grad", "optimizer state")
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from ._npu_format import check_pool_storage
 from .aliasing import check_strided, extent_of, local_tensor
 from ._table import table
@@ -37,9 +37,9 @@ from .errors import (
     PoolExhaustedError,
     PoolInvariantError,
 )
-from .registry import AdoptionRegistry
+from ._registry import AdoptionRegistry
 from .requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slice_index import SliceIndex, SliceRun
+from ._slice_index import SliceIndex, SliceRun
 from .slices import Slice
 from .unreleased import Trace, UnreleasedOriginal
 
@@ -47,7 +47,7 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .pool import FlatPool
-    from .registry import Binding
+    from ._registry import Binding
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -71,7 +71,7 @@ def live_pools() -> list[FlatPool]:
     """Every pool object still alive in this process."""
     with _registry_lock:
         result = list(_all_pools)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def pool_of_storage(key: int) -> PoolState | None:
@@ -253,7 +253,7 @@ class PoolState:
         """Bytes inside live slices (alignment padding counts as free)."""
         with self._lock:
             result = self._index.used_bytes()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def free_bytes(self) -> int:
@@ -264,13 +264,13 @@ class PoolState:
     def largest_free_bytes(self) -> int:
         with self._lock:
             result = self._alloc.largest_free()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def slices(self) -> tuple[Slice, ...]:
         """Live slices, in storage order."""
         with self._lock:
             result = tuple(self._index.ordered())
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def is_live(self, slc: Slice) -> bool:
         """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
@@ -281,7 +281,7 @@ class PoolState:
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             result = self._index.get(slice_id)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -289,7 +289,7 @@ class PoolState:
         relocation then fails, or keeps it alive with ``on_pinned="warn"``."""
         with self._lock:
             result = self.byte_buffer().untyped_storage()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def storage_key(self) -> int | None:
@@ -345,7 +345,7 @@ class PoolState:
         check_strided(inner, f"allocate_like()'s {type(t).__name__}")  # no single dense shape
         with tc.no_torch_function():
             result = self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
@@ -371,7 +371,7 @@ class PoolState:
             before = PoolSnapshot(self)
             try:
                 result = fn(*args)
-                return result  # not `return f()`: see flatpool.ownership.interrupts
+                return result  # not `return f()`: see flatpool.ownership._interrupts
             except BaseException:
                 self.restore(before)
                 del before  # a kept traceback must not pin the pool's storage
@@ -380,7 +380,7 @@ class PoolState:
     def _index_run(self, starts: array[int], shapes: Sequence[tuple[int, ...]],
                    dtypes: Sequence[torch.dtype]) -> SliceRun:
         """The run the allocator just appended past every existing slice, indexed as one
-        :class:`~flatpool.slice_index.SliceRun` (its handles made when someone reads them)."""
+        :class:`~flatpool._slice_index.SliceRun` (its handles made when someone reads them)."""
         first = next(self._slice_ids)
         if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
             self._slice_ids = itertools.count(first + len(starts))
@@ -525,7 +525,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_at(slc.offset, slc.shape, slc.dtype)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def view_at(
         self,
@@ -552,7 +552,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_bytes(slc.offset, slc.nbytes)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole buffer as one 1-D tensor, for fused collectives.
@@ -580,7 +580,7 @@ class PoolState:
                         f"capacity {self.capacity} is not a multiple of {dtype}'s size"
                     )
             result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     # -- aliasing --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
@@ -693,7 +693,7 @@ class PoolState:
         self.release_kept()
         with self._lock:
             result = tuple(t.info for t in self._traces if t.alive())
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def release_kept(self) -> int:
         """Drop the originals this pool kept whose outside holders are gone; returns how many."""
@@ -736,7 +736,7 @@ class PoolState:
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)"
             )
             result = "\n".join(lines)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 __all__ = [
