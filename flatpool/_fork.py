@@ -65,7 +65,7 @@ def _take(pool: _state.PoolState, timeout: float) -> None:
 
 def _before() -> None:
     deadline = time.monotonic() + FORK_WAIT
-    waited = sorted(_state.live_pools(), key=id)
+    waited = sorted(_state.live_states(), key=id)
     for pool in waited:
         _take(pool, max(0.0, deadline - time.monotonic()))
     for module_lock in _module_locks():  # each held for a few instructions only
@@ -75,7 +75,7 @@ def _before() -> None:
     # The registry lock is ours now, so no more appear; their locks are taken without waiting
     # (a thread holding one may be waiting for the registry lock), else they count as missed.
     known = set(map(id, waited))
-    for pool in sorted(_state._all_pools, key=id):
+    for pool in sorted(_state._all_states, key=id):
         if id(pool) not in known:
             _take(pool, 0.0)
 

@@ -5,7 +5,7 @@ registry of one pool. Everything that changes them goes through its methods, inc
 three an all-or-nothing operation needs: :meth:`PoolState.capture` (remember everything),
 :meth:`PoolState.restore` (put it back, idempotently) and :meth:`PoolState.install` (switch to a
 new storage and layout at once, for relocation). The ownership engine builds on this interface
-only; :class:`flatpool.FlatPool` adds the public ownership methods on top.
+only; a :class:`flatpool.FlatPool` holds one (``pool._state``) and shows the public API.
 
 Readers take the pool's lock too: a relocation holds it from the first rebind to the release
 proof, so a query sees the pool before or after it, never half-moved.
@@ -19,7 +19,7 @@ import threading
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -62,15 +62,15 @@ MAX_BYTES = 1 << 62
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _pool_ids = itertools.count()
-_all_pools: weakref.WeakSet[FlatPool] = weakref.WeakSet()
+_all_states: weakref.WeakSet[PoolState] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
 _registry_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
 
 
-def live_pools() -> list[FlatPool]:
-    """Every pool object still alive in this process."""
+def live_states() -> list[PoolState]:
+    """The state of every pool still alive in this process (:func:`flatpool.live_pools`)."""
     with _registry_lock:
-        result = list(_all_pools)
+        result = list(_all_states)
         return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
@@ -166,6 +166,7 @@ class PoolState:
     """One pool's storage, layout and registry, with the operations that keep them consistent.
 
     Args:
+        public: the :class:`~flatpool.FlatPool` that holds this state (kept weakly).
         device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device`` or an
             accelerator index. It must be available now; ``torch_npu`` is imported only for npu.
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
@@ -177,6 +178,7 @@ class PoolState:
 
     def __init__(
         self,
+        public: FlatPool,
         device: DeviceLike = "cpu",
         *,
         alignment: int = DEFAULT_ALIGNMENT,
@@ -215,8 +217,9 @@ class PoolState:
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
+        self._public_ref = weakref.ref(public)
         with _registry_lock:
-            _all_pools.add(self._public)
+            _all_states.add(self)
 
     # -- copying: a pool owns device memory that live tensors point into -----------------------
     def __reduce__(self) -> Any:
@@ -276,7 +279,7 @@ class PoolState:
         """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
         same handle)."""
         with self._lock:  # a relocation rebuilds the index: never look at it half-built
-            return slc.pool is self and self._index.get(slc.slice_id) == slc
+            return slc.pool._state is self and self._index.get(slc.slice_id) == slc
 
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
@@ -460,7 +463,7 @@ class PoolState:
     def check_live(self, slc: Slice) -> None:
         if not isinstance(slc, Slice):
             raise InvalidTypeError(f"expected a Slice, got {type(slc).__name__}")
-        if slc.pool is not self:
+        if slc.pool._state is not self:
             raise ForeignSliceError(
                 f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
             )
@@ -471,10 +474,18 @@ class PoolState:
             )
 
     @property
+    def public(self) -> FlatPool | None:
+        """The :class:`~flatpool.FlatPool` that holds this state (``None`` once it died): held
+        weakly, so that a pool dies by reference counting, not at the next gc pass."""
+        return self._public_ref()
+
+    @property
     def _public(self) -> FlatPool:
-        """This pool as its public class, for the handles it gives out (``Slice.pool``): every
-        pool is a :class:`~flatpool.FlatPool`, the one subclass; this class is its layer."""
-        return cast("FlatPool", self)
+        """:attr:`public` for the handles this state gives out (``Slice.pool``), made only
+        through the pool's own methods, so while it is alive."""
+        pool = self._public_ref()
+        assert pool is not None, "a pool's state outlived its FlatPool while making a handle"
+        return pool
 
     def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
         """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
@@ -741,5 +752,5 @@ class PoolState:
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_pools", "pool_of_storage",
+    "empty_storage_tensor", "live_states", "pool_of_storage",
 ]

@@ -107,8 +107,8 @@ def pool_of(t: torch.Tensor) -> FlatPool | None:
     """The live, materialized pool whose storage ``t`` (a plain tensor) views part of, else
     ``None``."""
     key = _viewed_storage_key(t)
-    pool = None if key is None else pool_of_storage(key)
-    return pool if isinstance(pool, FlatPool) else None
+    state = None if key is None else pool_of_storage(key)
+    return None if state is None else state.public
 
 
 def pooled(t: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -41,6 +41,9 @@ from ._pins import name_referrers, tensors_on_storage
 from ._release import Outside, Pins, Placed, check_placed, finish, held_outside_python, outside_by_key
 from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
+
+if TYPE_CHECKING:
+    from ..pool import FlatPool
 
 Adoptable = Union[torch.Tensor, AdoptSpec]
 """One target: a tensor (adopted as ``AdoptSpec(tensor)``, without making that spec), or a spec."""
@@ -65,13 +68,13 @@ def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
     return reports[0]
 
 
-def adopt_many(batches: Sequence[tuple[PoolState, Sequence[Adoptable]]], *,
+def adopt_many(batches: Sequence[tuple[FlatPool, Sequence[Adoptable]]], *,
                on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
     """Adopt each batch into its pool, all of them in one transaction: every pool ends fully
     adopted, or every tensor and pool is as it was. One report per batch."""
     check_policy(on_pinned)
     check_not_in_backward()
-    given = [(pool, normalize(list(specs))) for pool, specs in batches if len(specs)]
+    given = [(pool._state, normalize(list(specs))) for pool, specs in batches if len(specs)]
     pools = [pool for pool, _ in given]
     if not given:
         return [AdoptionReport(()) for _ in batches]
