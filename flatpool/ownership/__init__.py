@@ -27,8 +27,15 @@ The engine's modules use these words, each for one thing only:
 * **in place**: a bound member sits exactly where its binding says, by its TensorImpl
   (:func:`~flatpool.ownership._validity.in_place`); *moved* is its negation.
 
-The layers, each importing only what lies below it:
-``adopt``/``readopt``/``relocate``/``meta``/``census`` (operations) ->
-``release`` (pins and the release proof) -> ``transaction`` (journal, rollback, guards) ->
-``moves`` (the only place bytes and tensor objects move) -> the pool's own state.
+Every module here is private (a leading underscore); this package shows the engine's words a
+user writes (below), and :mod:`flatpool` shows them too. The layers, each importing only what
+lies below it: ``_adopt``/``_readopt``/``_relocate``/``_meta``/``_census`` (operations) ->
+``_release`` (pins and the release proof) -> ``_transaction`` (journal, rollback, guards) ->
+``_moves`` (the only place bytes and tensor objects move) -> the pool's own state
+(:mod:`flatpool._state`).
 """
+
+from ._interrupts import RollbackError
+from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
+
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "OnPinned", "RollbackError"]
