@@ -163,7 +163,7 @@ class AdoptionRegistry:
 
     def __init__(self) -> None:
         self._bindings: dict[int, list[Binding]] = {}
-        self.version = 0
+        self.version: int = 0
         """Bumped *before* every change (an interrupt in between costs a recheck, never a
         stale answer)."""
 
