@@ -191,6 +191,11 @@ class FlatPool:
         """A table of the layout: every slice and every gap, with totals."""
         return self._state.describe()
 
+    def check_invariants(self) -> None:
+        """Raise :class:`PoolInvariantError` unless the storage is exactly ``capacity`` bytes (a
+        tensor on it may have grown or shrunk it) and the slice index matches the allocator."""
+        self._state.check_invariants()
+
     # -- storage and views -----------------------------------------------------------------
     def materialize(self) -> None:
         """Make the storage: one allocation of ``capacity`` bytes. Idempotent."""

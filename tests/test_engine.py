@@ -237,7 +237,7 @@ def test_the_invariant_check_sees_a_grown_storage() -> None:
         torch.empty(0).set_(pool.storage, 0, (64,), (1,))
     pool.storage.resize_(128)
     with pytest.raises(PoolInvariantError, match="not its capacity"):
-        pool._state.check_invariants()
+        pool.check_invariants()
 
 
 # -- the fast member plan equals the general one -------------------------------------------------------
