@@ -171,8 +171,13 @@ class PoolState:
             accelerator index. It must be available now; ``torch_npu`` is imported only for npu.
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
             bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
-        capacity: fixed size in bytes. ``None`` (default) lets the pool grow while it is
-            planned; :meth:`materialize` then fixes the capacity at the planned extent.
+        capacity: fixed size in bytes: a batch that does not fit raises
+            :class:`PoolExhaustedError`. ``None`` (default) makes a *growing* pool: planned, it
+            takes every request; :meth:`materialize` sizes its storage to the planned extent,
+            and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
+            a storage with exactly the room it needs (every byte the pool holds is copied
+            once: adopt many tensors in one call, or ``grow()`` first, rather than one call a
+            tensor). ``allocate()`` never moves the storage; it raises and says to ``grow()``.
         name: shown in errors, ``repr`` and :meth:`describe`.
     """
 
@@ -206,6 +211,9 @@ class PoolState:
         self.name: str = name if name is not None else f"pool{next(_pool_ids)}"
         self._lock = threading.RLock()
         self._alloc = RangeAllocator(capacity, alignment)
+        self.grows: bool = capacity is None
+        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when a batch does
+        not fit (see the class)."""
         self._buffer: torch.Tensor | None = None
         self._buffer_key: int | None = None
         self._slice_ids = itertools.count()
@@ -368,6 +376,21 @@ class PoolState:
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
 
+    def fits(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+        """Whether :meth:`allocate_many` would place every request now; changes nothing."""
+        with self._lock:
+            before = self._alloc.snapshot()
+            try:
+                for dims, dt in requests:
+                    nbytes = math.prod(dims) * dt.itemsize
+                    start = self._alloc.find(nbytes, self.slice_alignment(dt))
+                    if start is None:
+                        return False
+                    self._alloc.take(start, nbytes)
+                return True
+            finally:
+                self._alloc.restore(before)
+
     def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
         with self._lock:
@@ -413,7 +436,7 @@ class PoolState:
                 raise PoolExhaustedError(
                     f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
                     f"alignment {align}: {free} bytes free of {self.capacity}, the largest "
-                    f"usable gap is {largest} bytes. Free slices, compact() or grow() the pool.",
+                    f"usable gap is {largest} bytes. " + self._full_hint(),
                     requested=nbytes, free=free, largest_free=largest,
                 )
             slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
@@ -508,6 +531,13 @@ class PoolState:
         """Undo :meth:`_remove` however far it got (absolute: each entry put back if missing)."""
         self.live_version += 1
         self._index.reindex(slc)
+
+    def _full_hint(self) -> str:
+        if self.grows:  # only a materialized growing pool is ever full
+            return ("allocate() never moves a materialized pool's storage: grow() it first "
+                    "(adopt() grows a pool made without capacity= by itself), or free slices.")
+        return ("Free slices, compact() or grow() the pool, or make it without capacity= to "
+                "let adopt() grow it.")
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:

@@ -38,8 +38,13 @@ class FlatPool:
             ``"npu"``.
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
             bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
-        capacity: fixed size in bytes. ``None`` (default) lets the pool grow while it is
-            planned; :meth:`materialize` then fixes the capacity at the planned extent.
+        capacity: fixed size in bytes: a batch that does not fit raises
+            :class:`PoolExhaustedError`. ``None`` (default) makes a *growing* pool: planned, it
+            takes every request; :meth:`materialize` sizes its storage to the planned extent,
+            and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
+            a storage with exactly the room it needs (every byte the pool holds is copied
+            once: adopt many tensors in one call, or ``grow()`` first, rather than one call a
+            tensor). ``allocate()`` never moves the storage; it raises and says to ``grow()``.
         name: shown in errors, ``repr`` and :meth:`describe`.
 
     All methods are thread-safe (one re-entrant lock per pool).
@@ -88,6 +93,12 @@ class FlatPool:
     def alignment(self) -> int:
         """Every slice starts at a multiple of ``max(alignment, dtype.itemsize)`` bytes."""
         return self._state.alignment
+
+    @property
+    def grows(self) -> bool:
+        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when a batch does
+        not fit."""
+        return self._state.grows
 
     @property
     def lock(self) -> threading.RLock:

@@ -39,6 +39,7 @@ from ._faults import checkpoint
 from ._moves import COPY_CHUNK, Member, Move, byte_view, copy_all, member_of, move
 from ._pins import name_referrers, tensors_on_storage
 from ._release import Outside, Pins, Placed, check_placed, finish, held_outside_python, outside_by_key
+from ._relocate import grow_within
 from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
 
@@ -156,12 +157,18 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
     batch = [plan(txn, pool, specs, discover, into_bound) for pool, specs in batches]
     every = [o for originals in batch for o in originals]
     _check_disjoint(every)
+    grown: dict[int, tuple[str, list[torch.Tensor]]] = {}  # old pool storage key -> name, held
     for (pool, _), originals in zip(batches, batch):
         todo = [o for o in originals if o.slice is None]
+        requests = [(o.shape, o.dtype) for o in todo]
         checkpoint("allocate")
-        for o, slc in zip(todo, pool.allocate_many([(o.shape, o.dtype) for o in todo])):
+        if _must_grow(pool, requests):
+            key, held = grow_within(txn, pool, requests)
+            grown[key] = (f"pool {pool.name!r}'s old storage", held)
+        for o, slc in zip(todo, pool.allocate_many(requests)):
             o.slice, o.allocated = slc, True
     outside = _outside(every)
+    outside.update((key, held) for key, (_, held) in grown.items() if held)
     for (pool, _), originals in zip(batches, batch):
         with tc.no_torch_function():  # (before the move: they read the originals)
             aliases = [tc.impl_detach(o.primary) if _copies_into_itself(o) else None
@@ -192,8 +199,10 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
             pool.registry.bind_many((o.slice.slice_id, [_binding(o, m) for m in o.members])
                                     for o in originals if o.slice is not None)
 
-    first = {o.key: o for o in reversed(every)}
-    expired, pinned = finish(txn, lambda key: first[key].label, outside, on_pinned, bind,
+    first = {o.key: o.label for o in reversed(every)}
+    first.update((key, name) for key, (name, _) in grown.items())
+    del grown
+    expired, pinned = finish(txn, first.__getitem__, outside, on_pinned, bind,
                              lambda: [batch, every, *every, *(o.members for o in every)], force)
     external = [o.label for o in every if o.external]
     if external:
@@ -214,6 +223,13 @@ def _item(txn: Transaction, o: Original, expired: dict[int, bool], pinned: Pins)
 def _binding(o: Original, m: Member) -> Binding:
     return binding(m.obj, m.byte_offset - o.extent.start, m.size, m.stride, m.dtype, m.holder,
                    m.primary, len(o.members) == 1)
+
+
+def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+    """A growing pool (made without ``capacity=``) whose storage exists and lacks room for the
+    batch: it moves to a larger storage inside the adoption's transaction. (A planned pool
+    takes every request; a fixed one raises :class:`PoolExhaustedError`.)"""
+    return bool(requests) and pool.grows and pool.is_materialized and not pool.fits(requests)
 
 
 def _copies_into_itself(o: Original) -> bool:

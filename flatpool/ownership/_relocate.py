@@ -8,8 +8,13 @@ returns new handles, and the old ones raise :class:`FreedSliceError`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
+from .. import _torch_compat as tc
+from ..aliasing import own_storage
 from ..allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError
 from .._registry import Binding
@@ -17,6 +22,7 @@ from ..slices import Slice
 from .._state import MAX_BYTES, PoolState, empty_storage_tensor
 from ._faults import checkpoint
 from ._moves import Dest, Member, Move, byte_view, copy_all, member_of, move
+from ._pins import name_referrers, tensors_on_storage
 from ._release import Placed, check_placed, finish, held_outside_python
 from ._spec import OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
@@ -65,6 +71,49 @@ def relocate(
 def _relocate(
     pool: PoolState, txn: Transaction, capacity: int, layout: dict[int, int], on_pinned: OnPinned
 ) -> dict[int, Slice]:
+    mapping, moved = move_storage(pool, txn, capacity, layout)
+    if moved is not None:
+        old_key, held = moved
+        del moved
+
+        def name(key: int) -> str:
+            return f"pool {pool.name!r}'s old storage"
+
+        finish(txn, name, {old_key: held} if held else {}, on_pinned, lambda: None)
+        del held
+    return mapping
+
+
+def grow_within(
+    txn: Transaction, pool: PoolState, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]
+) -> tuple[int, list[torch.Tensor]]:
+    """Inside an adoption's transaction: move ``pool`` to a storage with room for ``requests``
+    past its last slice (exactly: its buffer stays the bytes it holds, padded to alignment).
+    Returns the old storage's key in ``txn`` and its members held outside Python: the caller's
+    release proof covers it with its own originals, and a rollback puts it back."""
+    end = max((s.end for s in pool.slices()), default=0)
+    for shape, dtype in requests:
+        end = align_up(end, pool.slice_alignment(dtype)) + math.prod(shape) * dtype.itemsize
+    capacity = align_up(max(end, pool.capacity), pool.alignment)
+    if capacity > MAX_BYTES:
+        raise InvalidRequestError(
+            f"pool {pool.name!r} would grow to {capacity} bytes, past {MAX_BYTES} bytes"
+        )
+    # Offsets stay, so every tensor on the old storage has its place on the new one: the views
+    # a user made after adoption follow (an explicit grow() names them as pins instead).
+    layout = {s.slice_id: s.offset for s in pool.slices()}
+    _, moved = move_storage(pool, txn, capacity, layout, follow_unbound=True)
+    assert moved is not None  # (a materialized pool's storage moved)
+    return moved
+
+
+def move_storage(
+    pool: PoolState, txn: Transaction, capacity: int, layout: dict[int, int],
+    follow_unbound: bool = False,
+) -> tuple[dict[int, Slice], tuple[int, list[torch.Tensor]] | None]:
+    """Everything of a relocation but the release proof: the new layout's handles by old slice
+    id and, when there was a storage, its key in ``txn`` and its members held outside Python.
+    ``follow_unbound`` (offsets kept only) also moves tensors the registry does not know."""
     old_slices = pool.slices()
     keep_ids = all(layout[s.slice_id] == s.offset for s in old_slices)
     alloc = RangeAllocator(capacity, pool.alignment)
@@ -75,7 +124,7 @@ def _relocate(
             layout[s.slice_id], s.shape, s.dtype)
     if not pool.is_materialized:  # only planned: no data to move
         pool.install(None, alloc, list(mapping.values()))
-        return mapping
+        return mapping, None
 
     pool.check_invariants()  # a storage shrunk through a tensor on it has no bytes to move
     checkpoint("allocate")
@@ -89,19 +138,14 @@ def _relocate(
         copy_all([byte_view(new_storage, layout[s.slice_id], s.nbytes) for s in old_slices],
                  [byte_view(old, s.offset, s.nbytes) for s in old_slices])
         del old
-    registry, placed, held = _move_bound(pool, txn, old_key, new_storage, old_slices, mapping)
+    registry, placed, held = _move_bound(pool, txn, old_key, new_storage, old_slices, mapping,
+                                         follow_unbound)
     pool.install(new_buffer, alloc, list(mapping.values()))
     pool.registry.restore(registry)
     del new_buffer, new_storage
     check_placed(pool, placed)
     del placed
-
-    def name(key: int) -> str:
-        return f"pool {pool.name!r}'s old storage"
-
-    finish(txn, name, {old_key: held} if held else {}, on_pinned, lambda: None)
-    del held
-    return mapping
+    return mapping, (old_key, held)
 
 
 def _move_bound(
@@ -111,9 +155,11 @@ def _move_bound(
     new_storage: torch.UntypedStorage,
     old_slices: tuple[Slice, ...],
     mapping: dict[int, Slice],
+    follow_unbound: bool,
 ) -> tuple[dict[int, list[Binding]], list[Placed], list[torch.Tensor]]:
-    """Move every bound member in place to the new storage; returns the new registry, where
-    each moved member must sit, and the moved members held outside Python."""
+    """Move every bound member in place to the new storage (and, with ``follow_unbound``, every
+    other Python-visible tensor on the old one, to the same offsets); returns the new registry,
+    where each moved member must sit, and the moved members held outside Python."""
     out: dict[int, list[Binding]] = {}
     members: list[Member] = []
     dests: list[Dest] = []
@@ -133,6 +179,14 @@ def _move_bound(
             kept.append(b)
         if kept:
             out[new.slice_id] = kept
+    if follow_unbound:
+        known = {id(m.obj) for m in members} | {id(pool.byte_buffer())}
+        for t in _unbound_tensors(old_key, known):
+            members.append(member_of(t, Move.IN_PLACE, old_key))
+            with tc.no_torch_function():  # (the same place on the new storage)
+                dests.append((new_storage, tc.impl_storage_offset(t), tuple(tc.impl_size(t)),
+                              tuple(tc.impl_stride(t))))
+            placed.append((t, 0, new_storage.nbytes(), *dests[-1][1:]))
     moving = [m.obj for m in members]
     held = held_outside_python(moving, moving)
     del moving
@@ -140,4 +194,19 @@ def _move_bound(
     return out, placed, held
 
 
-__all__ = ["compact", "grow", "relocate"]
+def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
+    """The Python-visible tensors on the old storage the registry does not know (a view made
+    after adoption, a kept ``pool.flat()``), except one an ndarray reads through a raw pointer
+    (``t.numpy()``'s base: a non-resizable storage nothing gc sees refers to), which stays and
+    pins the storage."""
+    found = tensors_on_storage(key, known)
+    out = []
+    for t in found:
+        storage = own_storage(t)
+        if storage is None or storage.resizable() or name_referrers(t, {id(found)}):
+            out.append(t)
+    del found
+    return out
+
+
+__all__ = ["compact", "grow", "grow_within", "move_storage", "relocate"]

@@ -657,6 +657,23 @@ def _non_leaf(c: Ctx) -> Call:
     return lambda: p.adopt([y])
 
 
+def _full_fixed_pool(c: Ctx) -> Call:
+    p = c.pool(capacity=256)
+    c.adopted(p, "a", ints(32))
+    b = c.tensor("b", ints(64))
+    return lambda: p.adopt([b])
+
+
+def _growth_pinned_from_cxx(c: Ctx) -> Call:
+    p = c.pool(capacity=None)
+    w = c.adopted(p, "w", nn.Parameter(ints(4, 4)))
+    u = w.view(16)  # an autograd view the graph saves; nothing in Python names it after this
+    c.keep.append((u * u).sum())
+    del u
+    b = c.tensor("b", ints(256))
+    return lambda: p.adopt([b])
+
+
 def _inference_mode_pool(c: Ctx) -> Call:
     p = c.pool()
     a, b, w = ints(4), ints(8), nn.Parameter(ints(4))
@@ -1364,6 +1381,11 @@ ROWS: tuple[Row, ...] = (
         _inference_tensor, flatpool.InvalidRequestError, r"inference tensor.*clone"),
     Row("non-leaf", "adopt() of a tensor autograd computed (`w * 2` with `w` requiring grad)",
         _non_leaf, flatpool.InvalidRequestError, r"not a leaf of autograd.*MulBackward.*no_grad"),
+    Row("adopt-full-fixed", "adopt() into a pool made with capacity= that lacks room",
+        _full_fixed_pool, flatpool.PoolExhaustedError, r"cannot fit.*without capacity="),
+    Row("growth-pinned", "adopt() that grows a default pool while autograd saved a view of its "
+        "storage for backward", _growth_pinned_from_cxx, flatpool.PinnedStorageError,
+        r"old storage is held by"),
     Row("inference-mode-pool", "a pool materialized by an adoption, compacted, grown, viewed and "
         "materialized into under torch.inference_mode(), then used outside", _inference_mode_pool, None, "",
         "works: the pool's storage is never an inference tensor (a later adoption outside "

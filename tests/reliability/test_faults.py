@@ -32,6 +32,11 @@ def _prepare_adopt(w: World) -> Callable[[], Any]:
     return lambda: w.pool.adopt(w.targets)
 
 
+def _prepare_adopt_growing(w: World) -> Callable[[], Any]:
+    assert w.pool.grows and w.pool.is_materialized  # the batch does not fit: adopt grows it
+    return lambda: w.pool.adopt(w.targets)
+
+
 def _prepare_adopt_into_slices(w: World) -> Callable[[], Any]:
     pool = w.pool
     plain, base = w.tensors["plain"], w.tensors["base"]
@@ -75,6 +80,7 @@ def _prepare_materialize(w: World) -> Callable[[], Any]:
 OPERATIONS: dict[str, tuple[Callable[[], World], Callable[[World], Callable[[], Any]]]] = {
     "adopt-batch": (batch_world, _prepare_adopt),
     "adopt-into-slices": (batch_world, _prepare_adopt_into_slices),
+    "adopt-growing": (lambda: batch_world(capacity=None), _prepare_adopt_growing),
     "readopt": (batch_world, _prepare_readopt),
     "grow": (batch_world, _prepare_grow),
     "compact": (batch_world, _prepare_compact),
