@@ -527,3 +527,21 @@ def test_zero_grad_releases_the_gradient_pool_and_the_next_backward_makes_one_bl
         o_flat.zero_grad()  # set_to_none=True: released at once, as torch frees its gradients
         assert alive.expired()
         assert fo.grads.buffer(pool) is None
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+def test_a_step_bumps_each_parameters_version_as_torch_does(cls: type[torch.optim.Optimizer]) -> None:
+    """torch's step writes each parameter in place, so a graph that saved one and runs backward
+    after the step raises; the flat step writes the pool instead, and must say the same rather
+    than let that backward compute a silently wrong gradient."""
+    ref, o_ref, flat, o_flat, fo = twins(cls, lr=0.1)
+    for model, opt in ((ref, o_ref), (flat, o_flat)):
+        backward(model, 0)
+        pending = model(torch.randn(4, 5)).square().sum()  # saves the weights for backward
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), before)), opt
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pending.backward()
+    for a, b in zip(ref.parameters(), flat.parameters()):
+        assert torch.equal(a, b)

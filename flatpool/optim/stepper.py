@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from attrs import define
+from torch.autograd.graph import increment_version
 
+from ..aliasing import local_tensor
 from ..ownership._interrupts import signals_guarded
 from ._torch import foreach_choice, raw_step
 from .companions import Companions, StepSlots
@@ -246,6 +248,15 @@ class Stepper:
         n = (r.end - r.start) // seg.dtype.itemsize
         return flat if n == seg.numel else flat[a:a + n]
 
+    def _written(self, runs: list[Run]) -> list[torch.Tensor]:
+        """The tensors torch's own step would have written in place: each run's parameters and
+        a wrapper's local tensor. The flat kernel wrote the pool instead, so their version
+        counters are bumped as torch's in-place writes would: a graph that saved one then
+        refuses to run backward, as with torch, instead of using the new values silently."""
+        members = self.plan.members
+        params = [members[i].param for r in runs for i in r.members]
+        return params + [t for p, t in zip(params, map(local_tensor, params)) if t is not p]
+
     def _kernel(self, jobs: list[tuple[dict[str, Any], Run]], *, foreach: bool, fused: bool,
                 fresh: bool) -> None:
         """One call of torch's kernel over the runs of ``jobs`` (groups with equal arguments)."""
@@ -268,6 +279,7 @@ class Stepper:
                  lists, steps, foreach=foreach, fused=fused,
                  grad_scale=getattr(self.opt, "grad_scale", None) if fused else None,
                  found_inf=getattr(self.opt, "found_inf", None) if fused else None)
+        increment_version(self._written(runs))
         for r in runs:
             if r.slots is not None and len(r.members) > 1:  # the others' steps, as torch counts
                 r.slots.span(r.slot + 1, r.slot + len(r.members)).add_(1.0)
