@@ -19,7 +19,7 @@ from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import local_tensor, own_storage
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from flatpool.integrations.hsdp import ShardedParam
 

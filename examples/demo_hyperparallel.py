@@ -28,7 +28,7 @@ from typing import Any
 from attrs import define, evolve
 
 from flatpool import own_storage
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from flatpool.integrations.hsdp import BucketLines, V1Lines
 from .demo_run import Config, draw_panels, progress, run_client

@@ -12,9 +12,9 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
 
-# First: importing torch_compat refuses an unsupported torch with one clear error, before any
+# First: importing _torch_compat refuses an unsupported torch with one clear error, before any
 # module reads a private torch API that release may lack.
-from .torch_compat import UnsupportedTorchError, check_supported
+from ._torch_compat import UnsupportedTorchError, check_supported
 
 from ._aliasing import (  # noqa: E402
     ByteRange,
@@ -55,9 +55,9 @@ from .errors import (  # noqa: E402
     UntestedTorchWarning,
 )
 from ._holder import Holder  # noqa: E402
-from .ownership.census import Census, StorageRecord, census  # noqa: E402
-from .ownership.interrupts import RollbackError  # noqa: E402
-from .ownership.spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
+from .ownership._census import Census, StorageRecord, census  # noqa: E402
+from .ownership._interrupts import RollbackError  # noqa: E402
+from .ownership._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools  # noqa: E402
 from .slices import Slice  # noqa: E402
 from ._unreleased import UnreleasedOriginal  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Union
 import torch
 from attrs import define
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from .errors import AliasingError, InvalidTypeError
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
@@ -119,13 +119,13 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         result = tc.impl_untyped_storage(inner)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def extent_of(t: torch.Tensor) -> ByteRange:
     """The strided byte extent of ``t`` itself (no unwrapping), from its TensorImpl.
 
-    Call under :func:`flatpool.torch_compat.no_torch_function`.
+    Call under :func:`flatpool._torch_compat.no_torch_function`.
     """
     item = tc.impl_element_size(t)
     start = tc.impl_storage_offset(t) * item
@@ -147,7 +147,7 @@ def byte_range(t: torch.Tensor) -> ByteRange:
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         result = extent_of(inner)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

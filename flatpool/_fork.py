@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from . import checkpoint, state
+from . import _state, checkpoint
 from ._warn import warn
 from .errors import FlatPoolWarning
-from .ownership import gcpause, interrupts
+from .ownership import _gcpause as gcpause
+from .ownership import _interrupts as interrupts
 
 class LockLike(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
@@ -47,14 +48,14 @@ FORK_WAIT = 2.0
 _held: list[Callable[[], None]] = []
 """How to let go of each lock the forking thread took for the fork, in the order taken: an
 interrupt inside :func:`_before` (CPython only reports it) leaves exactly these to release."""
-_missed: list[state.PoolState] = []  # pools whose lock another thread kept past FORK_WAIT
+_missed: list[_state.PoolState] = []  # pools whose lock another thread kept past FORK_WAIT
 
 
 def _module_locks() -> tuple[LockLike, ...]:
-    return (checkpoint._lock, checkpoint._twins_lock, state._registry_lock, gcpause._lock)
+    return (checkpoint._lock, checkpoint._twins_lock, _state._registry_lock, gcpause._lock)
 
 
-def _take(pool: state.PoolState, timeout: float) -> None:
+def _take(pool: _state.PoolState, timeout: float) -> None:
     lock = pool.lock
     if lock.acquire(timeout=timeout):
         _held.append(lock.release)
@@ -64,7 +65,7 @@ def _take(pool: state.PoolState, timeout: float) -> None:
 
 def _before() -> None:
     deadline = time.monotonic() + FORK_WAIT
-    waited = sorted(state.live_pools(), key=id)
+    waited = sorted(_state.live_states(), key=id)
     for pool in waited:
         _take(pool, max(0.0, deadline - time.monotonic()))
     for module_lock in _module_locks():  # each held for a few instructions only
@@ -74,7 +75,7 @@ def _before() -> None:
     # The registry lock is ours now, so no more appear; their locks are taken without waiting
     # (a thread holding one may be waiting for the registry lock), else they count as missed.
     known = set(map(id, waited))
-    for pool in sorted(state._all_pools, key=id):
+    for pool in sorted(_state._all_states, key=id):
         if id(pool) not in known:
             _take(pool, 0.0)
 

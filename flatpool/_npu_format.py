@@ -22,7 +22,7 @@ from typing import SupportsInt, cast
 
 import torch
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from .errors import DeviceError, NpuFormatError
 
 ACL_FORMAT_ND = 2

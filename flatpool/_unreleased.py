@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from attrs import define
 
-from . import torch_compat as tc
-from .registry import Ref, tensor_ref
+from . import _torch_compat as tc
+from ._registry import Ref, tensor_ref
 
 
 @define(frozen=True)

@@ -47,9 +47,9 @@ from typing import Any, Optional
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from .pool import FlatPool
-from .state import pool_of_storage, was_pool_storage
+from ._state import pool_of_storage, was_pool_storage
 
 Reducer = Callable[[torch.Tensor], Any]
 DeepCopy = Callable[[torch.Tensor, Optional[dict[Any, Any]]], torch.Tensor]
@@ -107,8 +107,8 @@ def pool_of(t: torch.Tensor) -> FlatPool | None:
     """The live, materialized pool whose storage ``t`` (a plain tensor) views part of, else
     ``None``."""
     key = _viewed_storage_key(t)
-    pool = None if key is None else pool_of_storage(key)
-    return pool if isinstance(pool, FlatPool) else None
+    state = None if key is None else pool_of_storage(key)
+    return None if state is None else state.public
 
 
 def pooled(t: torch.Tensor) -> bool:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from attrs import define, field
 
-if TYPE_CHECKING:
-    from .pool import FlatPool
+import flatpool  # for ``pool``'s annotation only: the package, whose FlatPool exists by the time
+# anyone resolves it (``typing.get_type_hints``); importing flatpool.pool here would be a circle
 
 
 @define(frozen=True)
@@ -24,7 +24,7 @@ class Slice:
     per pool for the pool's lifetime, so a stale handle to a freed and reused range is caught.
     """
 
-    pool: FlatPool = field(repr=lambda p: repr(p.name))
+    pool: flatpool.FlatPool = field(repr=lambda p: repr(p.name))
     slice_id: int
     offset: int
     shape: tuple[int, ...]
@@ -46,15 +46,15 @@ class Slice:
     @property
     def is_live(self) -> bool:
         """``False`` once the slice was freed (or its pool relocated it under a new handle)."""
-        return self.pool.is_live(self)
+        return self.pool._state.is_live(self)
 
     def tensor(self) -> torch.Tensor:
         """A view of the slice on the pool's storage (materializing the pool if needed)."""
-        return self.pool.view(self)
+        return self.pool._state.view(self)
 
     def bytes(self) -> torch.Tensor:
         """The slice's bytes as a 1-D ``uint8`` view."""
-        return self.pool.slice_bytes(self)
+        return self.pool._state.slice_bytes(self)
 
     # -- copying: a handle is a value; its pool's memory cannot be duplicated ------------------
     def __copy__(self) -> Slice:
@@ -82,7 +82,7 @@ _setters = tuple(getattr(Slice, f).__set__ for f in _FIELDS)  # the slots' own d
 
 
 def slice_run(
-    pool: FlatPool, ids: Sequence[int], offsets: Sequence[int],
+    pool: flatpool.FlatPool, ids: Sequence[int], offsets: Sequence[int],
     shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
 ) -> list[Slice]:
     """``[Slice(pool, i, o, s, d) ...]`` for a batch, each field set by its slot descriptor

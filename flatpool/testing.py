@@ -7,7 +7,7 @@ own calls into flatpool roll back cleanly. Always clear it again with ``set_faul
 
 from __future__ import annotations
 
-from .ownership.faults import set_fault_hook
+from .ownership._faults import set_fault_hook
 
 
 class FailAt:

@@ -164,7 +164,7 @@ def test_stale_check_compares_each_tensor_with_its_own_copy_only(monkeypatch) ->
     compare every tensor with every slice. Now each slice's bytes are read about once, and a
     tensor only against the slices that can hold its bytes. Counted, not timed: every read of
     a slice's bytes goes through ``slice_bytes`` (the real method, counted)."""
-    from flatpool.state import PoolState
+    from flatpool._state import PoolState
 
     n = 300
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """The adoption engine's structure and invariants.
 
 * Layering: no import circles among flatpool's modules, every module imports on its own, and
-  private torch APIs appear in ``flatpool/torch_compat.py`` only.
+  private torch APIs appear in ``flatpool/_torch_compat.py`` only.
 * Geometry comes from the TensorImpl: a wrapper whose Python ``shape`` is a global shape is
   moved with its local geometry, and the pool storage stays exactly ``capacity`` bytes.
 * The invariant check after every move: a tensor that lies about its geometry is caught and
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import flatpool
 from flatpool import AdoptSpec, FlatPool, PoolInvariantError, storage_of
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"flatpool": ROOT / "flatpool", "flatpool.integrations": ROOT / "integrations"}
@@ -128,7 +128,7 @@ PRIVATE = re.compile(r"torch\._C|_unsafe_|_cdata|getrefcount")
 def test_private_torch_apis_live_in_one_module() -> None:
     offenders = []
     for name, path in _modules().items():
-        if name == "flatpool.torch_compat":
+        if name == "flatpool._torch_compat":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if PRIVATE.search(line):
@@ -273,7 +273,7 @@ def test_the_fast_and_general_member_plans_agree(spec: Any, alignment: int) -> N
     moved tensor from an alias) against the byte-for-byte copy of the original's extent."""
     import unittest.mock
 
-    import flatpool.ownership.adopt as adopt_mod
+    import flatpool.ownership._adopt as adopt_mod
 
     lean, general = _make(spec, 0), _make(spec, 0)
     p1, p2 = FlatPool(alignment=alignment), FlatPool(alignment=alignment)
@@ -300,7 +300,7 @@ def _same_slices(p1: FlatPool, p2: FlatPool) -> bool:
 
 def test_plain_tensors_named_alone_take_the_fast_member_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import flatpool.ownership.adopt as adopt_mod
+    import flatpool.ownership._adopt as adopt_mod
 
     calls: list[str] = []
     monkeypatch.setattr(adopt_mod, "_expand", lambda *a, **k: calls.append("general") or [])

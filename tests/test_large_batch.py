@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from flatpool import FlatPool
-from flatpool.ownership import transaction as transaction_mod
-from flatpool.ownership.moves import Member, Move
+from flatpool.ownership import _transaction as transaction_mod
+from flatpool.ownership._moves import Member, Move
 from flatpool.testing import set_fault_hook
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 
 class Injected(RuntimeError):

@@ -233,7 +233,7 @@ def test_batch_placement_equals_one_by_one(
         (s.offset, s.shape, s.dtype) for s in singles
     ]
     assert many.describe() == one.describe().replace(one.name, many.name)
-    assert many._alloc.free_ranges() == one._alloc.free_ranges()
+    assert many._state._alloc.free_ranges() == one._state._alloc.free_ranges()
     assert many.used_bytes + many.free_bytes == many.capacity
 
 
@@ -264,9 +264,9 @@ def test_after_a_batch_frees_and_reuse_match_one_by_one(
             assert (a.offset, a.nbytes) == (b.offset, b.nbytes)
             singles.append(a)
             placed.append(b)
-        assert many._alloc.free_ranges() == one._alloc.free_ranges()
-        assert many._alloc._by_usable == one._alloc._by_usable
-        assert many._alloc._by_size == one._alloc._by_size
+        assert many._state._alloc.free_ranges() == one._state._alloc.free_ranges()
+        assert many._state._alloc._by_usable == one._state._alloc._by_usable
+        assert many._state._alloc._by_size == one._state._alloc._by_size
     check_layout(many)
 
 
@@ -276,7 +276,7 @@ def test_a_batch_s_padding_gaps_are_kept_as_two_int64_columns() -> None:
     (about 225 B a gap before)."""
     pool = FlatPool(alignment=512)
     pool.allocate_many([((100,), torch.float32)] * 1000)  # 400 B each, 112 B padding after
-    alloc = pool._alloc
+    alloc = pool._state._alloc
     assert len(alloc.free_ranges()) == 999
     assert alloc._by_size == [] and alloc._by_usable == []
     assert alloc._starts.itemsize == alloc._ends.itemsize == 8

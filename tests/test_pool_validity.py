@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from flatpool import AdoptSpec, FlatPool, Holder
-from flatpool import torch_compat as tc
-from flatpool.ownership.validity import orphaned
+from flatpool import _torch_compat as tc
+from flatpool.ownership._validity import orphaned
 
 
 class World:

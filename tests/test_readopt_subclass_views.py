@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flatpool import AdoptSpec, FlatPool, Holder
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 
 class Owner:

@@ -11,7 +11,7 @@ import torch
 
 from flatpool import AdoptSpec, FlatPool
 from flatpool.errors import PinnedStorageError
-from flatpool.registry import ParamRef, TensorRef
+from flatpool._registry import ParamRef, TensorRef
 
 
 N = 70

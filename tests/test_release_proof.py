@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, InvalidTypeError
 from flatpool import PinnedStorageError, storage_of
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 CAP = 1 << 16
 
@@ -236,7 +236,7 @@ def test_late_detected_pin_rebuilds_a_dead_original_from_the_pool(
     commit, when the other originals of the batch already died. The rollback then rebuilds each
     dead original from the pool's bytes: identity and values come back. (The pre-check is
     blinded here to reach that path with a real holder.)"""
-    import flatpool.ownership.release as settle
+    import flatpool.ownership._release as settle
 
     monkeypatch.setattr(settle, "storage_pinned", lambda txn, key, olds=None: False)
     pool = FlatPool(capacity=CAP)
@@ -391,7 +391,7 @@ def test_a_cpp_owner_that_lets_go_within_milliseconds_does_not_pin(
     returns (seen as a spurious "held only from C++" pin, adopting right after
     ``distribute_tensor`` on a loaded machine). The pre-move check looks again before moving;
     here the owner (a pending graph that saved the tensor) goes away during the first wait."""
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     t = torch.randn(4, requires_grad=True)
     graph = {"loss": (t * t).sum()}  # saves t: an owner of its impl Python cannot see
@@ -413,7 +413,7 @@ def test_a_cpp_owner_that_lets_go_within_milliseconds_does_not_pin(
 def _record_waits(monkeypatch: pytest.MonkeyPatch,
                   on_sleep: Any = None) -> list[float]:
     """Replace the proof's clock: each sleep is recorded (and runs ``on_sleep(waits)``)."""
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     waits: list[float] = []
 
@@ -444,7 +444,7 @@ def test_a_cpp_owner_of_another_impl_that_lets_go_soon_does_not_pin(
     another impl on the storage of the shard being adopted (``distribute_tensor`` returns a
     detached alias of it), so only the count after the move sees it. Here a pending graph saved
     such an alias and lets go during the wait after the move."""
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     t = torch.randn(8)
     graph = {"pending": _graph_saving_an_alias(t)}  # Python does not see that holder
@@ -461,7 +461,7 @@ def test_a_cpp_owner_of_another_impl_that_lets_go_soon_does_not_pin(
 def test_a_cpp_owner_of_another_impl_that_stays_pins_after_the_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     t = torch.randn(8)
     a, loss = _graph_saving_an_alias(t)
@@ -487,7 +487,7 @@ def test_a_python_holder_pins_without_waiting(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     t = torch.randn(4, requires_grad=True)
     loss = (t * t).sum()
@@ -506,7 +506,7 @@ def test_a_cpp_owner_that_stays_pins_after_a_bounded_wait(monkeypatch: pytest.Mo
 
 
 def test_the_cpp_holder_wait_stretches_with_the_load_per_cpu() -> None:
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     assert proof.load_factor(0.3, 2) == 1.0  # an idle machine: the configured wait
     assert proof.load_factor(6.0, 2) == 3.0  # 3 runnable threads a CPU: 3 times as long
@@ -520,7 +520,7 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
     import subprocess
     import sys
 
-    import flatpool.ownership.release as proof
+    import flatpool.ownership._release as proof
 
     assert proof.cxx_holder_wait() == proof.DEFAULT_CXX_HOLDER_WAIT_S == 0.25
     previous = proof.set_cxx_holder_wait(1.5)
@@ -535,7 +535,7 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
             assert proof.cxx_holder_wait() == 1.5  # unchanged
     finally:
         proof.set_cxx_holder_wait(previous)
-    code = "import flatpool.ownership.release as p; print(p.cxx_holder_wait())"
+    code = "import flatpool.ownership._release as p; print(p.cxx_holder_wait())"
     env = {**os.environ, proof.CXX_HOLDER_WAIT_ENV: "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)

@@ -1,4 +1,4 @@
-"""The live-slice index with batches as columns (flatpool/slice_index.py, issue 20).
+"""The live-slice index with batches as columns (flatpool/_slice_index.py, issue 20).
 
 A batch's slice handles are made only when read, and then always the same objects; frees of
 run members, singles placed into the gaps they leave, snapshots and restores all read exactly
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatpool import FlatPool, Slice
-from flatpool.slice_index import SliceIndex, SliceRun
+from flatpool._slice_index import SliceIndex, SliceRun
 
 
 def _model_floor(live: dict[int, Slice], offset: int) -> Slice | None:
@@ -123,11 +123,11 @@ def test_a_failed_operation_restores_the_run_and_its_handles() -> None:
     ts = [torch.full((16,), float(i)) for i in range(100)]
     report = pool.adopt(ts)
     handles = list(report.slices)
-    snap = pool.capture()
+    snap = pool._state.capture()
     for s in handles[10:20]:
         pool.disown(s)
-    pool._drop(handles[10])
-    pool.restore(snap)
-    pool.forget(snap)
+    pool._state._drop(handles[10])
+    pool._state.restore(snap)
+    pool._state.forget(snap)
     assert pool.live_slice(handles[10].slice_id) is handles[10]
     assert pool.slices() == tuple(handles)

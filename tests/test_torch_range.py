@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flatpool.torch_compat import NEWEST_TESTED, SILENCE_ENV, SUPPORTED_TORCH
+from flatpool._torch_compat import NEWEST_TESTED, SILENCE_ENV, SUPPORTED_TORCH
 
 REPO = Path(__file__).resolve().parents[1]
 LO = ".".join(map(str, SUPPORTED_TORCH))
@@ -132,7 +132,7 @@ def test_a_missing_private_api_gives_one_error_naming_it(tmp_path: Path, version
     _, run = _run_user(tmp_path, version, sabotage=sabotage)
     assert run.returncode == 1 and "WORKS" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("flatpool.torch_compat.UnsupportedTorchError: "), run.stderr
+    assert last.startswith("flatpool._torch_compat.UnsupportedTorchError: "), run.stderr
     assert (f"torch {version} lacks torch._C._storage_Use_Count, torch._C._swap_tensor_impl, "
             f"which flatpool needs (tested on torch {LO} to {TESTED})") in last
     assert "Warning" not in run.stderr and "AttributeError" not in run.stderr, run.stderr
@@ -141,9 +141,9 @@ def test_a_missing_private_api_gives_one_error_naming_it(tmp_path: Path, version
 
 
 def test_every_private_api_the_probe_names_is_used_in_torch_compat() -> None:
-    from flatpool.torch_compat import _NEEDED_APIS, missing_apis
+    from flatpool._torch_compat import _NEEDED_APIS, missing_apis
 
-    source = (REPO / "flatpool" / "torch_compat.py").read_text()
+    source = (REPO / "flatpool" / "_torch_compat.py").read_text()
     body = source.split("check_supported()  # before the probes", 1)[1]
     for name in _NEEDED_APIS:
         assert name.rsplit(".", 1)[1] in body, f"{name} is probed but not used"

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .param import HSDPParam, MixedPrecisionPolicy, ShardMesh
 

@@ -5,7 +5,7 @@ a rank: every distinct storage reachable from the members (padded data, local te
 autograd bases, the Parameter wrapper's own TensorImpl) and from the group's flat buffers;
 weak references to the storages the members had before fusion; and what the wrapper's own
 memory reads next to the local tensor it fronts. Storage identities come from the TensorImpls
-(:mod:`flatpool.torch_compat`), never from ``data_ptr()`` (the DTensor overrides it).
+(:mod:`flatpool._torch_compat`), never from ``data_ptr()`` (the DTensor overrides it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from attrs import define, field
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flatpool import own_storage
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .dtensor import wrapper_local_geometry, wrapper_own_values, wrapper_storage_key
 from .param import HSDPParam

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from attrs import define
 from torch import nn
 
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .dtensor import HPDTensorBase, ShardLayout
 

@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .. import FlatPool, InvalidTypeError, census, live_pools, local_tensor, own_storage
 from ._manifest import Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
 from ._walk import LEGIT_OWN_STORAGE, walk_roots
@@ -155,7 +155,7 @@ def _pool_entry(p: FlatPool, names: dict[tuple[int, int], list[str]]) -> PoolEnt
         storage = p.storage
         result = PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
                            p.alignment, slices)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def _watch_list(watch: Watches) -> list[StorageWatch]:

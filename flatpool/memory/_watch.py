@@ -17,7 +17,7 @@ import torch
 from attrs import define
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .. import InvalidTypeError, local_tensor, own_storage
 
 

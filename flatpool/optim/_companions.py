@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from ..pool import FlatPool, contiguous_strides
 from ._layout import Member
 

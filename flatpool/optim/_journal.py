@@ -4,7 +4,7 @@ puts back exactly what was there, wherever an exception (a Ctrl-C included) land
 is absolute (it sets the old value), so running it twice is harmless.
 
 :func:`committed` runs a commit with signals deferred (the engine's
-:func:`flatpool.ownership.interrupts.signals_guarded`, never opened): a real Ctrl-C arrives
+:func:`flatpool.ownership._interrupts.signals_guarded`, never opened): a real Ctrl-C arrives
 after the commit or after its rollback, never half-way; an exception raised inside it anyway
 (a failing setter, a tracer) rolls everything back.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..ownership.interrupts import run_undo, signals_guarded
+from ..ownership._interrupts import run_undo, signals_guarded
 
 _MISSING = object()
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from attrs import define
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ..slices import Slice

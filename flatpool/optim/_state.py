@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
 from ._torch import local_of as wrapped_local

@@ -14,8 +14,8 @@ The engine's modules use these words, each for one thing only:
 * **member**: one tensor *object* that moves with an original onto the pool, keeping its
   identity: the primary, a view or wrapper on the same storage, what a holder holds, what
   ``discover`` finds; also a bound object that re-adoption or relocation moves. How it moves
-  is a :class:`~flatpool.ownership.moves.Move`; its journal record is a
-  :class:`~flatpool.ownership.moves.Member`.
+  is a :class:`~flatpool.ownership._moves.Move`; its journal record is a
+  :class:`~flatpool.ownership._moves.Member`.
 * **holder**: a :class:`~flatpool.Holder`, a *place* (``getattr(owner, key)`` or
   ``owner[key]``) that holds a member; re-adoption looks there for a replacement object.
 * **wrapper**: a tensor subclass object that stands for another tensor: torch's DTensor (no
@@ -23,12 +23,19 @@ The engine's modules use these words, each for one thing only:
   storage; meta after deferred init).
 * **local tensor**: a wrapper's ``_local_tensor``, the plain tensor that holds the data.
 * **binding**: what the registry keeps of a member after adoption
-  (:class:`~flatpool.registry.Binding`): how to find it again and where it must sit.
+  (:class:`~flatpool._registry.Binding`): how to find it again and where it must sit.
 * **in place**: a bound member sits exactly where its binding says, by its TensorImpl
-  (:func:`~flatpool.ownership.validity.in_place`); *moved* is its negation.
+  (:func:`~flatpool.ownership._validity.in_place`); *moved* is its negation.
 
-The layers, each importing only what lies below it:
-``adopt``/``readopt``/``relocate``/``meta``/``census`` (operations) ->
-``release`` (pins and the release proof) -> ``transaction`` (journal, rollback, guards) ->
-``moves`` (the only place bytes and tensor objects move) -> the pool's own state.
+Every module here is private (a leading underscore); this package shows the engine's words a
+user writes (below), and :mod:`flatpool` shows them too. The layers, each importing only what
+lies below it: ``_adopt``/``_readopt``/``_relocate``/``_meta``/``_census`` (operations) ->
+``_release`` (pins and the release proof) -> ``_transaction`` (journal, rollback, guards) ->
+``_moves`` (the only place bytes and tensor objects move) -> the pool's own state
+(:mod:`flatpool._state`).
 """
+
+from ._interrupts import RollbackError
+from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
+
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "OnPinned", "RollbackError"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .layout import Bucket, MemberLayout
 from ._protocol import ShardedParam

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatpool import FlatPool, InvalidRequestError, InvalidTypeError
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from flatpool._devices import DeviceLike, resolve_device
 
 from .group import GroupBuffers, plan_buckets

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from flatpool import Slice
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .layout import Bucket
 from .members import has_memory

@@ -26,7 +26,7 @@ planned anew, kept alive, skipped) go to the ``flatpool`` logger.
 
 FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
 private state (``FSDPState``, lazy init, param groups) is read through
-:mod:`flatpool.torch_compat`.
+:mod:`flatpool._torch_compat`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from flatpool import FlatPoolError, OnPinned
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
-from flatpool.ownership.spec import check_policy
+from flatpool.ownership._spec import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
 from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups

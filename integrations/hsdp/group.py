@@ -21,11 +21,11 @@ import torch
 from attrs import define, field
 
 from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned, Slice
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from flatpool._devices import DeviceLike, resolve_device
-from flatpool.ownership.gcpause import gc_paused
-from flatpool.ownership.interrupts import guarded_call
-from flatpool.ownership.adopt import adopt_many
+from flatpool.ownership._gcpause import gc_paused
+from flatpool.ownership._interrupts import guarded_call
+from flatpool.ownership._adopt import adopt_many
 
 from ._kept import KeptAlive
 from .layout import Bucket, MemberLayout

@@ -4,7 +4,7 @@ HyperParallel's DTensor answers ``shape``/``size()`` with the *global* shape, ``
 with its local tensor's address, and raises for ops without a layout rule (``data_ptr``,
 ``untyped_storage``, ``TensorBase.size``) unless ``__torch_function__`` is off. Every read the
 layer makes of a member goes through the helpers here, which use
-:mod:`flatpool.torch_compat`'s TensorImpl readers under ``no_torch_function()``, so the call
+:mod:`flatpool._torch_compat`'s TensorImpl readers under ``no_torch_function()``, so the call
 sites never see a subclass's opinion of itself.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from flatpool import InvalidRequestError, InvalidTypeError, own_storage
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from ._protocol import ShardedParam
 
@@ -55,32 +55,32 @@ def local_of(wrapper: torch.Tensor) -> torch.Tensor:
 def is_meta(t: torch.Tensor) -> bool:
     with tc.no_torch_function():
         result = tc.impl_is_meta(t)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def impl_size(t: torch.Tensor) -> torch.Size:
     """The TensorImpl's (local) size, not a subclass's global ``shape``."""
     with tc.no_torch_function():
         result = tc.impl_size(t)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def impl_dtype(t: torch.Tensor) -> torch.dtype:
     with tc.no_torch_function():
         result = tc.impl_dtype(t)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def impl_device(t: torch.Tensor) -> torch.device:
     with tc.no_torch_function():
         result = tc.impl_device(t)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def impl_requires_grad(t: torch.Tensor) -> bool:
     with tc.no_torch_function():
         result = tc.impl_requires_grad(t)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def padded_size(p: ShardedParam, index: int) -> torch.Size:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from flatpool import AdoptionError, AdoptSpec, FlatPool, InvalidRequestError, OnPinned
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 from .group import GroupBuffers, adopt_spec
 from .layout import MemberLayout

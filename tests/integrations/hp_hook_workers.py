@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from attrs import evolve
 
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from examples import demo_hyperparallel
 from flatpool.integrations.hsdp.validity import problems
 from examples.hyperparallel_sim import (

@@ -16,7 +16,7 @@ from flatpool import FlatPool, InvalidRequestError, OriginalKeptAliveWarning, Pi
 from flatpool.errors import UnfusedGroupWarning
 from flatpool.integrations.hsdp import GroupBuffers, KeptAlive, keep_fused
 from flatpool.integrations.hsdp import flat_buffer, fuse, is_fused
-from flatpool.ownership import release as proof
+from flatpool.ownership import _release as proof
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hp_double import HPParam  # noqa: E402

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from flatpool import FlatPoolError
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from flatpool.integrations.hsdp import adopt_group, is_valid, problems, readopt_group
 from examples.hyperparallel_sim import HSDPParam, ShardMesh, dtensor_class
 from flatpool.integrations.hsdp.members import has_memory, local_of

@@ -475,11 +475,11 @@ def _dlpack_export_is_a_view() -> bool:
     (flatpool: "held outside Python", and the pool keeps the original for the consumer)."""
     t = torch.zeros(4)
     storage = t.untyped_storage()
-    before = flatpool.torch_compat.storage_users(storage)
+    before = flatpool._torch_compat.storage_users(storage)
     from torch.utils.dlpack import to_dlpack
 
     capsule = to_dlpack(t)
-    after = flatpool.torch_compat.storage_users(storage)
+    after = flatpool._torch_compat.storage_users(storage)
     del capsule
     return after > before
 

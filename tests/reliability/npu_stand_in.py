@@ -16,7 +16,7 @@ from enum import IntEnum
 import torch
 
 from flatpool import _npu_format
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 
 class Format(IntEnum):

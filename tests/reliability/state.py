@@ -127,9 +127,9 @@ class PoolState:
         with pool.lock:
             self.describe = pool.describe()
             self.slices = tuple(pool.slices())
-            self.alloc = pool._alloc.snapshot()
+            self.alloc = pool._state._alloc.snapshot()
             self.materialized = pool.is_materialized
-            self.buffer = None if pool._buffer is None else storage_ident(pool._buffer)
+            self.buffer = None if pool._state._buffer is None else storage_ident(pool._state._buffer)
             self.registry = _registry_state(pool)
             self.values = (
                 {s.slice_id: s.bytes().clone() for s in self.slices} if self.materialized else {}
@@ -220,7 +220,7 @@ def check_layout(pool: FlatPool) -> None:
         used = sum(s.nbytes for s in slices)
         assert pool.used_bytes == used
         assert pool.used_bytes + pool.free_bytes == cap
-        free = pool._alloc.free_ranges()
+        free = pool._state._alloc.free_ranges()
         assert sum(e - s for s, e in free) == cap - used, (free, cap, used)
         for fs, fe in free:
             assert 0 <= fs < fe <= cap
@@ -229,14 +229,14 @@ def check_layout(pool: FlatPool) -> None:
         if pool.is_materialized:
             assert pool.storage.nbytes() == cap
         # The indexes every later allocate()/free() relies on agree with the layout.
-        alloc = pool._alloc
+        alloc = pool._state._alloc
         assert list(alloc._starts) == sorted(alloc._starts) and len(alloc._starts) == len(alloc._ends)
         # The best-fit indexes hold every free range with a usable byte at the pool's
         # alignment, and no other: a padding gap (none) fits no request, it only coalesces.
         usable = [(s, e) for s, e in free if alloc._usable(s, e) > 0]
         assert sorted(alloc._by_size) == alloc._by_size == sorted((e - s, s) for s, e in usable)
         assert alloc._by_usable == sorted((alloc._usable(s, e), s) for s, e in usable)
-        index = pool._index  # singles and runs (flatpool/slice_index.py) agree with the layout
+        index = pool._state._index  # singles and runs (flatpool/_slice_index.py) agree with the layout
         assert index.consistent() and len(index) == len(slices)
         assert index.ordered() == list(slices) and set(index.handles()) == set(slices)
         for s in slices:  # the by-offset lookup finds each slice from its first and last byte

@@ -24,9 +24,9 @@ SCRIPT = r'''
 import signal, threading, time
 import torch
 import flatpool
-import flatpool.ownership.transaction
+import flatpool.ownership._transaction
 from flatpool import FlatPool
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background process ignores it
 torch.set_num_threads(4)
@@ -49,13 +49,13 @@ def copy_late(dst, src):
     finally:
         copying.pop()
 
-rollback = flatpool.ownership.transaction.Transaction.rollback
+rollback = flatpool.ownership._transaction.Transaction.rollback
 
 def watched(txn):
     at_rollback.append(len(copying))
     return rollback(txn)
 
-flatpool.ownership.transaction.Transaction.rollback = watched
+flatpool.ownership._transaction.Transaction.rollback = watched
 tc.foreach_copy = copy_late
 pool = FlatPool()
 interrupted = False

@@ -51,10 +51,10 @@ def dlpack_pin():
     holder); later releases give it the tensor's own impl (named as held outside Python)."""
     t = torch.zeros(4)
     s = t.untyped_storage()
-    before = flatpool.torch_compat.storage_users(s)
+    before = flatpool._torch_compat.storage_users(s)
     from torch.utils.dlpack import to_dlpack
     capsule = to_dlpack(t)
-    view = flatpool.torch_compat.storage_users(s) > before
+    view = flatpool._torch_compat.storage_users(s) > before
     del capsule
     return "held only from C++" if view else "held outside Python"
 

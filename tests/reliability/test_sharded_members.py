@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-import flatpool.ownership.release as release
+import flatpool.ownership._release as release
 from flatpool import AdoptSpec, FlatPool, PinnedStorageError
-from flatpool import torch_compat as tc
+from flatpool import _torch_compat as tc
 from flatpool.testing import FailAt, set_fault_hook
 
 from .scenarios import ShardedMember as Member

@@ -3,7 +3,7 @@
 A :class:`Transaction` captures every pool it covers (a fusion group's dtype buckets are
 several pools adopted in one transaction), holds the originals (so the release proof can
 account for every reference flatpool itself holds), keeps the journal of every move, written
-*before* the move happens (:func:`flatpool.ownership.moves.move`), and can undo all of it,
+*before* the move happens (:func:`flatpool.ownership._moves.move`), and can undo all of it,
 exactly and idempotently: :meth:`Transaction.rollback` puts every member back where its record
 says, whether or not its move happened, so an interrupt at any bytecode leaves a state it can
 undo. :func:`atomic` is the guard every operation's body runs in.
@@ -23,12 +23,12 @@ from typing import TypeVar
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from ..errors import AdoptionError, InvalidRequestError
-from ..state import PoolSnapshot, PoolState
-from .gcpause import gc_paused
-from .interrupts import RollbackError, run_undo, signals_guarded
-from .moves import Member, Move, Record, SlotSet, byte_view, fresh_like, set_many, swap_many
+from .._state import PoolSnapshot, PoolState
+from ._gcpause import gc_paused
+from ._interrupts import RollbackError, run_undo, signals_guarded
+from ._moves import Member, Move, Record, SlotSet, byte_view, fresh_like, set_many, swap_many
 
 T = TypeVar("T")
 

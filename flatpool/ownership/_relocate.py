@@ -13,20 +13,20 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import own_storage
 from .._allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError
-from ..registry import Binding
+from .._registry import Binding
 from ..slices import Slice
-from ..state import MAX_BYTES, PoolState, empty_storage_tensor
-from .faults import checkpoint
-from .moves import Dest, Member, Move, byte_view, copy_all, member_of, move
-from .pins import name_referrers, tensors_on_storage
-from .release import Placed, check_placed, finish, held_outside_python
-from .spec import OnPinned, check_policy
-from .transaction import Transaction, atomic, check_not_in_backward
-from .validity import in_place
+from .._state import MAX_BYTES, PoolState, empty_storage_tensor
+from ._faults import checkpoint
+from ._moves import Dest, Member, Move, byte_view, copy_all, member_of, move
+from ._pins import name_referrers, tensors_on_storage
+from ._release import Placed, check_placed, finish, held_outside_python
+from ._spec import OnPinned, check_policy
+from ._transaction import Transaction, atomic, check_not_in_backward
+from ._validity import in_place
 
 
 def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> None:
@@ -56,7 +56,7 @@ def compact(pool: PoolState, *, on_pinned: OnPinned = "raise") -> dict[int, Slic
             pos = start + s.nbytes
         capacity = align_up(pos, pool.alignment)
         result = relocate(pool, capacity, layout, on_pinned)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def relocate(

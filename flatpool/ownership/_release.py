@@ -12,7 +12,7 @@ After its moves every operation (adopt, readopt, grow/compact) calls :func:`chec
    a DLPack consumer keeps a raw pointer into the original, so it pins it; torch cannot tell it
    from an autograd graph that saved the tensor, so both are reported "held outside Python"
    (only a live graph's grad accumulator for a leaf is told apart and allowed). A pinned
-   original is named by a gc scan (:mod:`flatpool.ownership.pins`); a holder no Python object
+   original is named by a gc scan (:mod:`flatpool.ownership._pins`); a holder no Python object
    explains is looked at again for a bounded time first (a collective's worker thread lets go
    by itself). Then the ``on_pinned`` policy: raise (roll back), warn, or force.
 2. **the release proof**: commit, drop every reference to the originals, and ask a weak
@@ -33,20 +33,20 @@ from typing import TypeVar
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._warn import warn
 from ..errors import (
     InvalidRequestError, InvalidTypeError, OriginalKeptAliveWarning, PinnedStorageError,
     PoolInvariantError,
 )
-from ..state import PoolState
+from .._state import PoolState
 from .._unreleased import UnreleasedOriginal
-from .faults import checkpoint
-from .interrupts import run_undo
-from .moves import Member, Move
-from .pins import name_pins, only_cxx
-from .spec import OnPinned
-from .transaction import Transaction
+from ._faults import checkpoint
+from ._interrupts import run_undo
+from ._moves import Member, Move
+from ._pins import name_pins, only_cxx
+from ._spec import OnPinned
+from ._transaction import Transaction
 
 _H = TypeVar("_H", bound=Sized)
 

@@ -29,7 +29,7 @@ import torch
 from attrs import define
 from torch import nn
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from ._holder import Holder
 
 Ref = Callable[[], Any]
@@ -62,7 +62,7 @@ class ParamRef:
 
 class TensorRef(ParamRef):
     """:class:`ParamRef` for a plain tensor (not a parameter): the same rule; only a dropped
-    *parameter* makes its slice orphaned (:func:`flatpool.ownership.validity.orphaned`), so the
+    *parameter* makes its slice orphaned (:func:`flatpool.ownership._validity.orphaned`), so the
     two are told apart by class."""
 
     __slots__ = ()
@@ -168,7 +168,7 @@ class AdoptionRegistry:
 
     def __init__(self) -> None:
         self._bindings: dict[int, list[Binding]] = {}
-        self.version = 0
+        self.version: int = 0
         """Bumped *before* every change (an interrupt in between costs a recheck, never a
         stale answer)."""
 

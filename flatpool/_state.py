@@ -5,7 +5,7 @@ registry of one pool. Everything that changes them goes through its methods, inc
 three an all-or-nothing operation needs: :meth:`PoolState.capture` (remember everything),
 :meth:`PoolState.restore` (put it back, idempotently) and :meth:`PoolState.install` (switch to a
 new storage and layout at once, for relocation). The ownership engine builds on this interface
-only; :class:`flatpool.FlatPool` adds the public ownership methods on top.
+only; a :class:`flatpool.FlatPool` holds one (``pool._state``) and shows the public API.
 
 Readers take the pool's lock too: a relocation holds it from the first rebind to the release
 proof, so a query sees the pool before or after it, never half-moved.
@@ -19,11 +19,11 @@ import threading
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from . import torch_compat as tc
+from . import _torch_compat as tc
 from ._npu_format import check_pool_storage
 from ._aliasing import check_strided, extent_of, local_tensor
 from ._table import table
@@ -37,9 +37,9 @@ from .errors import (
     PoolExhaustedError,
     PoolInvariantError,
 )
-from .registry import AdoptionRegistry
+from ._registry import AdoptionRegistry
 from ._requests import ShapeLike, check_dtype, check_shape, contiguous_strides
-from .slice_index import SliceIndex, SliceRun
+from ._slice_index import SliceIndex, SliceRun
 from .slices import Slice
 from ._unreleased import Trace, UnreleasedOriginal
 
@@ -47,7 +47,7 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .pool import FlatPool
-    from .registry import Binding
+    from ._registry import Binding
 
 DEFAULT_ALIGNMENT = 512
 """Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
@@ -62,16 +62,16 @@ MAX_BYTES = 1 << 62
 materialized (sizes that overflow are refused when planned, not at materialization)."""
 
 _pool_ids = itertools.count()
-_all_pools: weakref.WeakSet[FlatPool] = weakref.WeakSet()
+_all_states: weakref.WeakSet[PoolState] = weakref.WeakSet()
 _by_storage: dict[int, weakref.ref[PoolState]] = {}
 _registry_lock = threading.Lock()  # listing while another thread adds raises RuntimeError
 
 
-def live_pools() -> list[FlatPool]:
-    """Every pool object still alive in this process."""
+def live_states() -> list[PoolState]:
+    """The state of every pool still alive in this process (:func:`flatpool.live_pools`)."""
     with _registry_lock:
-        result = list(_all_pools)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        result = list(_all_states)
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def pool_of_storage(key: int) -> PoolState | None:
@@ -166,6 +166,7 @@ class PoolState:
     """One pool's storage, layout and registry, with the operations that keep them consistent.
 
     Args:
+        public: the :class:`~flatpool.FlatPool` that holds this state (kept weakly).
         device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device`` or an
             accelerator index. It must be available now; ``torch_npu`` is imported only for npu.
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
@@ -182,6 +183,7 @@ class PoolState:
 
     def __init__(
         self,
+        public: FlatPool,
         device: DeviceLike = "cpu",
         *,
         alignment: int = DEFAULT_ALIGNMENT,
@@ -223,8 +225,9 @@ class PoolState:
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
         self._traces: list[Trace] = []
+        self._public_ref = weakref.ref(public)
         with _registry_lock:
-            _all_pools.add(self._public)
+            _all_states.add(self)
 
     # -- copying: a pool owns device memory that live tensors point into -----------------------
     def __reduce__(self) -> Any:
@@ -261,7 +264,7 @@ class PoolState:
         """Bytes inside live slices (alignment padding counts as free)."""
         with self._lock:
             result = self._index.used_bytes()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def free_bytes(self) -> int:
@@ -272,24 +275,24 @@ class PoolState:
     def largest_free_bytes(self) -> int:
         with self._lock:
             result = self._alloc.largest_free()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def slices(self) -> tuple[Slice, ...]:
         """Live slices, in storage order."""
         with self._lock:
             result = tuple(self._index.ordered())
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def is_live(self, slc: Slice) -> bool:
         """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
         same handle)."""
         with self._lock:  # a relocation rebuilds the index: never look at it half-built
-            return slc.pool is self and self._index.get(slc.slice_id) == slc
+            return slc.pool._state is self and self._index.get(slc.slice_id) == slc
 
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             result = self._index.get(slice_id)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -297,7 +300,7 @@ class PoolState:
         relocation then fails, or keeps it alive with ``on_pinned="warn"``."""
         with self._lock:
             result = self.byte_buffer().untyped_storage()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def storage_key(self) -> int | None:
@@ -353,7 +356,7 @@ class PoolState:
         check_strided(inner, f"allocate_like()'s {type(t).__name__}")  # no single dense shape
         with tc.no_torch_function():
             result = self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
@@ -394,7 +397,7 @@ class PoolState:
             before = PoolSnapshot(self)
             try:
                 result = fn(*args)
-                return result  # not `return f()`: see flatpool.ownership.interrupts
+                return result  # not `return f()`: see flatpool.ownership._interrupts
             except BaseException:
                 self.restore(before)
                 del before  # a kept traceback must not pin the pool's storage
@@ -403,7 +406,7 @@ class PoolState:
     def _index_run(self, starts: array[int], shapes: Sequence[tuple[int, ...]],
                    dtypes: Sequence[torch.dtype]) -> SliceRun:
         """The run the allocator just appended past every existing slice, indexed as one
-        :class:`~flatpool.slice_index.SliceRun` (its handles made when someone reads them)."""
+        :class:`~flatpool._slice_index.SliceRun` (its handles made when someone reads them)."""
         first = next(self._slice_ids)
         if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
             self._slice_ids = itertools.count(first + len(starts))
@@ -483,7 +486,7 @@ class PoolState:
     def check_live(self, slc: Slice) -> None:
         if not isinstance(slc, Slice):
             raise InvalidTypeError(f"expected a Slice, got {type(slc).__name__}")
-        if slc.pool is not self:
+        if slc.pool._state is not self:
             raise ForeignSliceError(
                 f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
             )
@@ -495,10 +498,18 @@ class PoolState:
             )
 
     @property
+    def public(self) -> FlatPool | None:
+        """The :class:`~flatpool.FlatPool` that holds this state (``None`` once it died): held
+        weakly, so that a pool dies by reference counting, not at the next gc pass."""
+        return self._public_ref()
+
+    @property
     def _public(self) -> FlatPool:
-        """This pool as its public class, for the handles it gives out (``Slice.pool``): every
-        pool is a :class:`~flatpool.FlatPool`, the one subclass; this class is its layer."""
-        return cast("FlatPool", self)
+        """:attr:`public` for the handles this state gives out (``Slice.pool``), made only
+        through the pool's own methods, so while it is alive."""
+        pool = self._public_ref()
+        assert pool is not None, "a pool's state outlived its FlatPool while making a handle"
+        return pool
 
     def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
         """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
@@ -556,7 +567,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_at(slc.offset, slc.shape, slc.dtype)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def view_at(
         self,
@@ -583,7 +594,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_bytes(slc.offset, slc.nbytes)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole buffer as one 1-D tensor, for fused collectives.
@@ -611,7 +622,7 @@ class PoolState:
                         f"capacity {self.capacity} is not a multiple of {dtype}'s size"
                     )
             result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     # -- aliasing --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
@@ -724,7 +735,7 @@ class PoolState:
         self.release_kept()
         with self._lock:
             result = tuple(t.info for t in self._traces if t.alive())
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def release_kept(self) -> int:
         """Drop the originals this pool kept whose outside holders are gone; returns how many."""
@@ -767,10 +778,10 @@ class PoolState:
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)"
             )
             result = "\n".join(lines)
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_pools", "pool_of_storage",
+    "empty_storage_tensor", "live_states", "pool_of_storage",
 ]

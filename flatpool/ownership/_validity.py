@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import torch_compat as tc
-from ..registry import Binding, ParamRef
+from .. import _torch_compat as tc
+from .._registry import Binding, ParamRef
 from ..slices import Slice
-from ..state import PoolState
+from .._state import PoolState
 
 Moved = tuple[Slice, Binding, torch.Tensor]
 """A bound object that is not in place: its slice, its binding, the object now."""
@@ -42,7 +42,7 @@ def in_place(pool_key: int, slc: Slice, b: Binding, obj: torch.Tensor | None) ->
             and tuple(tc.impl_stride(obj)) == b.stride
             and dtype == b.dtype
         )
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def moved(pool: PoolState) -> list[Moved]:
@@ -88,7 +88,7 @@ def is_valid(pool: PoolState) -> bool:
     """Nothing :func:`moved` and nothing :func:`orphaned`, in one locked look."""
     with pool.lock:
         result = not moved(pool) and not orphaned(pool)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 __all__ = ["Moved", "in_place", "is_valid", "moved", "orphaned"]

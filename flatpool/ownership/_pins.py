@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import own_storage
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

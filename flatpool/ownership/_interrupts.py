@@ -220,7 +220,7 @@ def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> 
         guard.open()
         try:
             result = fn()
-            return result  # not `return f()`: see flatpool.ownership.interrupts
+            return result  # not `return f()`: see flatpool.ownership._interrupts
         finally:
             guard.finishing()
 

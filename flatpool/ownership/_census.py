@@ -18,15 +18,16 @@ from typing import Any
 import torch
 from attrs import define
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import extent_of, local_tensor, own_storage
 from .._devices import allocator_counters
 from .._table import table
 from ..errors import InvalidTypeError
 from ..slices import Slice
-from ..state import PoolState, live_pools
-from .gcpause import gc_paused
-from .interrupts import guarded_call
+from .._state import PoolState, live_states
+from ..pool import FlatPool
+from ._gcpause import gc_paused
+from ._interrupts import guarded_call
 
 _LEGIT_ROLES = ("grad", "optimizer state")
 
@@ -124,7 +125,7 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return own_storage(local_tensor(t))
 
 
-def census(*roots: Any, pools: Iterable[PoolState] | None = None) -> Census:
+def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
     """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
     lists, objects), or from every tensor in the process when no root is given.
 
@@ -133,12 +134,14 @@ def census(*roots: Any, pools: Iterable[PoolState] | None = None) -> Census:
     make it fail), and the answer sees each pool before or after such an operation, never
     half-way. Nothing made here outlives the call.
     """
-    pool_list = list(pools) if pools is not None else None
-    if pool_list is not None:
-        for p in pool_list:
-            if not isinstance(p, PoolState):
+    pool_list: list[PoolState] | None = None
+    if pools is not None:
+        pool_list = []
+        for p in pools:
+            if not isinstance(p, FlatPool):
                 raise InvalidTypeError(f"census(pools=...) takes pools, got {type(p).__name__}")
-    locked = all_locked({id(p): p for p in live_pools() + (pool_list or [])}.values())
+            pool_list.append(p._state)
+    locked = all_locked({id(p): p for p in live_states() + (pool_list or [])}.values())
     # pause and locks taken and let go with signals deferred: an interrupt cannot leave either
     return guarded_call(lambda: _census(roots, pool_list), gc_paused(), locked)
 
@@ -185,7 +188,7 @@ def _census(roots: tuple[Any, ...], pools: list[PoolState] | None) -> Census:
             for obj in gc.get_objects():
                 if isinstance(obj, torch.Tensor):
                     found.append((f"{type(obj).__name__}{tuple(obj.shape)}", "tensor", obj))
-    pool_list = pools if pools is not None else live_pools()
+    pool_list = pools if pools is not None else live_states()
     pool_keys = {p.storage_key: p for p in pool_list if p.storage_key is not None}
 
     groups: dict[int, dict[str, Any]] = {}

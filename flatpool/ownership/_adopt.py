@@ -7,13 +7,13 @@ group's dtype buckets, :func:`adopt_many`); its steps, for every kind of member 
    ``shape`` may be a global shape, its ``__torch_function__`` may raise) and work out each
    original's members (:class:`Original`); nothing changes, and a refusal is a typed error;
 2. allocate a slice per original (or use the one its spec names);
-3. copy every original's bytes into its slice (:func:`flatpool.ownership.moves.copy_all`);
-4. journal and move every member (:func:`flatpool.ownership.moves.move`);
+3. copy every original's bytes into its slice (:func:`flatpool.ownership._moves.copy_all`);
+4. journal and move every member (:func:`flatpool.ownership._moves.move`);
 5. check the pools' invariants and where every member landed, settle the pins, bind the
-   registry and prove each original died (:mod:`flatpool.ownership.release`).
+   registry and prove each original died (:mod:`flatpool.ownership._release`).
 
 Any failure, an interrupt at any bytecode included, rolls everything back
-(:mod:`flatpool.ownership.transaction`). See [Note: flatpool terms] in :mod:`flatpool.ownership`
+(:mod:`flatpool.ownership._transaction`). See [Note: flatpool terms] in :mod:`flatpool.ownership`
 for original, member, holder, wrapper and local tensor.
 """
 
@@ -21,28 +21,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._npu_format import check_plain_format, formats_apply
 from .._warn import warn
 from .._aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
 from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
 from .._holder import Holder
-from ..registry import Binding, binding
+from .._registry import Binding, binding
 from .._requests import check_dtype
 from ..slices import Slice
-from ..state import PoolState, pool_of_storage
-from .faults import checkpoint
-from .moves import COPY_CHUNK, Dest, Member, Move, byte_view, copy_all, member_of, move
-from .pins import name_referrers, tensors_on_storage
-from .relocate import grow_within
-from .release import (Outside, Pins, Placed, check_all_placed, finish, held_outside_python,
-                      outside_by_key)
-from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
-from .transaction import Transaction, atomic, check_not_in_backward
+from .._state import PoolState, pool_of_storage
+from ._faults import checkpoint
+from ._moves import COPY_CHUNK, Dest, Member, Move, byte_view, copy_all, member_of, move
+from ._pins import name_referrers, tensors_on_storage
+from ._relocate import grow_within
+from ._release import (Outside, Pins, Placed, check_all_placed, finish, held_outside_python,
+                       outside_by_key)
+from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
+from ._transaction import Transaction, atomic, check_not_in_backward
+
+if TYPE_CHECKING:
+    from ..pool import FlatPool
 
 Adoptable = Union[torch.Tensor, AdoptSpec]
 """One target: a tensor (adopted as ``AdoptSpec(tensor)``, without making that spec), or a spec."""
@@ -67,13 +70,13 @@ def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
     return reports[0]
 
 
-def adopt_many(batches: Sequence[tuple[PoolState, Sequence[Adoptable]]], *,
+def adopt_many(batches: Sequence[tuple[FlatPool, Sequence[Adoptable]]], *,
                on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
     """Adopt each batch into its pool, all of them in one transaction: every pool ends fully
     adopted, or every tensor and pool is as it was. One report per batch."""
     check_policy(on_pinned)
     check_not_in_backward()
-    given = [(pool, normalize(list(specs))) for pool, specs in batches if len(specs)]
+    given = [(pool._state, normalize(list(specs))) for pool, specs in batches if len(specs)]
     pools = [pool for pool, _ in given]
     if not given:
         return [AdoptionReport(()) for _ in batches]
@@ -655,7 +658,7 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
         readable = [t for t, ok in zip(ts, dense) if ok]
         facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
         result = [next(facts) if ok else None for ok in dense]
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
@@ -764,7 +767,7 @@ def _leaf_or_view(t: torch.Tensor) -> bool:
         return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
     with tc.no_torch_function():
         ok = tc.impl_is_leaf(t) or tc.impl_base(t) is not None
-    return ok  # (not a return inside the block: see flatpool.ownership.interrupts)
+    return ok  # (not a return inside the block: see flatpool.ownership._interrupts)
 
 
 def _external_message(labels: list[str]) -> str:

@@ -4,7 +4,7 @@ Every operation (adopt, readopt, grow/compact, materialize, and rollback) copies
 :func:`copy_all` and moves tensor objects with :func:`move` (rollback with :func:`set_many` and
 :func:`swap_many`, the same primitives). A move is journaled before it happens (write-ahead):
 :func:`move` appends each :class:`Member` record to the transaction's journal and only then
-moves it, so a rollback (:mod:`flatpool.ownership.transaction`) is right wherever an
+moves it, so a rollback (:mod:`flatpool.ownership._transaction`) is right wherever an
 interrupt lands. See [Note: flatpool terms] in :mod:`flatpool.ownership`.
 
 A member keeps its identity whichever way it moves (:class:`Move`):
@@ -30,10 +30,10 @@ from typing import Any, Union
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from ..errors import AdoptionError
 from .._holder import Holder
-from .faults import checkpoint
+from ._faults import checkpoint
 
 
 # -- copying bytes ---------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.T
         result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
             storage, start, (nbytes,), (1,)
         )
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 class _Crew:
@@ -243,7 +243,7 @@ def member_of(obj: torch.Tensor, how: Move, key: int | None, holder: Holder | No
         result = Member(obj, how, key, tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)),
                         tuple(tc.impl_stride(obj)), tc.impl_dtype(obj),
                         -1 if meta else tc.impl_version(obj), holder, primary)
-        return result  # not `return f()`: see flatpool.ownership.interrupts
+        return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 def move(journal: list[Record], members: Sequence[Member], dests: Sequence[Dest]) -> None:
@@ -293,7 +293,7 @@ def set_many(places: Iterable[Place]) -> None:
 
 
 def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the TensorImpls of each pair (see :func:`flatpool.torch_compat.swap_impl`);
+    """Exchange the TensorImpls of each pair (see :func:`flatpool._torch_compat.swap_impl`);
     a leaf's ``.grad`` and hooks go with the object (they lived on its old impl)."""
     for a, b in pairs:
         try:

@@ -1,7 +1,7 @@
 """Materialize meta tensors and parameters directly into pool slices.
 
 Each meta target's TensorImpl is exchanged for one on its slice (an impl swap, see
-:mod:`flatpool.ownership.moves`), so the Python object stays: the module, an optimizer built
+:mod:`flatpool.ownership._moves`), so the Python object stays: the module, an optimizer built
 later and any wrapper keep their references, and a following ``reset_parameters()``
 initializes in place. No storage besides the pool is ever allocated. A torch DTensor parameter
 gets a pool-backed local tensor and a wrapper impl to match.
@@ -14,18 +14,18 @@ from typing import Callable, Union, cast
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import check_strided
 from ..errors import AdoptionError, InvalidRequestError, InvalidTypeError
 from .._holder import Holder
-from ..registry import binding
+from .._registry import binding
 from ..slices import Slice
 from .._requests import check_dtype
-from ..state import PoolState
-from .faults import checkpoint
-from .moves import Dest, Member, Move, SlotSet, fresh_on, move
-from .release import check_placed
-from .transaction import Transaction, atomic
+from .._state import PoolState
+from ._faults import checkpoint
+from ._moves import Dest, Member, Move, SlotSet, fresh_on, move
+from ._release import check_placed
+from ._transaction import Transaction, atomic
 
 MetaTargets = Union[torch.Tensor, Sequence[torch.Tensor]]
 

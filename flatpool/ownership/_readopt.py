@@ -13,20 +13,20 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import torch_compat as tc
+from .. import _torch_compat as tc
 from .._aliasing import check_no_wrapper, check_strided, extent_of
 from .._warn import warn
 from ..errors import InvalidRequestError, OrphanedSliceWarning
-from ..registry import Binding, TensorRef, binding
+from .._registry import Binding, TensorRef, binding
 from ..slices import Slice
-from ..state import PoolState
-from .adopt import adopt, data_storage
-from .faults import checkpoint
-from .moves import Member, Move, copy_all, fresh_on, member_of, move
-from .release import check_placed, finish, held_outside_python, outside_by_key
-from .spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
-from .transaction import Transaction, atomic, check_not_in_backward
-from .validity import Moved, moved, orphaned
+from .._state import PoolState
+from ._adopt import adopt, data_storage
+from ._faults import checkpoint
+from ._moves import Member, Move, copy_all, fresh_on, member_of, move
+from ._release import check_placed, finish, held_outside_python, outside_by_key
+from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
+from ._transaction import Transaction, atomic, check_not_in_backward
+from ._validity import Moved, moved, orphaned
 
 
 def orphan_message(slices: Sequence[Slice]) -> str:
