@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -34,10 +35,15 @@ print("BUILT", wheel, sdist)  # the hooks print their own progress too
 
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(wheel, sdist) built from the working tree."""
+    """(wheel, sdist) built from a copy of the working tree: setuptools builds through
+    ``build/lib`` and keeps what it finds there, so a checkout's stale ``build/`` (modules since
+    moved or renamed) would end up in a wheel built in place."""
     out = tmp_path_factory.mktemp("dist")
+    src = tmp_path_factory.mktemp("src") / NAME
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"))
     proc = subprocess.run(
-        [sys.executable, "-c", BUILD, str(out)], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-c", BUILD, str(out)], cwd=src, capture_output=True, text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
