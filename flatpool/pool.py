@@ -1,10 +1,7 @@
-"""``FlatPool``: the public face of a pool, with its ownership operations.
+"""``FlatPool``: the public API of a pool, delegating to its private state and the engine.
 
-A ``FlatPool`` *holds* its state (composition, not inheritance): the storage, the layout and
-the registry live in a private :class:`flatpool._state.PoolState`, which keeps them consistent;
-the ownership engine (:mod:`flatpool.ownership`) works on that state. This class declares
-exactly the public API and delegates to the two. The engine, and flatpool's own add-ons, reach
-the state through one private accessor, ``pool._state``.
+The pool *holds* a :class:`flatpool._state.PoolState` (composition), which flatpool's engine
+and add-ons reach through one private accessor, ``pool._state``.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 import torch
 
 from ._registry import AdoptionRegistry
-from ._state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_states
+from ._state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, live_states
 from ._devices import DeviceLike
 from .ownership._adopt import AdoptTargets, adopt
 from .ownership._meta import MetaTargets, materialize_into
@@ -24,7 +21,7 @@ from .ownership._readopt import readopt
 from .ownership._relocate import compact, grow
 from .ownership._spec import AdoptionReport, AdoptSpec, OnPinned
 from .ownership._validity import is_valid, moved
-from ._requests import ShapeLike, check_dtype, check_shape, contiguous_strides
+from ._requests import ShapeLike, contiguous_strides
 from .slices import Slice
 from ._unreleased import UnreleasedOriginal
 
@@ -43,8 +40,8 @@ class FlatPool:
             takes every request; :meth:`materialize` sizes its storage to the planned extent,
             and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
             a storage with exactly the room it needs (every byte the pool holds is copied
-            once: adopt many tensors in one call, or ``grow()`` first, rather than one call a
-            tensor). ``allocate()`` never moves the storage; it raises and says to ``grow()``.
+            once: adopt many tensors in one call, or ``grow()`` first). ``allocate()`` never
+            moves the storage.
         name: shown in errors, ``repr`` and :meth:`describe`.
 
     All methods are thread-safe (one re-entrant lock per pool).
@@ -52,9 +49,7 @@ class FlatPool:
 
     __slots__ = ("_state", "__weakref__")
 
-    _state: PoolState
-    """The pool's storage, layout and registry: the one accessor the engine and flatpool's
-    add-ons use (the state refers back to this object weakly, for the handles it makes)."""
+    _state: PoolState  # refers back to this object weakly, for the handles it makes
 
     def __init__(
         self,
@@ -66,7 +61,6 @@ class FlatPool:
     ) -> None:
         self._state = PoolState(self, device, alignment=alignment, capacity=capacity, name=name)
 
-    # -- copying: a pool owns device memory that live tensors point into ------------------------
     def __reduce__(self) -> Any:
         return self._state.__reduce__()  # raises: it cannot be pickled or copied
 
@@ -335,6 +329,5 @@ def live_pools() -> list[FlatPool]:
 
 
 __all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "check_dtype", "check_shape",
-    "contiguous_strides", "empty_storage_tensor", "live_pools",
+    "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "contiguous_strides", "live_pools",
 ]
