@@ -24,11 +24,7 @@ from ._table import table
 from ._allocator import AllocSnapshot, RangeAllocator, align_up
 from ._devices import DeviceLike, resolve_device
 from .errors import (
-    ForeignSliceError,
-    FreedSliceError,
-    InvalidRequestError,
-    InvalidTypeError,
-    PoolExhaustedError,
+    ForeignSliceError, FreedSliceError, InvalidRequestError, InvalidTypeError, PoolExhaustedError,
     PoolInvariantError,
 )
 from ._registry import AdoptionRegistry

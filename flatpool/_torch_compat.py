@@ -455,11 +455,11 @@ __all__ = [
     "impl_is_leaf", "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout",
     "impl_numel", "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset",
     "impl_stride", "impl_untyped_storage", "impl_version", "in_backward", "is_functional",
-    "is_wrapper_subclass", "missing_apis", "new_storage", "no_torch_dispatch",
-    "no_torch_function", "outside_inference", "python_refs", "reduce_scatter_single",
-    "set_versions", "storage_address", "storage_has_data", "storage_key", "storage_nbytes",
-    "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
-    "tensor_impl_users", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
+    "is_wrapper_subclass", "missing_apis", "new_storage", "no_torch_dispatch", "no_torch_function",
+    "outside_inference", "python_refs", "reduce_scatter_single", "set_versions", "storage_address",
+    "storage_has_data", "storage_key", "storage_nbytes", "storage_pointer_valid", "storage_users",
+    "subclass_alias", "swap_impl", "swap_tensors", "tensor_impl_users", "weak_expired",
+    "weak_free", "weak_storage", "weak_upgrade",
 ]
 
 
