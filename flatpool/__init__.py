@@ -1,9 +1,7 @@
 """flatpool: typed, verified contiguous storage pools for PyTorch.
 
-A :class:`FlatPool` owns one contiguous storage on a device and hands out typed
-:class:`Slice` views. Tensors can be *adopted* into slices: their data moves into the pool,
-every object that viewed the original is moved in place (identity survives), and the
-original storage is released with proof that it died.
+A :class:`FlatPool` owns one storage and hands out typed :class:`Slice` views; *adopted* tensors
+move into it in place (identity survives) and their original storage is proven dead.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
 
-# First: importing _torch_compat refuses an unsupported torch with one clear error, before any
-# module reads a private torch API that release may lack.
+# First: _torch_compat refuses an unsupported torch before any module reads a private API.
 from ._torch_compat import UnsupportedTorchError, check_supported
 
 from ._aliasing import (  # noqa: E402
@@ -54,8 +51,7 @@ __all__ = [
 ]
 
 try:
-    __version__ = _dist_version("flatpool")
-    """The installed distribution's version (pyproject.toml's, the wheel's): one source."""
+    __version__ = _dist_version("flatpool")  # pyproject.toml's: one source
 except PackageNotFoundError:  # a source tree on sys.path that was never installed
     __version__ = "0+unknown"
 

@@ -57,9 +57,8 @@ def _before() -> None:
     for module_lock in _module_locks():  # each held for a few instructions only
         module_lock.acquire()
         _held.append(module_lock.release)
-    # Pools made while we waited, which another thread may already be inside an operation on.
-    # The registry lock is ours now, so no more appear; their locks are taken without waiting
-    # (a thread holding one may be waiting for the registry lock), else they count as missed.
+    # Pools made while we waited: taken without waiting (a thread holding one may wait for the
+    # registry lock, which is ours now), else they count as missed.
     known = set(map(id, waited))
     for pool in sorted(_state._all_states, key=id):
         if id(pool) not in known:

@@ -1,10 +1,7 @@
 """Materialize meta tensors and parameters directly into pool slices.
 
-Each meta target's TensorImpl is exchanged for one on its slice (an impl swap, see
-:mod:`flatpool.ownership._moves`), so the Python object stays: the module, an optimizer built
-later and any wrapper keep their references, and a following ``reset_parameters()``
-initializes in place. No storage besides the pool is ever allocated. A torch DTensor parameter
-gets a pool-backed local tensor and a wrapper impl to match.
+Each meta target's TensorImpl is swapped for one on its slice, so the Python object (and every
+reference to it) stays and ``reset_parameters()`` initializes in place; no other storage is made.
 """
 
 from __future__ import annotations
@@ -58,12 +55,8 @@ def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
 def materialize_into(
     pool: PoolState, targets: MetaTargets, slices: Sequence[Slice] | None = None
 ) -> tuple[Slice, ...]:
-    """Give meta tensors/parameters (or DTensor params with meta local tensors) pool storage.
-
-    Each target keeps its Python identity; its contents are uninitialized afterwards (like
-    ``to_empty``). ``slices`` may name pre-planned slices (one per target, matching shape and
-    dtype); otherwise they are allocated. All-or-nothing.
-    """
+    """Give meta tensors/parameters (or DTensors with meta locals) uninitialized pool storage,
+    identity kept, all-or-nothing; ``slices`` may name pre-planned slices, one per target."""
     items = [targets] if isinstance(targets, torch.Tensor) else list(targets)
     for t in items:
         if not isinstance(t, torch.Tensor):

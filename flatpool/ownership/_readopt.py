@@ -1,10 +1,8 @@
 """Re-adoption: bring bound members that moved back into their slices.
 
-Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``
-with ``assign=True``): a bound object may be re-pointed at a new storage, or its holder may get
-a new object. Re-adoption copies the current values into the binding's place in its existing
-slice and moves the object back, with the same journal, invariant check, release proof and
-rollback as :func:`adopt` (the storages it moves out of are its originals).
+Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``):
+re-adoption copies current values into the existing slices and moves the objects back, with the
+same journal, release proof and rollback as :func:`adopt`.
 """
 
 from __future__ import annotations
@@ -47,13 +45,8 @@ def readopt(
     *,
     on_pinned: OnPinned = "raise",
 ) -> AdoptionReport:
-    """Bring every moved binding of ``pool`` back into its slice; a no-op when nothing moved.
-
-    With ``specs`` (each naming its ``slice``), adopt exactly those into their existing slices
-    instead, replacing the slices' bindings: for callers that know the current holders better
-    than the registry, e.g. after ``load_state_dict(assign=True)`` installed new Parameter
-    objects that no recorded holder points to.
-    """
+    """Bring every moved binding of ``pool`` back into its slice; with ``specs`` (each naming
+    its ``slice``), adopt exactly those instead, replacing the slices' bindings."""
     check_policy(on_pinned)
     if specs is not None:
         specs = list(specs)
