@@ -30,18 +30,13 @@ class FlatPool:
     """Contiguous device storage handing out typed :class:`Slice` views.
 
     Args:
-        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device``, or
-            an accelerator index. It must be available now; ``torch_npu`` is imported only for
-            ``"npu"``.
+        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (optional index), a ``torch.device`` or an
+            accelerator index, available now (``torch_npu`` is imported only for ``"npu"``).
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
-            bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
-        capacity: fixed size in bytes: a batch that does not fit raises
-            :class:`PoolExhaustedError`. ``None`` (default) makes a *growing* pool: planned, it
-            takes every request; :meth:`materialize` sizes its storage to the planned extent,
-            and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
-            a storage with exactly the room it needs (every byte the pool holds is copied
-            once: adopt many tensors in one call, or ``grow()`` first). ``allocate()`` never
-            moves the storage.
+            bytes: a power of two up to 1 GiB; 1 packs slices without gaps.
+        capacity: fixed size in bytes, or ``None`` for a *growing* pool: an ``adopt`` that
+            does not fit moves it, in the same transaction, to a storage with room (copying
+            every byte once: adopt many tensors a call). ``allocate()`` never moves it.
         name: shown in errors, ``repr`` and :meth:`describe`.
 
     All methods are thread-safe (one re-entrant lock per pool).
@@ -90,8 +85,7 @@ class FlatPool:
 
     @property
     def grows(self) -> bool:
-        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when a batch does
-        not fit."""
+        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when needed."""
         return self._state.grows
 
     @property
@@ -140,8 +134,7 @@ class FlatPool:
 
     @property
     def live_version(self) -> int:
-        """Bumped before every change of the live slices: a cache of them is current while
-        this is unchanged (what ``flatpool.optim`` keys its layouts on)."""
+        """Bumped before every change of the live slices: a cache of them is current until then."""
         return self._state.live_version
 
     @property
@@ -155,11 +148,8 @@ class FlatPool:
         return self._state.slice_alignment(dtype)
 
     def allocate(self, shape: ShapeLike, dtype: torch.dtype) -> Slice:
-        """Reserve a slice for a tensor of ``shape`` and ``dtype``.
-
-        Before materialization this only plans (no memory is touched); afterwards it takes the
-        best-fitting free gap. Raises :class:`PoolExhaustedError` when nothing fits.
-        """
+        """Reserve a slice for ``shape`` and ``dtype``: planned before materialization, then the
+        best-fitting gap; :class:`PoolExhaustedError` when nothing fits."""
         return self._state.allocate(shape, dtype)
 
     def allocate_like(self, t: torch.Tensor) -> Slice:
@@ -211,12 +201,8 @@ class FlatPool:
         return self._state.byte_buffer()
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole buffer as one 1-D tensor, for fused collectives.
-
-        ``dtype=None`` gives the slices' dtype when every live slice shares one (and the
-        capacity is a multiple of its size), else bytes. An explicit ``dtype`` other than
-        ``torch.uint8`` requires every live slice to have it.
-        """
+        """The whole buffer as one 1-D tensor, for fused collectives: in the slices' common dtype
+        (``dtype=None``, else bytes) or ``dtype``, which every live slice must have unless uint8."""
         return self._state.flat(dtype)
 
     def view(self, slc: Slice) -> torch.Tensor:
@@ -257,27 +243,19 @@ class FlatPool:
     ) -> AdoptionReport:
         """Move tensors' data into slices of this pool and prove the originals died.
 
-        ``targets`` is a tensor, an :class:`AdoptSpec`, or a sequence of them (one batch: one
-        copy, all-or-nothing). Every tensor object named (the tensor, a DTensor's local tensor,
-        a wrapper sharing its storage, ``AdoptSpec.views``, what ``AdoptSpec.holders`` hold)
-        moves in place, so identity, ``requires_grad`` and optimizer references survive. With
-        ``discover=True`` a gc scan also finds every other Python tensor on the originals.
-        If an original is still referenced afterwards, ``on_pinned`` decides (see
-        :data:`OnPinned`); by default everything rolls back and
-        :class:`PinnedStorageError` names the holders.
+        ``targets``: a tensor, an :class:`AdoptSpec`, or a sequence of them (one all-or-nothing
+        batch). Every tensor object named moves in place, so identity and optimizer references
+        survive; ``discover=True`` also finds every other Python tensor on the originals by a gc
+        scan. A still-referenced original is handled per ``on_pinned`` (:data:`OnPinned`).
         """
         return adopt(self._state, targets, discover=discover, on_pinned=on_pinned)
 
     def readopt(
         self, specs: Sequence[AdoptSpec] | None = None, *, on_pinned: OnPinned = "raise"
     ) -> AdoptionReport:
-        """Bring every adopted tensor that is not in place back into its slice (idempotent).
-
-        Use after a framework re-materialized on its own (``to_empty``, lazy init,
-        ``load_state_dict``): current values are copied into the existing slices and the
-        objects moved back, with the same release proof as :meth:`adopt`. Pass ``specs``
-        (each with its ``slice``) to name the current holders explicitly; they replace the
-        slices' recorded bindings.
+        """Bring every adopted tensor that is not in place back into its slice (idempotent), after
+        a framework re-materialized on its own (``to_empty``, ``load_state_dict``). ``specs``
+        (each with its ``slice``) name the current holders and replace the slices' bindings.
         """
         return readopt(self._state, specs, on_pinned=on_pinned)
 
@@ -290,10 +268,8 @@ class FlatPool:
         return list(seen.values())
 
     def is_valid(self) -> bool:
-        """True when every adopted tensor is in place (on its slice, with the shape, strides and
-        dtype it was adopted with) and no slice lost all the parameters adopted into it (a
-        module that replaced them, ``load_state_dict(assign=True)``: :meth:`readopt` then warns
-        and says how to re-adopt): exactly when :meth:`moved` is empty and nothing is orphaned."""
+        """True exactly when :meth:`moved` is empty and no slice lost all the parameters adopted
+        into it (``load_state_dict(assign=True)``: :meth:`readopt` then says how to re-adopt)."""
         return is_valid(self._state)
 
     def materialize_into(
