@@ -74,10 +74,6 @@ class SliceRun(Sequence[Slice]):
             return out
         return [self.handle(i) for i in range(len(made))]
 
-    @property
-    def ids(self) -> range:
-        return range(self.first, self.first + len(self.starts))
-
     def __contains__(self, slc: object) -> bool:
         return (isinstance(slc, Slice) and slc.pool is self.pool
                 and 0 <= slc.slice_id - self.first < len(self.starts)

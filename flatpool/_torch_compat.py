@@ -163,7 +163,6 @@ impl_size: Callable[[torch.Tensor], torch.Size] = _Base.size
 impl_stride: Callable[[torch.Tensor], tuple[int, ...]] = _Base.stride
 impl_storage_offset: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
                                                       _Base.storage_offset)
-impl_data_ptr: Callable[[torch.Tensor], int] = _Base.data_ptr
 impl_numel: Callable[[torch.Tensor], int] = _Base.numel
 impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
 impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
@@ -450,7 +449,7 @@ __all__ = [
     "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV",
     "SUPPORTED_TORCH", "UNREADABLE_STORAGE", "UnsupportedTorchError", "all_gather_single",
     "check_supported", "clone", "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups",
-    "impl_address", "impl_base", "impl_data_ptr", "impl_detach", "impl_device", "impl_dtype",
+    "impl_address", "impl_base", "impl_detach", "impl_device", "impl_dtype",
     "impl_dtype_of", "impl_element_size", "impl_is_contiguous", "impl_is_inference",
     "impl_is_leaf", "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout",
     "impl_numel", "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset",

@@ -99,8 +99,7 @@ class Transaction:
         self.snapshots: list[PoolSnapshot | None] = [p.capture() for p in self.pools]
         self.originals: dict[int, torch.UntypedStorage] = {}
         """Original key -> its storage, held strongly until :meth:`release`."""
-        self.into: dict[int, PoolState] = {}
-        """Original key -> the pool it moves into."""
+        self.into: dict[int, PoolState] = {}  # Original key -> the pool it moves into
         self.nbytes: dict[int, int] = {}
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
