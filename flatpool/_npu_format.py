@@ -53,10 +53,6 @@ def format_name(code: int) -> str:
     return f"{FORMAT_NAMES.get(code, 'unknown format')} ({code})"
 
 
-def _code(query: FormatQuery, t: torch.Tensor) -> int:
-    return int(query(t))
-
-
 def private_format(t: torch.Tensor, device: torch.device | None = None) -> str | None:
     """The name of ``t``'s storage format when it is a private one, else ``None``."""
     if device is None:
@@ -65,7 +61,7 @@ def private_format(t: torch.Tensor, device: torch.device | None = None) -> str |
     query = _format_query(device)
     if query is None:
         return None
-    code = _code(query, t)
+    code = int(query(t))
     return None if code in PLAIN_FORMATS else format_name(code)
 
 
@@ -95,7 +91,7 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
     query = _format_query(device)
     if query is None:
         return buffer
-    code = _code(query, buffer)
+    code = int(query(buffer))
     if code != ACL_FORMAT_ND:
         raise NpuFormatError(
             f"torch_npu made the storage of pool {pool!r} in format {format_name(code)}, not ND: "

@@ -175,17 +175,9 @@ impl_set_: Callable[..., torch.Tensor] = _Base.set_
 impl_dtype_of: Callable[[torch.Tensor], torch.dtype] = _Base.__dict__["dtype"].__get__
 """C callable form of :func:`impl_dtype`, for ``map``."""
 
-_getters: dict[str, Any] = {
-    name: _Base.__dict__[name].__get__
-    for name in ("dtype", "device", "is_meta", "layout", "is_quantized", "requires_grad",
-                 "is_leaf", "_base", "_version", "is_sparse", "is_nested", "is_mkldnn")
-    if name in _Base.__dict__
-}
-
-
 def _getter(name: str) -> Callable[[torch.Tensor], Any]:
     """The getset descriptor's own C ``__get__``: no Python frame per read."""
-    get: Callable[[torch.Tensor], Any] = _getters[name]
+    get: Callable[[torch.Tensor], Any] = _Base.__dict__[name].__get__
     return get
 
 
@@ -207,10 +199,7 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
     return wrapper
 
 
-_use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
-
-
-tensor_impl_users: Callable[[torch.Tensor], int] = _use_count
+tensor_impl_users = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
 """Owners of ``t``'s TensorImpl: its Python object plus every C++ holder (view base link, saved
 tensor, DLPack capsule holding raw pointers: an unexplained owner must stop a move)."""
 
@@ -320,21 +309,16 @@ def in_backward() -> bool:
 
 
 # Raw storage weak references: ``StorageWeakRef`` objects by the thousand load the gc.
-_weak_ref = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
-_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
-_from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
-_free_weak = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
-
-
-weak_storage: Callable[[torch.UntypedStorage], int] = _weak_ref
+weak_storage = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
 """A weak reference to ``storage`` (an int: free it with :func:`weak_free`)."""
-weak_expired: Callable[[int], bool] = _expired
-weak_free: Callable[[int], None] = _free_weak
+weak_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
+weak_free = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
+_from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
 
 
 def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
     """The storage again, if it still lives."""
-    if _expired(ref):
+    if weak_expired(ref):
         return None
     return _from_weak(ref)
 
@@ -535,12 +519,9 @@ def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
                 slot.__set__(obj, hooks)
 
 
-_detach = cast(Callable[[torch.Tensor], torch.Tensor], _Base.detach)
-
-
 def counter_alias(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor sharing ``t``'s storage *and version counter* (``detach()``)."""
-    return _detach(t)
+    return impl_detach(t)
 
 
 _UNREAL_MODES = frozenset({"FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode"})

@@ -55,6 +55,11 @@ def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tens
     return found
 
 
+def _local_name(frame: types.FrameType, name: str) -> str:
+    return (f"local variable {name!r} in {frame.f_code.co_name}() "
+            f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+
+
 def _ours(obj: Any) -> bool:
     return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
 
@@ -163,10 +168,7 @@ def name_referrers(obj: Any, skip: Iterable[int] = (), depth: int = 0) -> list[s
             for name, value in _frame_locals(ref):
                 if value is obj:
                     local = name
-            names.append(
-                f"local variable {local!r} in {ref.f_code.co_name}() "
-                f"({os.path.basename(ref.f_code.co_filename)}:{ref.f_lineno})"
-            )
+            names.append(_local_name(ref, local))
         elif isinstance(ref, types.CellType):
             owners = [
                 f for f in gc.get_referrers(ref)
@@ -192,20 +194,14 @@ def name_referrers(obj: Any, skip: Iterable[int] = (), depth: int = 0) -> list[s
         if id(frame) not in seen_frames and not _ours(frame):
             for name, value in _frame_locals(frame):
                 if value is obj:
-                    names.append(
-                        f"local variable {name!r} in {frame.f_code.co_name}() "
-                        f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
-                    )
+                    names.append(_local_name(frame, name))
         frame = frame.f_back
     del frame
     return names
 
 
-def name_pins(
-    storage: torch.UntypedStorage,
-    skip: set[int],
-    known: Iterable[str] = (),
-) -> tuple[str, ...]:
+def name_pins(storage: torch.UntypedStorage, skip: set[int], known: Iterable[str] = (),
+              ) -> tuple[str, ...]:
     """Explain what pins ``storage``, beside ``skip``'s ids and the ``known`` reasons."""
     reasons = list(known)
     key = tc.storage_key(storage)
