@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 
 from .. import _torch_compat as tc
+from .._aliasing import extent_of
 from .._warn import warn
 from ..errors import (
     InvalidRequestError, InvalidTypeError, OriginalKeptAliveWarning, PinnedStorageError,
@@ -89,14 +90,8 @@ def _check_each(pool: PoolState, placed: Sequence[Placed]) -> None:
     key = pool.storage_key
     with tc.no_torch_function():
         for t, lo, hi, offset, size, stride in placed:
-            item = tc.impl_element_size(t)
-            start = tc.impl_storage_offset(t) * item
-            end = start
-            if tc.impl_numel(t):
-                span = 1
-                for n, step in zip(tc.impl_size(t), tc.impl_stride(t)):
-                    span += (n - 1) * abs(step)
-                end = start + span * item
+            rng = extent_of(t)
+            start, end = rng.start, rng.end
             if tc.storage_address(t) != key or start < lo or end > hi:
                 raise PoolInvariantError(
                     f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
