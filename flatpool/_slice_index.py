@@ -30,10 +30,8 @@ class SliceRun(Sequence[Slice]):
 
     __slots__ = ("pool", "first", "starts", "shapes", "dtypes", "_made")
 
-    def __init__(
-        self, pool: FlatPool, first: int, starts: array[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> None:
+    def __init__(self, pool: FlatPool, first: int, starts: array[int],
+                 shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]) -> None:
         self.pool, self.first, self.starts = pool, first, starts
         self.shapes, self.dtypes = shapes, dtypes
         self._made: list[Slice | None] | None = None

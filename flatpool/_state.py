@@ -142,15 +142,9 @@ class PoolState:
     """One pool's storage, layout and registry; arguments as :class:`~flatpool.FlatPool`'s,
     plus ``public``, the pool that holds this state (kept weakly)."""
 
-    def __init__(
-        self,
-        public: FlatPool,
-        device: DeviceLike = "cpu",
-        *,
-        alignment: int = DEFAULT_ALIGNMENT,
-        capacity: int | None = None,
-        name: str | None = None,
-    ) -> None:
+    def __init__(self, public: FlatPool, device: DeviceLike = "cpu", *,
+                 alignment: int = DEFAULT_ALIGNMENT, capacity: int | None = None,
+                 name: str | None = None) -> None:
         if isinstance(alignment, bool) or not isinstance(alignment, int):
             raise InvalidTypeError(f"alignment must be an int, got {alignment!r}")
         if alignment < 1 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
@@ -492,13 +486,8 @@ class PoolState:
             result = self.view_at(slc.offset, slc.shape, slc.dtype)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
-    def view_at(
-        self,
-        offset: int,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stride: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+    def view_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype,
+                stride: Sequence[int] | None = None) -> torch.Tensor:
         storage = self.storage
         strides = tuple(stride) if stride is not None else contiguous_strides(shape)
         with tc.outside_inference():
@@ -631,10 +620,8 @@ class PoolState:
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
 
     # -- originals left alive --------------------------------------------------------------
-    def trace_unreleased(
-        self, info: UnreleasedOriginal, storage: torch.UntypedStorage,
-        tensor: torch.Tensor | None = None,
-    ) -> None:
+    def trace_unreleased(self, info: UnreleasedOriginal, storage: torch.UntypedStorage,
+                         tensor: torch.Tensor | None = None) -> None:
         """Remember an original an adoption left alive (with ``tensor``: keep it until that
         TensorImpl has no owner besides its Python object)."""
         with self._lock:

@@ -46,14 +46,8 @@ class FlatPool:
 
     _state: PoolState  # refers back to this object weakly, for the handles it makes
 
-    def __init__(
-        self,
-        device: DeviceLike = "cpu",
-        *,
-        alignment: int = DEFAULT_ALIGNMENT,
-        capacity: int | None = None,
-        name: str | None = None,
-    ) -> None:
+    def __init__(self, device: DeviceLike = "cpu", *, alignment: int = DEFAULT_ALIGNMENT,
+                 capacity: int | None = None, name: str | None = None) -> None:
         self._state = PoolState(self, device, alignment=alignment, capacity=capacity, name=name)
 
     def __reduce__(self) -> Any:
@@ -210,13 +204,8 @@ class FlatPool:
         (what :meth:`Slice.tensor` returns)."""
         return self._state.view(slc)
 
-    def view_at(
-        self,
-        offset: int,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stride: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+    def view_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype,
+                stride: Sequence[int] | None = None) -> torch.Tensor:
         """A base-less tensor at byte ``offset`` of the storage (no autograd view link)."""
         return self._state.view_at(offset, shape, dtype, stride)
 

@@ -77,10 +77,8 @@ def materialize_into(
     return atomic(lambda txn: _materialize(pool, txn, items, locals_, slices), pool)
 
 
-def _materialize(
-    pool: PoolState, txn: Transaction, items: list[torch.Tensor], locals_: list[torch.Tensor],
-    slices: Sequence[Slice] | None,
-) -> tuple[Slice, ...]:
+def _materialize(pool: PoolState, txn: Transaction, items: list[torch.Tensor],
+                 locals_: list[torch.Tensor], slices: Sequence[Slice] | None) -> tuple[Slice, ...]:
     planned: list[Slice] = []
     geometry = []
     with tc.no_torch_function():

@@ -273,10 +273,8 @@ def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tc.carry_leaf_state(a, b)
 
 
-def fresh_on(
-    storage: torch.UntypedStorage, offset: int, size: Sequence[int], stride: Sequence[int],
-    dtype: torch.dtype, requires_grad: bool = False,
-) -> torch.Tensor:
+def fresh_on(storage: torch.UntypedStorage, offset: int, size: Sequence[int], stride: Sequence[int],
+             dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
     """A new base-less tensor on ``storage`` at ``(offset, size, stride)`` in elements."""
     with tc.outside_inference():
         out = torch.empty(0, dtype=dtype, device=storage.device)
@@ -286,11 +284,9 @@ def fresh_on(
     return out
 
 
-def fresh_like(
-    obj: torch.Tensor, storage: torch.UntypedStorage, offset: int, size: Sequence[int],
-    stride: Sequence[int], dtype: torch.dtype, requires_grad: bool = False,
-    counter_of: torch.Tensor | None = None,
-) -> torch.Tensor:
+def fresh_like(obj: torch.Tensor, storage: torch.UntypedStorage, offset: int, size: Sequence[int],
+               stride: Sequence[int], dtype: torch.dtype, requires_grad: bool = False,
+               counter_of: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fresh_on`, carrying ``obj``'s lazy conj/neg bits and sharing ``counter_of``'s
     version counter, so autograd still sees an in-place write through either one."""
     if counter_of is None or tc.impl_dtype(counter_of) != dtype:

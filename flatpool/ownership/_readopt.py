@@ -39,12 +39,8 @@ def orphan_message(slices: Sequence[Slice]) -> str:
     )
 
 
-def readopt(
-    pool: PoolState,
-    specs: Sequence[AdoptSpec] | None = None,
-    *,
-    on_pinned: OnPinned = "raise",
-) -> AdoptionReport:
+def readopt(pool: PoolState, specs: Sequence[AdoptSpec] | None = None, *,
+            on_pinned: OnPinned = "raise") -> AdoptionReport:
     """Bring every moved binding of ``pool`` back into its slice; with ``specs`` (each naming
     its ``slice``), adopt exactly those instead, replacing the slices' bindings."""
     check_policy(on_pinned)

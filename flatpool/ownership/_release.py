@@ -343,10 +343,8 @@ def _name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Itera
             for key, by_storage in found.items()}
 
 
-def _let_cxx_holders_go(
-    txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
-    skip: Callable[[], Iterable[object]],
-) -> tuple[dict[int, bool], Pins]:
+def _let_cxx_holders_go(txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
+                        skip: Callable[[], Iterable[object]]) -> tuple[dict[int, bool], Pins]:
     """Wait (bounded) for the storage pins no Python object explains (a collective's worker
     thread, on another impl of the same storage); ``(found, pins)`` after it."""
     waiting = {k for k, by_storage in found.items() if by_storage and only_cxx(pins[k])}
@@ -359,10 +357,9 @@ def _let_cxx_holders_go(
     return found, (_name_all(txn, found, skip) if found else {})
 
 
-def settle_pins(
-    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
-    skip: Callable[[], Iterable[object]] = tuple, force: Callable[[Pins], None] | None = None,
-) -> Pins:
+def settle_pins(txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+                skip: Callable[[], Iterable[object]] = tuple,
+                force: Callable[[Pins], None] | None = None) -> Pins:
     """Apply the ``on_pinned`` policy; returns what stays pinned (empty when all is clear)."""
     checkpoint("release")
     keys = list(txn.originals)
@@ -435,11 +432,9 @@ def _prove(txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned,
     return expired, late
 
 
-def finish(
-    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
-    bind: Callable[[], None], skip: Callable[[], Iterable[object]] = tuple,
-    force: Callable[[Pins], None] | None = None,
-) -> tuple[dict[int, bool], Pins]:
+def finish(txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+           bind: Callable[[], None], skip: Callable[[], Iterable[object]] = tuple,
+           force: Callable[[Pins], None] | None = None) -> tuple[dict[int, bool], Pins]:
     """Settle the pins, apply the policy, ``bind()``, commit and prove the release: per original
     key, whether it died and what still holds it."""
     pins = settle_pins(txn, label, outside, on_pinned, skip, force)
