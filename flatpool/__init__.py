@@ -63,8 +63,7 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         warn(
             f"flatpool.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
-            "release", FlatPoolDeprecationWarning,
-        )
+            "release", FlatPoolDeprecationWarning)
         from . import testing
 
         return getattr(testing, name)

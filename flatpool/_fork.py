@@ -90,13 +90,11 @@ def _after_in_child() -> None:
             f"{names} (fork waits up to {FORK_WAIT} s for such operations; these had not "
             "ended); their locks are reset here, but their state is whatever that operation "
             "had reached. Fork before using pools from threads, or build new pools in the child.",
-            FlatPoolWarning,
-        )
+            FlatPoolWarning)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
-        before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
-    )
+        before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
 
 __all__ = ["FORK_WAIT"]

@@ -150,8 +150,7 @@ class PoolState:
         if alignment < 1 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
             raise InvalidRequestError(
                 f"alignment must be a power of two from 1 to {MAX_ALIGNMENT} (1 GiB), got "
-                f"{alignment}"
-            )
+                f"{alignment}")
         if capacity is not None:
             if isinstance(capacity, bool) or not isinstance(capacity, int):
                 raise InvalidTypeError(f"capacity must be an int or None, got {capacity!r}")
@@ -186,8 +185,7 @@ class PoolState:
     def __reduce__(self) -> Any:
         raise InvalidTypeError(
             f"pool {self.name!r} cannot be pickled or copied: it owns device memory that live "
-            "tensors point into. Save the tensors (module.state_dict()) and build a new pool."
-        )
+            "tensors point into. Save the tensors (module.state_dict()) and build a new pool.")
 
     def __copy__(self) -> Any:
         self.__reduce__()
@@ -344,16 +342,14 @@ class PoolState:
         nbytes = math.prod(dims) * dt.itemsize
         if nbytes == 0:
             raise InvalidRequestError(
-                f"shape {dims} of {dt} holds no bytes; keep zero-size tensors outside the pool"
-            )
+                f"shape {dims} of {dt} holds no bytes; keep zero-size tensors outside the pool")
         with self._lock:
             align = self.slice_alignment(dt)
             start = self._alloc.find(nbytes, align)
             if start is not None and start + nbytes > MAX_BYTES - self.alignment:
                 raise InvalidRequestError(
                     f"shape {dims} of {dt} ({nbytes} bytes) at offset {start} would take pool "
-                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address"
-                )
+                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address")
             if start is None:
                 free = self.capacity - self._index.used_bytes()
                 largest = self._alloc.largest_fit(align)
@@ -361,8 +357,7 @@ class PoolState:
                     f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
                     f"alignment {align}: {free} bytes free of {self.capacity}, the largest "
                     f"usable gap is {largest} bytes. " + self._full_hint(),
-                    requested=nbytes, free=free, largest_free=largest,
-                )
+                    requested=nbytes, free=free, largest_free=largest)
             slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
             with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
                 try:
@@ -379,8 +374,7 @@ class PoolState:
             if self._registry.holds(slc.slice_id):
                 raise InvalidRequestError(
                     f"slice {slc.slice_id} of pool {self.name!r} still backs adopted tensors; "
-                    "call pool.disown(slice) (or release them) before freeing it"
-                )
+                    "call pool.disown(slice) (or release them) before freeing it")
             self._drop(slc)
             for snap in list(self._watching):  # an operation's rollback must not bring it back
                 if snap.index.get(slc.slice_id) == slc:
@@ -410,14 +404,12 @@ class PoolState:
             raise InvalidTypeError(f"expected a Slice, got {type(slc).__name__}")
         if slc.pool._state is not self:
             raise ForeignSliceError(
-                f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
-            )
+                f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}")
         live = self._index.get(slc.slice_id)
         if live is not slc and live != slc:  # (a copy of a handle is the same handle)
             raise FreedSliceError(
                 f"slice {slc.slice_id} of pool {self.name!r} (offset {slc.offset}, "
-                f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
-            )
+                f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since")
 
     @property
     def public(self) -> FlatPool | None:
@@ -520,12 +512,10 @@ class PoolState:
                 if dtype != torch.uint8 and dtypes - {dtype}:
                     raise InvalidRequestError(
                         f"pool {self.name!r} holds slices of {sorted(map(str, dtypes))}; a flat "
-                        f"{dtype} view would reinterpret them. Use flat() or flat(torch.uint8)."
-                    )
+                        f"{dtype} view would reinterpret them. Use flat() or flat(torch.uint8).")
                 if self.capacity % dtype.itemsize:
                     raise InvalidRequestError(
-                        f"capacity {self.capacity} is not a multiple of {dtype}'s size"
-                    )
+                        f"capacity {self.capacity} is not a multiple of {dtype}'s size")
             result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
@@ -614,8 +604,7 @@ class PoolState:
                     raise PoolInvariantError(
                         f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
                         f"{self.capacity}: a tensor placed past its end grew it, or a tensor on it "
-                        "shrank it (untyped_storage().resize_())"
-                    )
+                        "shrank it (untyped_storage().resize_())")
             if not self._index.consistent():
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
 
@@ -656,8 +645,7 @@ class PoolState:
                         str(slc.dtype).replace("torch.", ""),
                         "x".join(map(str, slc.shape)) or "scalar",
                         str(slc.slice_id),
-                    )
-                )
+                    ))
                 pos = slc.end
             if self.capacity > pos:
                 rows.append((str(pos), str(self.capacity), str(self.capacity - pos), "gap", "", "", ""))
@@ -669,8 +657,7 @@ class PoolState:
             lines += table(rows, right=range(len(rows[0])))
             lines.append(
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
-                f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)"
-            )
+                f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)")
             result = "\n".join(lines)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 

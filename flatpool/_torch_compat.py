@@ -86,15 +86,13 @@ def check_supported() -> None:
     if version < lo:  # TorchVersion compares as versions: '2.10' > '2.7', '2.7.0rc1' < '2.7'
         raise UnsupportedTorchError(
             f"flatpool supports torch >= {lo}; this is torch {torch.__version__}. "
-            f"Install a supported release (pip install 'torch>={lo}')."
-        )
+            f"Install a supported release (pip install 'torch>={lo}').")
     missing = missing_apis()
     if missing:
         raise UnsupportedTorchError(
             f"torch {torch.__version__} lacks {', '.join(missing)}, which flatpool needs (tested "
             f"on torch {lo} to {tested}). Install a tested release (pip install "
-            f"'torch>={lo},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}') or a newer flatpool."
-        )
+            f"'torch>={lo},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}') or a newer flatpool.")
     # X.Y.dev0 sorts before every X.Y release and pre-release: a 2.16 nightly is untested too
     first_untested = f"{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}.dev0"
     if version >= first_untested and os.environ.get(SILENCE_ENV) != "1":
@@ -102,8 +100,7 @@ def check_supported() -> None:
             f"flatpool was tested on torch {lo} to {tested}; this is torch {torch.__version__}. "
             f"Every private API it needs is present, so it goes ahead; please report a failure. "
             f"Set {SILENCE_ENV}=1 to silence this warning.",
-            UntestedTorchWarning,
-        )
+            UntestedTorchWarning)
 
 
 check_supported()  # before the probes below: an old torch lacks some of what they read
@@ -421,8 +418,7 @@ def fsdp_state_param_groups(state: object) -> list[Any]:
         return [] if group is None else [group]
     raise UnsupportedTorchError(
         f"this torch {torch.__version__} keeps FSDP2's param groups where flatpool does not "
-        "look (neither FSDPState._fsdp_param_groups nor _fsdp_param_group)"
-    )
+        "look (neither FSDPState._fsdp_param_groups nor _fsdp_param_group)")
 
 
 def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:

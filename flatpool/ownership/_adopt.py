@@ -78,8 +78,7 @@ def normalize(targets: AdoptTargets) -> list[Adoptable]:
     else:
         raise InvalidTypeError(
             "adopt() takes a tensor, an AdoptSpec, or a list/tuple of them, got "
-            f"{type(targets).__name__}"
-        )
+            f"{type(targets).__name__}")
     specs: list[Adoptable] = []
     for i, t in enumerate(items):
         if isinstance(t, AdoptSpec):
@@ -92,8 +91,7 @@ def normalize(targets: AdoptTargets) -> list[Adoptable]:
             specs.append(t)
         else:
             raise InvalidTypeError(
-                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs"
-            )
+                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs")
     if not specs:
         raise InvalidRequestError("adopt() was given nothing to adopt")
     return specs
@@ -295,8 +293,7 @@ def _move(txn: Transaction, batches: Sequence[tuple[PoolState, Sequence[Original
                 if at % item:
                     raise AdoptionError(
                         f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: "
-                        f"not a multiple of its element size {item}"
-                    )
+                        f"not a multiple of its element size {item}")
                 moving.append(m)
                 places.append((target, at // item, m.size, m.stride))
                 bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
@@ -329,12 +326,10 @@ def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
                 if slc.nbytes != o.extent.nbytes or slc.dtype != o.dtype:
                     raise InvalidRequestError(
                         f"{o.label} needs {o.extent.nbytes} bytes of {o.dtype}; slice "
-                        f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}"
-                    )
+                        f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}")
                 if not into_bound and pool.registry.holds(slc.slice_id):
                     raise InvalidRequestError(
-                        f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
-                    )
+                        f"slice {slc.slice_id} already backs adopted tensors; use readopt()")
     for originals in batch:
         for o in originals:
             o.members = members(o, discover)
@@ -373,8 +368,7 @@ def members(o: Original, discover: bool) -> list[Member]:
         more = _expand(held, o.key, False)
         if not more:
             raise InvalidRequestError(
-                f"holder {h.describe()} of {o.label} does not hold a tensor on its storage"
-            )
+                f"holder {h.describe()} of {o.label} does not hold a tensor on its storage")
         add(more, h)
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
@@ -386,8 +380,7 @@ def members(o: Original, discover: bool) -> list[Member]:
         if m.how is not Move.ONTO_LOCAL and not start <= lo <= hi <= end:
             raise InvalidRequestError(
                 f"a view of {o.label} reaches bytes outside it ({lo}..{hi} vs {start}..{end}); "
-                "adopt the tensor it is a view of instead"
-            )
+                "adopt the tensor it is a view of instead")
     return list(unique.values())
 
 
@@ -442,15 +435,13 @@ def _held(h: Holder, o: Original) -> torch.Tensor:
         raise InvalidRequestError(f"holder {h.describe()} of {o.label} cannot be read: {exc}") from exc
     if not isinstance(value, torch.Tensor):
         raise InvalidRequestError(
-            f"holder {h.describe()} of {o.label} holds a {type(value).__name__}, not a tensor"
-        )
+            f"holder {h.describe()} of {o.label} holds a {type(value).__name__}, not a tensor")
     why = h.unassignable()  # from the owner's type: writing would run the place's setter
     if why is not None:
         raise InvalidTypeError(
             f"holder {h.describe()} of {o.label} cannot be assigned ({why}): name a place "
             "flatpool can write (an attribute, a list or dict item), not a read-only property "
-            "or a tuple slot"
-        )
+            "or a tuple slot")
     return value
 
 
@@ -514,8 +505,7 @@ def _check_disjoint(originals: list[Original]) -> None:
                 raise AliasingError(
                     f"{a.label} and {b.label} share bytes of one storage; adopt one and pass the "
                     "other in its AdoptSpec.views",
-                    [(a.label, b.label)],
-                )
+                    [(a.label, b.label)])
     given = [(id(o.pool), o.slice.slice_id) for o in originals if o.slice is not None]
     if len(given) != len(set(given)):
         raise InvalidRequestError("two AdoptSpecs name the same target slice")
@@ -572,28 +562,24 @@ def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.Unty
         raise InvalidTypeError(
             f"{what} is a functional tensor (made by torch.func.functionalize or compile "
             "tracing): its storage is a placeholder and its data lives in the tensor it wraps; "
-            "adopt the real tensor, outside the functionalized region"
-        )
+            "adopt the real tensor, outside the functionalized region")
     # (an exact tensor's storage is on its own device, not meta: only a subclass can say
     # otherwise of itself, a FakeTensor)
     if type(t) not in _PLAIN and storage.device.type == "meta":
         raise InvalidTypeError(
             f"{what} has only metadata (a {type(t).__name__} made under FakeTensorMode, or "
             "another tensor on a meta storage): there is no data to adopt; adopt real tensors "
-            "outside the fake mode"
-        )
+            "outside the fake mode")
     if not tc.storage_pointer_valid(storage):
         raise InvalidTypeError(
             f"{what} ({type(t).__name__}) has no real storage (a placeholder that crashes when "
-            "read): adopt the tensor that holds its data"
-        )
+            "read): adopt the tensor that holds its data")
     if storage.nbytes() < extent.end:
         raise InvalidRequestError(
             f"{what} reaches byte {extent.end} of a storage that holds only "
             f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(), as FSDP does "
             "for unsharded parameters): there is no data to adopt; resize the storage back "
-            "(or let the framework re-materialize it) first, or adopt the tensor that has the data"
-        )
+            "(or let the framework re-materialize it) first, or adopt the tensor that has the data")
     return storage
 
 
@@ -633,14 +619,12 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
     if meta:
         raise InvalidRequestError(
             f"{o} is a meta tensor (or a fake one) and has no data to adopt; use "
-            "pool.materialize_into() to give it pool storage"
-        )
+            "pool.materialize_into() to give it pool storage")
     pool = o.pool
     if device != pool.device:
         raise InvalidRequestError(
             f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
-            "move it to the pool's device first or use a pool on its device"
-        )
+            "move it to the pool's device first or use a pool on its device")
     if formats:  # (only an NPU has private storage formats, and o is on the pool's device)
         check_plain_format(inner, o, device)
     if numel == 0:
@@ -648,8 +632,7 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
     if inference:
         raise InvalidRequestError(
             f"{o} is an inference tensor (made under torch.inference_mode()); it "
-            "cannot be rebound in place: adopt a clone() made outside inference mode"
-        )
+            "cannot be rebound in place: adopt a clone() made outside inference mode")
     if not _leaf_or_view(o.tensor):
         with tc.no_torch_function():
             computed_by = type(o.tensor.grad_fn).__name__
@@ -658,8 +641,7 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
             f"({computed_by}) from tensors that require grad, and its "
             "graph may still read its storage. Adopt the leaf it was computed from (a "
             "parameter, a buffer), or compute it without a graph (under torch.no_grad(), or "
-            "adopt a .detach()ed value once nothing else refers to the original)"
-        )
+            "adopt a .detach()ed value once nothing else refers to the original)")
     o.dtype = check_dtype(dtype, o)
     size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
     o.geometry = (offset, size, stride)
@@ -674,19 +656,16 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
         if why == "expanded":
             raise InvalidRequestError(
                 f"{o} overlaps itself (an expanded/broadcast view, strides {stride}); adopt "
-                "the tensor it was expanded from"
-            )
+                "the tensor it was expanded from")
         if why == "shared":
             raise InvalidRequestError(
                 f"{o} overlaps itself (strides {stride} over sizes {size} reach some elements "
-                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy"
-            )
+                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy")
         if why == "unproven":
             raise InvalidRequestError(
                 f"{o} has interleaved strides {stride} over sizes {size}: more than "
                 f"{EXACT_OVERLAP_ELEMENTS} elements to check that no two share memory; adopt "
-                "a contiguous() copy"
-            )
+                "a contiguous() copy")
         o.shape = (o.extent.nbytes // item,)
     storage = data_storage(inner, o.extent, o)
     key = o.key = tc.storage_key(storage)
@@ -696,14 +675,12 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
             raise InvalidRequestError(
                 f"{o} has a storage of its own that is not its _local_tensor's: the "
                 "wrapper does not view its shard, and adopting the local tensor would leave the "
-                "wrapper reading other memory; rebuild the wrapper around its local tensor"
-            )
+                "wrapper reading other memory; rebuild the wrapper around its local tensor")
     owner = pool_of_storage(key)
     if owner is not None and o.extent.end <= owner.capacity:
         where = "this pool" if owner is pool else f"pool {owner.name!r}"
         raise InvalidRequestError(
-            f"{o} already lives in {where}; use readopt() to bring moved members back"
-        )
+            f"{o} already lives in {where}; use readopt() to bring moved members back")
     # Memory another owner may keep (from_numpy, frombuffer, share_memory_): torch marks it
     # non-resizable but does not say which allocator made a storage, so every non-resizable
     # storage counts as external (the safe answer: nothing is reported freed).

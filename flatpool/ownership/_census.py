@@ -78,8 +78,7 @@ class Census:
         lines.append(
             f"{len(self.records)} storage(s), {self.total_bytes} bytes; in pools "
             f"{self.pool_bytes} bytes; stale {sum(r.nbytes for r in self.stale)} bytes "
-            f"in {len(self.stale)} storage(s)"
-        )
+            f"in {len(self.stale)} storage(s)")
         for dev, counters in self.allocator.items():
             lines.append(f"{dev} allocator: allocated {counters['allocated']} B, "
                          f"reserved {counters['reserved']} B")

@@ -30,8 +30,7 @@ _ASYNC_SIGNALS = tuple(
     getattr(signal, name)
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF",
                  "SIGUSR1", "SIGUSR2")
-    if hasattr(signal, name)
-)
+    if hasattr(signal, name))
 class _Stack(threading.local):
     def __init__(self) -> None:
         self.guards: list[Guard] = []

@@ -39,13 +39,11 @@ def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
         device = tc.impl_device(local)
     if not meta:
         raise InvalidRequestError(
-            f"materialize_into() takes meta tensors; target #{i} is on {device}: use adopt()"
-        )
+            f"materialize_into() takes meta tensors; target #{i} is on {device}: use adopt()")
     if not _is_dtensor(t) and tc.is_wrapper_subclass(t):
         raise InvalidTypeError(
             f"target #{i} is a {type(t).__name__}: a wrapper subclass without a _local_tensor "
-            "cannot be given storage; materialize the tensors it wraps"
-        )
+            "cannot be given storage; materialize the tensors it wraps")
     check_strided(local, f"target #{i}")
     with tc.no_torch_function():
         check_dtype(tc.impl_dtype(local), f"target #{i}")  # what allocate() and adopt() refuse
@@ -72,8 +70,7 @@ def materialize_into(
         if tc.tensor_impl_users(t) > 1:
             raise AdoptionError(
                 f"target #{i} ({type(t).__name__}) is held outside Python (an autograd graph "
-                "or C++ hook): materialize before running anything on it"
-            )
+                "or C++ hook): materialize before running anything on it")
     return atomic(lambda txn: _materialize(pool, txn, items, locals_, slices), pool)
 
 
@@ -92,8 +89,7 @@ def _materialize(pool: PoolState, txn: Transaction, items: list[torch.Tensor],
             if slc.shape != size or slc.dtype != dtype:
                 raise InvalidRequestError(
                     f"target #{i} is {size} {dtype} but slice {slc.slice_id} is {slc.shape} "
-                    f"{slc.dtype}"
-                )
+                    f"{slc.dtype}")
             if pool.registry.holds(slc.slice_id):
                 raise InvalidRequestError(f"slice {slc.slice_id} already backs tensors")
         else:

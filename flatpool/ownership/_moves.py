@@ -45,8 +45,7 @@ def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.T
     """``nbytes`` bytes of ``storage`` from ``start`` as a new base-less uint8 tensor."""
     with tc.outside_inference():
         result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-            storage, start, (nbytes,), (1,)
-        )
+            storage, start, (nbytes,), (1,))
         return result  # not `return f()`: see flatpool.ownership._interrupts
 
 

@@ -112,8 +112,7 @@ def _owner_of_dict(d: dict[Any, Any], skip: set[int], depth: int = 0) -> str | N
                     obj = next(  # the object whose attribute dict this is: "Type.attr"
                         (o for o in gc.get_referrers(owner)
                          if not isinstance(o, type) and getattr(o, "__dict__", None) is owner),
-                        None,
-                    )
+                        None)
                     if obj is not None and isinstance(k, str):
                         return f"{type(obj).__name__}.{k}"
                     parent = _owner_of_dict(owner, skip | {id(d)}, depth + 1)

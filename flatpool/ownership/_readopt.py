@@ -49,8 +49,7 @@ def readopt(pool: PoolState, specs: Sequence[AdoptSpec] | None = None, *,
         for i, spec in enumerate(specs):
             if not isinstance(spec, AdoptSpec) or spec.slice is None:
                 raise InvalidRequestError(
-                    f"readopt() spec #{i} must be an AdoptSpec naming the slice to re-adopt into"
-                )
+                    f"readopt() spec #{i} must be an AdoptSpec naming the slice to re-adopt into")
         if not specs:
             return AdoptionReport(())
         return adopt(pool, specs, on_pinned=on_pinned, into_bound=True)
@@ -78,15 +77,13 @@ def _check(slc: Slice, b: Binding, obj: torch.Tensor, pool: PoolState) -> None:
         if tc.impl_is_meta(obj):
             raise InvalidRequestError(
                 f"a tensor bound to slice {slc.slice_id} is on the meta device now; use "
-                "materialize_into() to give it pool storage"
-            )
+                "materialize_into() to give it pool storage")
         size, dtype, device = tuple(tc.impl_size(obj)), tc.impl_dtype(obj), tc.impl_device(obj)
     if size != b.shape or dtype != b.dtype or device != pool.device:
         raise InvalidRequestError(
             f"a tensor bound to slice {slc.slice_id} changed to {size} {dtype} on {device} (was "
             f"{b.shape} {b.dtype} on {pool.device}); re-adoption keeps shape, dtype and device. "
-            f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
-        )
+            f"Call pool.disown(slice) and pool.free(slice), then adopt it anew")
     with tc.no_torch_function():
         extent = extent_of(obj)
     data_storage(obj, extent, what)  # a storage resized away would be read past its end

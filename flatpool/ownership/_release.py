@@ -96,8 +96,7 @@ def _check_each(pool: PoolState, placed: Sequence[Placed]) -> None:
                 raise PoolInvariantError(
                     f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
                     f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
-                    "claimed): nothing was changed"
-                )
+                    "claimed): nothing was changed")
             if (tc.impl_storage_offset(t), tuple(tc.impl_size(t)),
                     tuple(tc.impl_stride(t))) != (offset, size, stride):
                 raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
@@ -396,8 +395,7 @@ def _keep_unreleased(txn: Transaction, label: Labels, pins: Pins, outside: Outsi
         held = outside.get(key, []) if OUTSIDE_PYTHON in reasons else []
         info = UnreleasedOriginal(
             label=label(key), nbytes=txn.nbytes[key], address=storage.data_ptr(),
-            device=str(storage.device), kept_by_pool=bool(held),
-        )
+            device=str(storage.device), kept_by_pool=bool(held))
         txn.into[key].trace_unreleased(info, storage, held[0] if held else None)
         del storage
 
@@ -451,13 +449,11 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
     if kept:  # on_pinned="warn"/"force": the move stands, the originals live on
         lines.append(
             "The move was kept (on_pinned='warn'/'force'); each original is freed when its "
-            "holders drop it (pool.unreleased_originals() lists them)."
-        )
+            "holders drop it (pool.unreleased_originals() lists them).")
         return "\n".join(lines)
     lines.append(
         "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
-        "references, or use on_pinned='warn'/'force'. Nothing was changed."
-    )
+        "references, or use on_pinned='warn'/'force'. Nothing was changed.")
     return "\n".join(lines)
 
 

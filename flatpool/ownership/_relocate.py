@@ -37,8 +37,7 @@ def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> No
         if capacity < pool.capacity:
             raise InvalidRequestError(
                 f"grow() cannot shrink pool {pool.name!r} from {pool.capacity} to {capacity} "
-                "bytes; use compact() to drop free space"
-            )
+                "bytes; use compact() to drop free space")
         layout = {s.slice_id: s.offset for s in pool.slices()}
         relocate(pool, capacity, layout, on_pinned)
 
@@ -94,8 +93,7 @@ def grow_within(
     capacity = align_up(max(end, pool.capacity), pool.alignment)
     if capacity > MAX_BYTES:
         raise InvalidRequestError(
-            f"pool {pool.name!r} would grow to {capacity} bytes, past {MAX_BYTES} bytes"
-        )
+            f"pool {pool.name!r} would grow to {capacity} bytes, past {MAX_BYTES} bytes")
     # Offsets stay, so every tensor on the old storage has its place on the new one: the views
     # a user made after adoption follow (an explicit grow() names them as pins instead).
     layout = {s.slice_id: s.offset for s in pool.slices()}

@@ -35,12 +35,10 @@ def _sequence(value: object, what: str) -> tuple[object, ...]:
         fix = "views=[t]" if what == "views" else "holders=[Holder(owner, key)] for its places"
         raise InvalidTypeError(
             f"AdoptSpec.{what} must be a sequence, got a single tensor (it would be split into "
-            f"rows): pass {fix}"
-        )
+            f"rows): pass {fix}")
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidTypeError(
-            f"AdoptSpec.{what} must be a list or tuple, got {type(value).__name__}"
-        )
+            f"AdoptSpec.{what} must be a list or tuple, got {type(value).__name__}")
     return tuple(value)
 
 
@@ -59,8 +57,7 @@ def _holders(value: Sequence[Holder]) -> tuple[Holder, ...]:
     for h in out:
         if not isinstance(h, Holder):
             raise InvalidTypeError(
-                f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}"
-            )
+                f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}")
     return cast("tuple[Holder, ...]", out)
 
 

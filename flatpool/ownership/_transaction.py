@@ -63,14 +63,12 @@ def check_plain_torch() -> None:
         raise InvalidRequestError(
             f"flatpool cannot move storages while a {type(mode).__name__} is active (its tensors "
             "have no real storage, and the mode intercepts the copies); call it outside the "
-            "`with` block of the mode"
-        )
+            "`with` block of the mode")
     if tc.in_functorch_transform():
         raise InvalidRequestError(
             "flatpool cannot move storages inside a torch.func transform (grad, vmap, jacrev, "
             "...): tensors made there are wrapped at the transform's level; adopt before "
-            "entering the transform"
-        )
+            "entering the transform")
 
 
 def check_not_in_backward() -> None:
@@ -78,8 +76,7 @@ def check_not_in_backward() -> None:
     if tc.in_backward():
         raise AdoptionError(
             "cannot move storages while autograd's backward pass is running (called from a "
-            "backward hook?); adopt before forward or after backward and the optimizer step"
-        )
+            "backward hook?); adopt before forward or after backward and the optimizer step")
 
 
 class Phase(enum.Enum):
@@ -189,8 +186,7 @@ class Transaction:
             raise RollbackError(
                 f"rollback restored everything except {len(errors)} holder(s): "
                 + "; ".join(f"{type(e).__name__}: {e}" for e in errors),
-                errors,
-            )
+                errors)
 
     def _recover_originals(self) -> None:
         """After :meth:`release`: get each original back (alive) or rebuild it from the pool."""
