@@ -101,6 +101,5 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
     return buffer
 
 
-__all__ = ["ACL_FORMAT_ND", "FORMAT_NAMES", "PLAIN_FORMATS",
-           "check_plain_format", "check_pool_storage", "format_name", "formats_apply",
+__all__ = ["check_plain_format", "check_pool_storage", "format_name", "formats_apply",
            "private_format"]

@@ -663,6 +663,6 @@ class PoolState:
 
 
 __all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
+    "DEFAULT_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
     "empty_storage_tensor", "live_states", "pool_of_storage",
 ]

@@ -427,18 +427,18 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 __all__ = [
     "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV",
-    "SUPPORTED_TORCH", "UNREADABLE_STORAGE", "UnsupportedTorchError", "all_gather_single",
-    "check_supported", "clone", "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups",
-    "impl_address", "impl_base", "impl_detach", "impl_device", "impl_dtype",
-    "impl_dtype_of", "impl_element_size", "impl_is_contiguous", "impl_is_inference",
-    "impl_is_leaf", "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout",
-    "impl_numel", "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset",
-    "impl_stride", "impl_untyped_storage", "impl_version", "in_backward", "is_functional",
-    "is_wrapper_subclass", "missing_apis", "new_storage", "no_torch_dispatch", "no_torch_function",
-    "outside_inference", "python_refs", "reduce_scatter_single", "set_versions", "storage_address",
-    "storage_has_data", "storage_key", "storage_nbytes", "storage_pointer_valid", "storage_users",
-    "subclass_alias", "swap_impl", "swap_tensors", "tensor_impl_users", "weak_expired",
-    "weak_free", "weak_storage", "weak_upgrade",
+    "SUPPORTED_TORCH", "UnsupportedTorchError", "all_gather_single", "check_supported", "clone",
+    "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups", "impl_address", "impl_base",
+    "impl_detach", "impl_device", "impl_dtype", "impl_dtype_of", "impl_element_size",
+    "impl_is_contiguous", "impl_is_inference", "impl_is_leaf", "impl_is_meta", "impl_is_nested",
+    "impl_is_quantized", "impl_layout", "impl_numel", "impl_requires_grad", "impl_set_",
+    "impl_size", "impl_storage_offset", "impl_stride", "impl_untyped_storage", "impl_version",
+    "in_backward", "is_functional", "is_wrapper_subclass", "missing_apis", "new_storage",
+    "no_torch_dispatch", "no_torch_function", "outside_inference", "python_refs",
+    "reduce_scatter_single", "set_versions", "storage_address", "storage_has_data", "storage_key",
+    "storage_nbytes", "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl",
+    "swap_tensors", "tensor_impl_users", "weak_expired", "weak_free", "weak_storage",
+    "weak_upgrade",
 ]
 
 
@@ -557,4 +557,4 @@ def fsdp_module_param_groups(module: object) -> list[Any]:
     return fsdp_state_param_groups(fsdp_state(module))
 
 
-__all__ += ["fsdp_lazy_init", "fsdp_module_param_groups", "fsdp_state"]
+__all__ += ["fsdp_lazy_init", "fsdp_module_param_groups"]

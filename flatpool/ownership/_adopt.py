@@ -707,6 +707,6 @@ def _external_message(labels: list[str]) -> str:
     )
 
 
-__all__ = ["AdoptTargets", "Adoptable", "Original", "adopt", "adopt_in", "adopt_many",
-           "data_storage", "discover_members", "label", "normalize", "overlap", "plan",
+__all__ = ["AdoptTargets", "Original", "adopt", "adopt_in", "adopt_many",
+           "data_storage", "label", "overlap", "plan",
            "validate"]

@@ -212,5 +212,5 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["Guard", "RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
+__all__ = ["RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
            "signals_guarded"]

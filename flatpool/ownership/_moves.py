@@ -310,5 +310,5 @@ def counter_group(t: torch.Tensor) -> int:
 
 __all__ = [
     "COPY_CHUNK", "Dest", "Member", "Move", "Place", "Record", "SlotSet", "byte_view", "copy_all",
-    "counter_group", "fresh_like", "fresh_on", "member_of", "move", "set_many", "swap_many",
+    "fresh_like", "fresh_on", "member_of", "move", "set_many", "swap_many",
 ]

@@ -458,8 +458,8 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
 
 
 __all__ = [
-    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "Labels", "Outside",
-    "Pins", "Placed", "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
+    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "Outside", "Pins", "Placed",
+    "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
     "held_outside_python", "load_factor", "look_again", "outside_by_key", "own_ids",
-    "pinned_keys", "pinned_message", "set_cxx_holder_wait", "settle_delays", "storage_pinned",
+    "set_cxx_holder_wait", "settle_delays", "storage_pinned",
 ]

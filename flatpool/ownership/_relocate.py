@@ -200,4 +200,4 @@ def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["compact", "grow", "grow_within", "move_storage", "relocate"]
+__all__ = ["compact", "grow", "grow_within", "relocate"]

@@ -251,4 +251,4 @@ def undo(journal: Sequence[Record], originals: dict[int, torch.UntypedStorage],
     return errors
 
 
-__all__ = ["Phase", "Transaction", "atomic", "check_not_in_backward", "check_plain_torch", "undo"]
+__all__ = ["Transaction", "atomic", "check_not_in_backward", "undo"]
