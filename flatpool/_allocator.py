@@ -157,8 +157,6 @@ class RangeAllocator:
         """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step:
         only for a growable allocator with no free range, where best fit has nothing to choose.
         Returns ``None`` (nothing changed) otherwise."""
-        if not self.growable or self._starts:
-            return None
         if any(alignment != self.alignment for _, alignment in requests):
             return None  # a coarser alignment leaves gaps a later, finer request would fill
         return self.append_run([nbytes for nbytes, _ in requests])
