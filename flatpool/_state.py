@@ -556,7 +556,7 @@ class PoolState:
 
     # -- all-or-nothing support ----------------------------------------------------------
     def capture(self) -> PoolSnapshot:
-        """Remember everything for :meth:`restore`; slices freed before :meth:`forget` stay freed."""
+        """Remember everything for :meth:`restore`; slices freed until :meth:`forget` stay so."""
         with self._lock:
             snap = PoolSnapshot(self)
             self._watching.add(snap)
