@@ -1,9 +1,7 @@
 """flatpool: typed, verified contiguous storage pools for PyTorch.
 
-A :class:`FlatPool` owns one contiguous storage on a device and hands out typed
-:class:`Slice` views. Tensors can be *adopted* into slices: their data moves into the pool,
-every object that viewed the original is moved in place (identity survives), and the
-original storage is released with proof that it died.
+A :class:`FlatPool` owns one storage and hands out typed :class:`Slice` views; *adopted* tensors
+move into it in place (identity survives) and their original storage is proven dead.
 """
 
 from __future__ import annotations
@@ -12,18 +10,11 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
 
-# First: importing _torch_compat refuses an unsupported torch with one clear error, before any
-# module reads a private torch API that release may lack.
+# First: _torch_compat refuses an unsupported torch before any module reads a private API.
 from ._torch_compat import UnsupportedTorchError, check_supported
 
 from ._aliasing import (  # noqa: E402
-    ByteRange,
-    byte_range,
-    check_no_aliasing,
-    local_tensor,
-    overlaps,
-    own_storage,
-    same_storage,
+    ByteRange, byte_range, check_no_aliasing, local_tensor, overlaps, own_storage, same_storage,
     storage_of,
 )
 from . import checkpoint  # noqa: E402
@@ -32,27 +23,11 @@ from ._warn import warn  # noqa: E402
 from .checkpoint import compact_copy  # noqa: E402
 from ._devices import DeviceLike, allocator_counters, resolve_device  # noqa: E402
 from .errors import (  # noqa: E402
-    AdoptionError,
-    AliasingError,
-    DeviceError,
-    ExternalMemoryWarning,
-    FlatPoolDeprecationWarning,
-    FlatPoolError,
-    FlatPoolWarning,
-    FlatStepWarning,
-    ForeignSliceError,
-    FreedSliceError,
-    InvalidRequestError,
-    InvalidTypeError,
-    NpuFormatError,
-    OrphanedSliceWarning,
-    OriginalKeptAliveWarning,
-    PinnedStorageError,
-    PoolExhaustedError,
-    PoolInvariantError,
-    SliceError,
-    UnfusedGroupWarning,
-    UntestedTorchWarning,
+    AdoptionError, AliasingError, DeviceError, ExternalMemoryWarning, FlatPoolDeprecationWarning,
+    FlatPoolError, FlatPoolWarning, FlatStepWarning, ForeignSliceError, FreedSliceError,
+    InvalidRequestError, InvalidTypeError, NpuFormatError, OrphanedSliceWarning,
+    OriginalKeptAliveWarning, PinnedStorageError, PoolExhaustedError, PoolInvariantError,
+    SliceError, UnfusedGroupWarning, UntestedTorchWarning,
 )
 from ._holder import Holder  # noqa: E402
 from .ownership._census import Census, StorageRecord, census  # noqa: E402
@@ -63,61 +38,20 @@ from .slices import Slice  # noqa: E402
 from ._unreleased import UnreleasedOriginal  # noqa: E402
 
 __all__ = [
-    "checkpoint",
-    "compact_copy",
-    "Census",
-    "StorageRecord",
-    "census",
-    "AdoptSpec",
-    "AdoptedItem",
-    "AdoptionReport",
-    "Holder",
-    "OnPinned",
-    "DEFAULT_ALIGNMENT",
-    "AdoptionError",
-    "AliasingError",
-    "ByteRange",
-    "DeviceError",
-    "ExternalMemoryWarning",
-    "FlatPoolDeprecationWarning",
-    "FlatPoolWarning",
-    "FlatStepWarning",
-    "OrphanedSliceWarning",
-    "UnfusedGroupWarning",
-    "OriginalKeptAliveWarning",
-    "UntestedTorchWarning",
-    "DeviceLike",
-    "FlatPool",
-    "FlatPoolError",
-    "ForeignSliceError",
-    "FreedSliceError",
-    "InvalidRequestError",
-    "InvalidTypeError",
-    "NpuFormatError",
-    "PinnedStorageError",
-    "PoolExhaustedError",
-    "PoolInvariantError",
-    "RollbackError",
-    "ShapeLike",
-    "Slice",
-    "SliceError",
-    "UnreleasedOriginal",
-    "UnsupportedTorchError",
-    "allocator_counters",
-    "byte_range",
-    "check_no_aliasing",
-    "live_pools",
-    "local_tensor",
-    "overlaps",
-    "own_storage",
-    "resolve_device",
-    "same_storage",
-    "storage_of",
+    "checkpoint", "compact_copy", "Census", "StorageRecord", "census", "AdoptSpec", "AdoptedItem",
+    "AdoptionReport", "Holder", "OnPinned", "DEFAULT_ALIGNMENT", "AdoptionError", "AliasingError",
+    "ByteRange", "DeviceError", "ExternalMemoryWarning", "FlatPoolDeprecationWarning",
+    "FlatPoolWarning", "FlatStepWarning", "OrphanedSliceWarning", "UnfusedGroupWarning",
+    "OriginalKeptAliveWarning", "UntestedTorchWarning", "DeviceLike", "FlatPool", "FlatPoolError",
+    "ForeignSliceError", "FreedSliceError", "InvalidRequestError", "InvalidTypeError",
+    "NpuFormatError", "PinnedStorageError", "PoolExhaustedError", "PoolInvariantError",
+    "RollbackError", "ShapeLike", "Slice", "SliceError", "UnreleasedOriginal",
+    "UnsupportedTorchError", "allocator_counters", "byte_range", "check_no_aliasing", "live_pools",
+    "local_tensor", "overlaps", "own_storage", "resolve_device", "same_storage", "storage_of",
 ]
 
 try:
-    __version__ = _dist_version("flatpool")
-    """The installed distribution's version (pyproject.toml's, the wheel's): one source."""
+    __version__ = _dist_version("flatpool")  # pyproject.toml's: one source
 except PackageNotFoundError:  # a source tree on sys.path that was never installed
     __version__ = "0+unknown"
 
@@ -129,8 +63,7 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         warn(
             f"flatpool.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
-            "release", FlatPoolDeprecationWarning,
-        )
+            "release", FlatPoolDeprecationWarning)
         from . import testing
 
         return getattr(testing, name)

@@ -1,19 +1,10 @@
 """Byte-range bookkeeping for one pool: best-fit placement with coalescing free lists.
 
-Pure Python and device-free, so a layout can be planned before any storage exists. While the
-allocator is *growable* (a pool not yet materialized, without a fixed capacity) a request that
-fits no gap extends the extent; once fixed, it must fit a gap or the caller gets ``None``.
-
-Every change can be made all-or-nothing under an interrupt landing at any bytecode: inside
-:meth:`RangeAllocator.journaled` each primitive logs its inverse *before* it acts, and undoing
-is absolute (remove a range if present, put one back if absent), so it is right whether the
-interrupted step happened, half happened or not at all. O(log n) per step, nothing copied.
-
-Memory: a batch of n slices at the pool's alignment leaves up to n padding gaps (a slice's end
-up to the next aligned start). The free list keeps their bounds in two ``array('q')`` columns
-(16 B a range, not two Python ints), and the two best-fit indexes leave out every range with
-no usable byte at the allocator's alignment: no request (each at a multiple of that alignment)
-can ever be placed in one, so they are kept only to coalesce with the ranges beside them.
+Device-free, so a layout can be planned before any storage exists. While *growable* (planned,
+no fixed capacity) a request that fits no gap extends the extent; once fixed, it gets ``None``.
+Inside :meth:`RangeAllocator.journaled` each primitive logs its absolute inverse *before* it
+acts, so an interrupt at any bytecode is undone exactly. Ranges with no usable byte at the
+allocator's alignment (padding gaps) stay out of the best-fit indexes: nothing fits in them.
 """
 
 from __future__ import annotations
@@ -71,18 +62,15 @@ class RangeAllocator:
         return max(0, end - align_up(start, self.alignment))
 
     def _indexed(self, start: int, end: int) -> bool:
-        """The range is in the best-fit indexes: it has a usable byte at the allocator's
-        alignment. Every request's alignment is a multiple of it, so one without fits nothing."""
+        """The range has a usable byte at the allocator's alignment (so is in the indexes)."""
         return end > align_up(start, self.alignment)
 
     # -- all-or-nothing changes --------------------------------------------------------
     def journaled(self) -> _Journaled:
-        """Make the changes inside the block all-or-nothing: an exception (an interrupt at any
-        bytecode included) undoes every step already taken, then propagates. The journal is
-        the block's value, so a caller can undo later (:meth:`undo`) when its own later step
-        fails. A class, not a generator: an interrupt landing in a generator context manager's
-        exit (contextlib's frames) skips the generator's cleanup and would leave the journal
-        marked in progress, so the next block took itself for a nested one and undid nothing."""
+        """Make the changes inside the block all-or-nothing: an exception undoes every step
+        taken, then propagates; the journal is the block's value, for a later :meth:`undo`.
+        A class, not a generator: an interrupt in contextlib's exit frames would skip the
+        cleanup and leave the journal marked in progress."""
         return _Journaled(self)
 
     def undo(self, journal: list[Undo]) -> None:
@@ -166,24 +154,15 @@ class RangeAllocator:
         return best_start
 
     def append_many(self, requests: list[tuple[int, int]]) -> array[int] | None:
-        """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step.
-
-        Only for a growable allocator with no free range (a pool being planned from scratch,
-        the common case of a batch adoption) and requests at the allocator's own alignment:
-        best fit has nothing to choose from there (the padding gaps the batch leaves have no
-        usable byte at that alignment), so the starts are plain arithmetic and the gaps are
-        added to the index at once. Returns ``None`` (nothing changed) otherwise.
-        """
-        if not self.growable or self._starts:
-            return None
+        """Place ``(nbytes, alignment)`` requests back to back past the extent, in one step:
+        only for a growable allocator with no free range, where best fit has nothing to choose.
+        Returns ``None`` (nothing changed) otherwise."""
         if any(alignment != self.alignment for _, alignment in requests):
             return None  # a coarser alignment leaves gaps a later, finer request would fill
         return self.append_run([nbytes for nbytes, _ in requests])
 
     def append_run(self, sizes: Sequence[int]) -> array[int] | None:
-        """:meth:`append_many` for requests of ``sizes`` bytes, all at the allocator's own
-        alignment: the starts in one arithmetic pass. ``None`` (nothing changed) unless the
-        allocator is growable with no free range."""
+        """:meth:`append_many` for ``sizes`` all at the allocator's own alignment."""
         if not self.growable or self._starts:
             return None
         starts: array[int] = array("q")  # (the slice run keeps this column as it is)
@@ -266,8 +245,7 @@ class RangeAllocator:
 
 
 class _Journaled:
-    """:meth:`RangeAllocator.journaled`'s block. The outermost block owns the journal; a nested
-    one (a change made by a change) leaves undoing to it."""
+    """:meth:`RangeAllocator.journaled`'s block; a nested one leaves undoing to the outermost."""
 
     __slots__ = ("_alloc", "_journal", "_outer")
 

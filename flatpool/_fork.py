@@ -1,25 +1,11 @@
 """Make ``os.fork()`` safe while other threads are inside flatpool.
 
-A forked child has one thread, the one that called ``fork()``. A lock that another thread held
-at that moment stays held in the child forever (every call on that pool would block), a gc
-pause that thread had taken never ends (no automatic collection in the child), and a signal
-guard the main thread had installed would defer the child's signals forever.
-
-So, around every fork (``os.register_at_fork``: ``os.fork`` and ``multiprocessing``'s fork
-start method run it; ``subprocess`` execs at once and needs nothing):
-
-* **before**: wait, up to :data:`FORK_WAIT` seconds in all, for each live pool's lock (in one
-  global order), so a pool operation running in another thread finishes first and the child
-  gets the pool in a consistent state; then take the module locks (each held only for a few
-  instructions), and, the pool registry's among them, the locks of pools another thread made
-  meanwhile, without waiting.
-* **in the parent**: let go of all of them.
-* **in the child**: let go of what the forking thread took; a pool whose lock could not be had
-  in time (another thread was still inside an operation on it, or waited for a lock the forking
-  thread holds, or made the pool and began an operation on it while the fork waited for
-  others) gets a fresh lock, with a :class:`~flatpool.errors.FlatPoolWarning` that its
-  state in the child is whatever that operation had reached. Other threads' gc pauses are
-  dropped and the user's signal handlers put back.
+A forked child has only the forking thread: another thread's held lock, gc pause or signal
+guard would last forever there. So (``os.register_at_fork``) *before* a fork we wait, up to
+:data:`FORK_WAIT` seconds, for every pool's lock in one global order, then take the module
+locks; the parent lets go of them; the child lets go too, gives a pool whose lock could not be
+had a fresh one (with a :class:`~flatpool.errors.FlatPoolWarning`), drops other threads' gc
+pauses and puts the user's signal handlers back.
 """
 
 from __future__ import annotations
@@ -46,8 +32,8 @@ FORK_WAIT = 2.0
 """Seconds ``fork()`` waits, in all, for pool operations running in other threads to end."""
 
 _held: list[Callable[[], None]] = []
-"""How to let go of each lock the forking thread took for the fork, in the order taken: an
-interrupt inside :func:`_before` (CPython only reports it) leaves exactly these to release."""
+"""How to let go of each lock taken for the fork, in order (exact even if :func:`_before` was
+interrupted)."""
 _missed: list[_state.PoolState] = []  # pools whose lock another thread kept past FORK_WAIT
 
 
@@ -71,9 +57,8 @@ def _before() -> None:
     for module_lock in _module_locks():  # each held for a few instructions only
         module_lock.acquire()
         _held.append(module_lock.release)
-    # Pools made while we waited, which another thread may already be inside an operation on.
-    # The registry lock is ours now, so no more appear; their locks are taken without waiting
-    # (a thread holding one may be waiting for the registry lock), else they count as missed.
+    # Pools made while we waited: taken without waiting (a thread holding one may wait for the
+    # registry lock, which is ours now), else they count as missed.
     known = set(map(id, waited))
     for pool in sorted(_state._all_states, key=id):
         if id(pool) not in known:
@@ -105,13 +90,11 @@ def _after_in_child() -> None:
             f"{names} (fork waits up to {FORK_WAIT} s for such operations; these had not "
             "ended); their locks are reset here, but their state is whatever that operation "
             "had reached. Fork before using pools from threads, or build new pools in the child.",
-            FlatPoolWarning,
-        )
+            FlatPoolWarning)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
-        before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
-    )
+        before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
 
 __all__ = ["FORK_WAIT"]

@@ -1,16 +1,9 @@
 """Refuse NPU tensors whose storage is in one of torch_npu's private formats.
 
-torch_npu can keep a tensor's bytes in a blocked layout made for its matrix units
-(FRACTAL_NZ, NC1HWC0, ...: after ``torch_npu.npu_format_cast_`` or
-``torch_npu.empty_with_format``). Such a storage holds more bytes than numel x itemsize, in an
-order torch's sizes and strides do not describe, so moving its bytes into a slice, or viewing a
-pool's bytes with its geometry, would scramble it. A pool on ``"npu"`` therefore keeps its
-storage in the plain ND format and adopts only tensors in a plain format; any other is refused
-with :class:`~flatpool.errors.NpuFormatError`, which says how to convert it.
-
-The format is read with ``torch_npu.get_npu_format`` (public torch_npu API), looked up only for a
-tensor on an ``npu`` device: torch_npu is loaded then (no npu tensor exists without it), and
-nothing is imported for CPU or CUDA tensors. Not yet verified on an NPU (docs/pool.md).
+torch_npu can keep a tensor's bytes in a blocked layout (FRACTAL_NZ, NC1HWC0, ...) that torch's
+sizes and strides do not describe, so moving or viewing such bytes would scramble them. A pool on
+``"npu"`` keeps its storage in ND and adopts only plain formats. ``torch_npu.get_npu_format`` is
+looked up only for tensors on an npu device. Not yet verified on an NPU (docs/pool.md).
 """
 
 from __future__ import annotations
@@ -28,9 +21,8 @@ from .errors import DeviceError, NpuFormatError
 ACL_FORMAT_ND = 2
 """``torch_npu.Format.ND``: the elements in row-major order, numel x itemsize bytes."""
 PLAIN_FORMATS = frozenset({0, ACL_FORMAT_ND, 30})
-"""ND, and the base formats torch_npu gives every 4-D (NCHW, 0) and 5-D (NCDHW, 30) tensor by
-default (``InferFormat::GuessBaseFormat``): their storage is the elements in torch's row-major
-order, like ND. NHWC and NDHWC are base formats too, but keep the elements in another order."""
+"""ND and the default 4-D/5-D base formats (NCHW, NCDHW): elements in torch's row-major order.
+NHWC and NDHWC are base formats too, but keep another order."""
 FORMAT_NAMES = {
     -1: "UNDEFINED", 0: "NCHW", 1: "NHWC", 2: "ND", 3: "NC1HWC0", 4: "FRACTAL_Z",
     12: "NC1HWC0_C04", 16: "HWCN", 27: "NDHWC", 29: "FRACTAL_NZ", 30: "NCDHW", 32: "NDC1HWC0",
@@ -61,33 +53,25 @@ def format_name(code: int) -> str:
     return f"{FORMAT_NAMES.get(code, 'unknown format')} ({code})"
 
 
-def _code(query: FormatQuery, t: torch.Tensor) -> int:
-    return int(query(t))
-
-
 def private_format(t: torch.Tensor, device: torch.device | None = None) -> str | None:
-    """The name of ``t``'s storage format when it is a private one; ``None`` for a plain format
-    (ND, NCHW, NCDHW) and for every tensor not on an NPU. ``device``: ``t``'s, if already read."""
+    """The name of ``t``'s storage format when it is a private one, else ``None``."""
     if device is None:
         with tc.no_torch_function():
             device = tc.impl_device(t)
     query = _format_query(device)
     if query is None:
         return None
-    code = _code(query, t)
+    code = int(query(t))
     return None if code in PLAIN_FORMATS else format_name(code)
 
 
 def formats_apply(device: torch.device) -> bool:
-    """Tensors on ``device`` may have a private format, so :func:`check_plain_format` has
-    something to ask: on an npu device only (where torch_npu answers). A batch asks this once,
-    not once a tensor."""
+    """Tensors on ``device`` may have a private format (npu only); a batch asks this once."""
     return _format_query(device) is not None
 
 
 def check_plain_format(t: torch.Tensor, what: object, device: torch.device | None = None) -> None:
-    """Raise :class:`NpuFormatError` if ``t`` (named ``what``: its ``str()``, made only for the
-    message) is in a private NPU format."""
+    """Raise :class:`NpuFormatError` if ``t`` (named ``what``) is in a private NPU format."""
     name = private_format(t, device)
     if name is not None:
         raise NpuFormatError(
@@ -100,15 +84,14 @@ def check_plain_format(t: torch.Tensor, what: object, device: torch.device | Non
 
 
 def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
-    """``buffer``, a pool's new storage; :class:`NpuFormatError` if it is an NPU storage in
-    another format than ND. Raised outside the allocation's ``except RuntimeError``: a missing
-    ``get_npu_format`` (a :class:`DeviceError`) is not reported as an exhausted device."""
+    """``buffer``, a pool's new storage; :class:`NpuFormatError` unless ND (checked outside the
+    allocation's ``except RuntimeError``: a missing torch_npu is no exhausted device)."""
     with tc.no_torch_function():
         device = tc.impl_device(buffer)
     query = _format_query(device)
     if query is None:
         return buffer
-    code = _code(query, buffer)
+    code = int(query(buffer))
     if code != ACL_FORMAT_ND:
         raise NpuFormatError(
             f"torch_npu made the storage of pool {pool!r} in format {format_name(code)}, not ND: "
@@ -118,6 +101,5 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
     return buffer
 
 
-__all__ = ["ACL_FORMAT_ND", "FORMAT_NAMES", "PLAIN_FORMATS",
-           "check_plain_format", "check_pool_storage", "format_name", "formats_apply",
+__all__ = ["check_plain_format", "check_pool_storage", "format_name", "formats_apply",
            "private_format"]

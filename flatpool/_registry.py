@@ -1,22 +1,12 @@
 """What a pool adopted: for each slice, its bindings (the members bound to it, and where to find
 them again). See [Note: flatpool terms] in :mod:`flatpool.ownership`.
 
-A binding refers to its member so that the pool never keeps a model alive: a tensor subclass
-by a weak reference, and holders' owners weakly where the owner allows it. They are what
-validity checks, re-adoption and relocation walk.
-
-A *parameter* is never given a weak reference of any kind: ``torch.utils.swap_tensors``
-refuses a tensor that has a Python weak reference or a C++ weak reference to its TensorImpl, and
-``nn.Module._apply`` (``.to``, ``.cpu()``, ``.double()``, ``to_empty``) swaps DTensor
-parameters (every parameter under ``torch.__future__.set_swap_module_params_on_conversion(True)``).
-A :class:`ParamRef` holds the parameter strongly instead and reads as dead (and lets go) once it
-is the parameter's only holder: a Python reference count, no allocation. A plain
-``torch.Tensor`` that is its original's only member (and has no holder) is held the same way
-(:class:`TensorRef`), so ``swap_tensors`` works on it too; with other members on the same
-original (views of it, wrappers) the rule could not tell a view's autograd link to it from
-the pool's own hold, so those are weak references. A member dropped by its owner is let go
-at the pool's next look at that binding (``holds``, ``is_valid``, ``readopt``, relocation) or
-with the pool. A member bound with a holder is found through the holder's place.
+A binding never keeps a model alive: members and holders' owners are referred to weakly where
+possible. A *parameter* never gets a weak reference (``torch.utils.swap_tensors``, which
+``nn.Module._apply`` uses on DTensor parameters, refuses one): a :class:`ParamRef` holds it
+strongly and reads as dead once it is the only holder. A plain tensor that is its original's
+only member is held the same way (:class:`TensorRef`); with other members on the original a
+view's autograd link could not be told from the pool's hold, so those are weak references.
 """
 
 from __future__ import annotations
@@ -37,11 +27,8 @@ Ref = Callable[[], Any]
 
 
 class ParamRef:
-    """A reference to a parameter that ``torch.utils.swap_tensors`` does not refuse.
-
-    Strong, but it answers ``None`` (and drops the parameter) when nothing else holds it: no
-    Python reference beside its own, and none torch keeps for a C++ owner of the impl.
-    """
+    """A reference to a parameter that ``torch.utils.swap_tensors`` does not refuse: strong,
+    but it answers ``None`` (and lets go) when nothing else holds the parameter."""
 
     __slots__ = ("_obj",)
 
@@ -61,16 +48,14 @@ class ParamRef:
 
 
 class TensorRef(ParamRef):
-    """:class:`ParamRef` for a plain tensor (not a parameter): the same rule; only a dropped
-    *parameter* makes its slice orphaned (:func:`flatpool.ownership._validity.orphaned`), so the
-    two are told apart by class."""
+    """:class:`ParamRef` for a plain tensor: only a dropped *parameter* orphans its slice, so
+    the two are told apart by class."""
 
     __slots__ = ()
 
 
 def tensor_ref(t: torch.Tensor) -> Ref:
-    """How a binding refers to ``t``: a :class:`ParamRef` for a parameter (which
-    ``nn.Module._apply`` may have to swap), else a Python weak reference."""
+    """How a binding refers to ``t``: a :class:`ParamRef` for a parameter, else a weak reference."""
     cls = type(t)  # (the exact classes first: Parameter's isinstance check runs Python code;
     # a subclass made a parameter, a DTensor's, says so by its ``_is_param`` flag, which is
     # what that check reads first)
@@ -100,9 +85,8 @@ class Geometry:
 
 
 class Binding(NamedTuple):
-    """One member bound to a slice, and how to find it again: through its holder's place when it
-    has one (re-adoption then finds a *replacement* object a framework put there), else through
-    ``ref``."""
+    """One member bound to a slice, found again through its holder's place (which finds a
+    replacement a framework put there) or else ``ref``."""
 
     ref: Ref
     byte_offset: int
@@ -158,19 +142,17 @@ def binding(tensor: torch.Tensor, byte_offset: int, shape: tuple[int, ...],
 
 
 _make = tuple.__new__
-"""``Binding(*fields)`` without the named tuple's generated ``__new__``, a Python frame that
-costs as much as the rest of a binding (an adoption makes one a member)."""
+"""``Binding(*fields)`` without the named tuple's Python ``__new__`` (one frame a member)."""
 
 
 class AdoptionRegistry:
-    """Per-pool map: slice id -> its bindings. Guarded by the pool's lock; every change replaces
-    a slice's list (never mutates one), so a snapshot is a shallow copy."""
+    """Slice id -> its bindings, under the pool's lock; lists are replaced, never mutated, so a
+    snapshot is a shallow copy."""
 
     def __init__(self) -> None:
         self._bindings: dict[int, list[Binding]] = {}
         self.version: int = 0
-        """Bumped *before* every change (an interrupt in between costs a recheck, never a
-        stale answer)."""
+        """Bumped *before* every change: an interrupt costs a recheck, never a stale answer."""
 
     def holds(self, slice_id: int) -> bool:
         """Some member bound to ``slice_id`` is alive."""

@@ -1,18 +1,10 @@
 """Which slice handles of one pool are live, by id and by offset, with batches kept as columns.
 
-A batch adoption places thousands of slices in one step, and three index entries for each
-would cost more than the handles. So a batch is one :class:`SliceRun`: its first id, its starts (``array('q')``), shapes
-and dtypes. A handle is made the first time someone asks for it and then kept, so an id always
-gives the same object (readers compare handles by identity). Slices allocated one at a time are
-*singles*: a dict by id, a dict by offset and a sorted list of offsets, as before.
-
-Ids only grow, and a run is placed past every slice that exists when it is made, so runs are in
-id order and in offset order at once, their ranges disjoint. A run member freed later is only
-marked gone (its id in ``gone``); a run's id never becomes a single (relocation makes new
-handles with new ids).
-
-Every change is one step or has an absolute undo (:meth:`SliceIndex.unindex`,
-:meth:`SliceIndex.reindex`), so an interrupt between two lines leaves it repairable.
+A batch is one :class:`SliceRun` (first id, starts, shapes, dtypes; handles made on first
+access, then kept, so an id always gives the same object); slices allocated one at a time are
+*singles*. Runs are placed past every existing slice, so they are in id and offset order at
+once; a freed run member is only marked gone. Every change is one step or has an absolute undo,
+so an interrupt between two lines leaves it repairable.
 """
 
 from __future__ import annotations
@@ -33,19 +25,13 @@ if TYPE_CHECKING:
 
 
 class SliceRun(Sequence[Slice]):
-    """The slices of one batch, as columns: position ``i`` is slice id ``first + i``.
-
-    As a sequence it gives the handles (made on first access, then kept). The columns are never
-    changed after the run is made; only the cache of made handles grows, and a handle made from
-    it equals the one any other reader gets.
-    """
+    """The slices of one batch, as columns (position ``i`` is slice id ``first + i``); as a
+    sequence, the handles, made on first access and then kept."""
 
     __slots__ = ("pool", "first", "starts", "shapes", "dtypes", "_made")
 
-    def __init__(
-        self, pool: FlatPool, first: int, starts: array[int], shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[torch.dtype],
-    ) -> None:
+    def __init__(self, pool: FlatPool, first: int, starts: array[int],
+                 shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]) -> None:
         self.pool, self.first, self.starts = pool, first, starts
         self.shapes, self.dtypes = shapes, dtypes
         self._made: list[Slice | None] | None = None
@@ -85,10 +71,6 @@ class SliceRun(Sequence[Slice]):
             self._made = list(out)
             return out
         return [self.handle(i) for i in range(len(made))]
-
-    @property
-    def ids(self) -> range:
-        return range(self.first, self.first + len(self.starts))
 
     def __contains__(self, slc: object) -> bool:
         return (isinstance(slc, Slice) and slc.pool is self.pool
@@ -218,8 +200,7 @@ class SliceIndex:
         return best
 
     def consistent(self) -> bool:
-        """The singles' three structures agree, and no more run members are gone than the runs
-        have: O(runs), since the pool asks after every chunk of a batch's moves."""
+        """The singles' three structures agree and the runs' gone counts fit: O(runs)."""
         n = len(self._by_id)
         if len(self._offsets) != n or len(self._by_offset) != n:
             return False

@@ -1,14 +1,8 @@
 """A pool's own state (layout, storage, registry) and every rule that keeps it consistent.
 
-:class:`PoolState` owns the allocator, the live-slice index, the storage and the adoption
-registry of one pool. Everything that changes them goes through its methods, including the
-three an all-or-nothing operation needs: :meth:`PoolState.capture` (remember everything),
-:meth:`PoolState.restore` (put it back, idempotently) and :meth:`PoolState.install` (switch to a
-new storage and layout at once, for relocation). The ownership engine builds on this interface
-only; a :class:`flatpool.FlatPool` holds one (``pool._state``) and shows the public API.
-
-Readers take the pool's lock too: a relocation holds it from the first rebind to the release
-proof, so a query sees the pool before or after it, never half-moved.
+The ownership engine changes a pool only through :class:`PoolState`'s methods, including
+``capture``/``restore``/``install`` for all-or-nothing operations. Readers take the pool's lock
+too: a relocation holds it until its release proof, so a query never sees a half-moved pool.
 """
 
 from __future__ import annotations
@@ -30,11 +24,7 @@ from ._table import table
 from ._allocator import AllocSnapshot, RangeAllocator, align_up
 from ._devices import DeviceLike, resolve_device
 from .errors import (
-    ForeignSliceError,
-    FreedSliceError,
-    InvalidRequestError,
-    InvalidTypeError,
-    PoolExhaustedError,
+    ForeignSliceError, FreedSliceError, InvalidRequestError, InvalidTypeError, PoolExhaustedError,
     PoolInvariantError,
 )
 from ._registry import AdoptionRegistry
@@ -50,16 +40,13 @@ if TYPE_CHECKING:
     from ._registry import Binding
 
 DEFAULT_ALIGNMENT = 512
-"""Bytes every slice start is aligned to by default: what NPU (HCCL) and most CUDA collective
-kernels want for their buffers, and a multiple of every dtype's element size."""
+"""Default slice alignment: what HCCL and most CUDA collective kernels want."""
 
 MAX_ALIGNMENT = 1 << 30
-"""Largest alignment accepted (1 GiB): beyond it every slice would waste more than any device
-has, and offsets near the int64 limit overflow torch's sizes."""
+"""Largest alignment accepted (1 GiB): offsets near the int64 limit overflow torch's sizes."""
 
 MAX_BYTES = 1 << 62
-"""Largest pool extent accepted: torch sizes are int64, and planning beyond this can never be
-materialized (sizes that overflow are refused when planned, not at materialization)."""
+"""Largest pool extent accepted (torch sizes are int64): refused when planned."""
 
 _pool_ids = itertools.count()
 _all_states: weakref.WeakSet[PoolState] = weakref.WeakSet()
@@ -75,22 +62,16 @@ def live_states() -> list[PoolState]:
 
 
 def pool_of_storage(key: int) -> PoolState | None:
-    """The live pool whose current storage has key ``key``, if any (O(1)).
-
-    An entry is trusted only if the pool still says that key is its storage's: a storage that
-    died may have left its address to a new one (entries of dead pools and of storages a pool
-    moved away from are stale, never wrong)."""
+    """The live pool whose current storage has key ``key``, if any. An entry is trusted only
+    if the pool still says so: a dead storage's address may belong to a new one."""
     ref = _by_storage.get(key)
     pool = None if ref is None else ref()
     return pool if pool is not None and pool._buffer_key == key else None
 
 
 _pool_storages: dict[int, int] = {}
-"""The current storage of every pool that has one, and the last storage of every pool object
-that died: key -> raw weak reference. A storage outlives its pool object while tensors still
-view it (``del pool``), and the checkpoint rule must still know it. The weak reference keeps
-the StorageImpl's address (the key) from being reused while the entry exists, so a live
-storage whose key is here is that storage."""
+"""Storage key -> raw weak reference, for every pool's storage, also after its pool object died
+(tensors may still view it). The weak reference keeps the key from being reused meanwhile."""
 _pruned_at = [64]  # entries after which the next lookup drops the dead ones
 
 
@@ -123,11 +104,8 @@ def _index_storage(pool: PoolState, old: int | None, new: int | None) -> None:
 
 
 def empty_storage_tensor(capacity: int, device: torch.device, name: str) -> torch.Tensor:
-    """``capacity`` uninitialized bytes on ``device``; a failed allocation is a typed error.
-
-    Made outside inference mode whatever the caller's mode: an inference tensor cannot be the
-    storage later adoptions ``set_`` normal tensors onto.
-    """
+    """``capacity`` uninitialized bytes on ``device``, outside inference mode (adoptions
+    ``set_`` normal tensors onto it); a failed allocation is a typed error."""
     try:
         with tc.outside_inference():
             result = torch.empty(capacity, dtype=torch.uint8, device=device)
@@ -157,46 +135,22 @@ class PoolSnapshot:
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
         self.traces = list(pool._traces)
-        self.freed: list[Slice] = []
-        """Slices of this snapshot freed by others since (a finalizer run by a gc pass inside
-        the operation): :meth:`PoolState.restore` keeps them freed."""
+        self.freed: list[Slice] = []  # freed since by others (a gc finalizer): kept freed
 
 
 class PoolState:
-    """One pool's storage, layout and registry, with the operations that keep them consistent.
+    """One pool's storage, layout and registry; arguments as :class:`~flatpool.FlatPool`'s,
+    plus ``public``, the pool that holds this state (kept weakly)."""
 
-    Args:
-        public: the :class:`~flatpool.FlatPool` that holds this state (kept weakly).
-        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device`` or an
-            accelerator index. It must be available now; ``torch_npu`` is imported only for npu.
-        alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
-            bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
-        capacity: fixed size in bytes: a batch that does not fit raises
-            :class:`PoolExhaustedError`. ``None`` (default) makes a *growing* pool: planned, it
-            takes every request; :meth:`materialize` sizes its storage to the planned extent,
-            and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
-            a storage with exactly the room it needs (every byte the pool holds is copied
-            once: adopt many tensors in one call, or ``grow()`` first, rather than one call a
-            tensor). ``allocate()`` never moves the storage; it raises and says to ``grow()``.
-        name: shown in errors, ``repr`` and :meth:`describe`.
-    """
-
-    def __init__(
-        self,
-        public: FlatPool,
-        device: DeviceLike = "cpu",
-        *,
-        alignment: int = DEFAULT_ALIGNMENT,
-        capacity: int | None = None,
-        name: str | None = None,
-    ) -> None:
+    def __init__(self, public: FlatPool, device: DeviceLike = "cpu", *,
+                 alignment: int = DEFAULT_ALIGNMENT, capacity: int | None = None,
+                 name: str | None = None) -> None:
         if isinstance(alignment, bool) or not isinstance(alignment, int):
             raise InvalidTypeError(f"alignment must be an int, got {alignment!r}")
         if alignment < 1 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
             raise InvalidRequestError(
                 f"alignment must be a power of two from 1 to {MAX_ALIGNMENT} (1 GiB), got "
-                f"{alignment}"
-            )
+                f"{alignment}")
         if capacity is not None:
             if isinstance(capacity, bool) or not isinstance(capacity, int):
                 raise InvalidTypeError(f"capacity must be an int or None, got {capacity!r}")
@@ -212,15 +166,13 @@ class PoolState:
         self._lock = threading.RLock()
         self._alloc = RangeAllocator(capacity, alignment)
         self.grows: bool = capacity is None
-        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when a batch does
-        not fit (see the class)."""
         self._buffer: torch.Tensor | None = None
         self._buffer_key: int | None = None
         self._slice_ids = itertools.count()
         self._index = SliceIndex()
+        # Bumped *before* every change of the live handles: an interrupt in between costs a
+        # reader a recheck, never a stale answer.
         self.live_version = 0
-        """Bumped *before* every change of the live handles (an interrupt in between costs a
-        reader a recheck, never a stale answer): what ``flatpool.optim`` keys its layouts on."""
         self._registry = AdoptionRegistry()
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
         self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
@@ -233,8 +185,7 @@ class PoolState:
     def __reduce__(self) -> Any:
         raise InvalidTypeError(
             f"pool {self.name!r} cannot be pickled or copied: it owns device memory that live "
-            "tensors point into. Save the tensors (module.state_dict()) and build a new pool."
-        )
+            "tensors point into. Save the tensors (module.state_dict()) and build a new pool.")
 
     def __copy__(self) -> Any:
         self.__reduce__()
@@ -245,7 +196,6 @@ class PoolState:
     # -- state -----------------------------------------------------------------------------
     @property
     def lock(self) -> threading.RLock:
-        """The pool's re-entrant lock; hold it to make several calls atomic."""
         return self._lock
 
     @property
@@ -255,13 +205,11 @@ class PoolState:
 
     @property
     def capacity(self) -> int:
-        """Bytes of the storage (planned extent while unmaterialized and growable)."""
         with self._lock:
             return self._alloc.extent
 
     @property
     def used_bytes(self) -> int:
-        """Bytes inside live slices (alignment padding counts as free)."""
         with self._lock:
             result = self._index.used_bytes()
             return result  # not `return f()`: see flatpool.ownership._interrupts
@@ -278,14 +226,11 @@ class PoolState:
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def slices(self) -> tuple[Slice, ...]:
-        """Live slices, in storage order."""
         with self._lock:
             result = tuple(self._index.ordered())
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def is_live(self, slc: Slice) -> bool:
-        """``slc`` is a live handle of this pool (compared by value: a copy of a handle is the
-        same handle)."""
         with self._lock:  # a relocation rebuilds the index: never look at it half-built
             return slc.pool._state is self and self._index.get(slc.slice_id) == slc
 
@@ -296,36 +241,23 @@ class PoolState:
 
     @property
     def storage(self) -> torch.UntypedStorage:
-        """The pool's storage (materializes the pool). Holding it pins it: a later
-        relocation then fails, or keeps it alive with ``on_pinned="warn"``."""
         with self._lock:
             result = self.byte_buffer().untyped_storage()
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     @property
     def storage_key(self) -> int | None:
-        """The identity of the pool's current storage; ``None`` before materialization."""
         with self._lock:
             return self._buffer_key
 
     @property
     def storage_nbytes(self) -> int:
-        """Bytes the pool's storage holds now (0 before materialization): its capacity, unless
-        a tensor on it shrank it (``untyped_storage().resize_()``)."""
         with self._lock:  # (the size only: never the bytes, which may be freed)
             buf = self._buffer
             return 0 if buf is None else tc.storage_nbytes(tc.impl_untyped_storage(buf))
 
     @property
-    def base_address(self) -> int | None:
-        """The data pointer of the pool's storage; ``None`` before materialization."""
-        with self._lock:  # a reference to the old buffer, even a brief one, would pin it
-            buf = self._buffer
-            return None if buf is None else tc.impl_data_ptr(buf)
-
-    @property
     def registry(self) -> AdoptionRegistry:
-        """What this pool adopted: which tensor objects live in which slice."""
         return self._registry
 
     def __repr__(self) -> str:
@@ -341,15 +273,9 @@ class PoolState:
         return max(self.alignment, dtype.itemsize)
 
     def allocate(self, shape: ShapeLike, dtype: torch.dtype) -> Slice:
-        """Reserve a slice for a tensor of ``shape`` and ``dtype``.
-
-        Before materialization this only plans (no memory is touched); afterwards it takes the
-        best-fitting free gap. Raises :class:`PoolExhaustedError` when nothing fits.
-        """
         return self.allocate_checked(check_shape(shape), check_dtype(dtype))
 
     def allocate_like(self, t: torch.Tensor) -> Slice:
-        """Reserve a slice with ``t``'s local shape and dtype; ``t`` may be a meta tensor."""
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"allocate_like() needs a tensor, got {type(t).__name__}")
         inner = local_tensor(t)
@@ -359,9 +285,6 @@ class PoolState:
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
-        """Validated ``(shape, dtype)`` requests in order, placed in one step when the pool is
-        planned from scratch (a batch adoption), else one by one; all or none (a failure puts
-        the layout back as it was, whichever step it interrupted)."""
         return self._all_or_nothing(self._allocate_many, requests)
 
     def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
@@ -405,8 +328,7 @@ class PoolState:
 
     def _index_run(self, starts: array[int], shapes: Sequence[tuple[int, ...]],
                    dtypes: Sequence[torch.dtype]) -> SliceRun:
-        """The run the allocator just appended past every existing slice, indexed as one
-        :class:`~flatpool._slice_index.SliceRun` (its handles made when someone reads them)."""
+        """The run the allocator just appended, indexed as one lazy ``SliceRun``."""
         first = next(self._slice_ids)
         if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
             self._slice_ids = itertools.count(first + len(starts))
@@ -420,16 +342,14 @@ class PoolState:
         nbytes = math.prod(dims) * dt.itemsize
         if nbytes == 0:
             raise InvalidRequestError(
-                f"shape {dims} of {dt} holds no bytes; keep zero-size tensors outside the pool"
-            )
+                f"shape {dims} of {dt} holds no bytes; keep zero-size tensors outside the pool")
         with self._lock:
             align = self.slice_alignment(dt)
             start = self._alloc.find(nbytes, align)
             if start is not None and start + nbytes > MAX_BYTES - self.alignment:
                 raise InvalidRequestError(
                     f"shape {dims} of {dt} ({nbytes} bytes) at offset {start} would take pool "
-                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address"
-                )
+                    f"{self.name!r} past {MAX_BYTES} bytes, more than any device can address")
             if start is None:
                 free = self.capacity - self._index.used_bytes()
                 largest = self._alloc.largest_fit(align)
@@ -437,8 +357,7 @@ class PoolState:
                     f"pool {self.name!r} cannot fit {nbytes} bytes ({dt}, shape {dims}) at "
                     f"alignment {align}: {free} bytes free of {self.capacity}, the largest "
                     f"usable gap is {largest} bytes. " + self._full_hint(),
-                    requested=nbytes, free=free, largest_free=largest,
-                )
+                    requested=nbytes, free=free, largest_free=largest)
             slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
             with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
                 try:
@@ -450,14 +369,12 @@ class PoolState:
             return slc
 
     def free(self, slc: Slice) -> None:
-        """Return ``slc``'s bytes to the pool; the handle is dead afterwards."""
         with self._lock:
             self.check_live(slc)
             if self._registry.holds(slc.slice_id):
                 raise InvalidRequestError(
                     f"slice {slc.slice_id} of pool {self.name!r} still backs adopted tensors; "
-                    "call pool.disown(slice) (or release them) before freeing it"
-                )
+                    "call pool.disown(slice) (or release them) before freeing it")
             self._drop(slc)
             for snap in list(self._watching):  # an operation's rollback must not bring it back
                 if snap.index.get(slc.slice_id) == slc:
@@ -478,7 +395,6 @@ class PoolState:
                 raise
 
     def disown(self, slc: Slice) -> None:
-        """Forget which tensors were adopted into ``slc`` (they keep using it) so it can be freed."""
         with self._lock:
             self.check_live(slc)
             self._registry.unbind(slc.slice_id)
@@ -488,25 +404,22 @@ class PoolState:
             raise InvalidTypeError(f"expected a Slice, got {type(slc).__name__}")
         if slc.pool._state is not self:
             raise ForeignSliceError(
-                f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}"
-            )
+                f"slice {slc.slice_id} belongs to pool {slc.pool.name!r}, not {self.name!r}")
         live = self._index.get(slc.slice_id)
         if live is not slc and live != slc:  # (a copy of a handle is the same handle)
             raise FreedSliceError(
                 f"slice {slc.slice_id} of pool {self.name!r} (offset {slc.offset}, "
-                f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since"
-            )
+                f"{slc.nbytes} bytes) was freed or relocated; use the handle returned since")
 
     @property
     def public(self) -> FlatPool | None:
-        """The :class:`~flatpool.FlatPool` that holds this state (``None`` once it died): held
-        weakly, so that a pool dies by reference counting, not at the next gc pass."""
+        """The :class:`~flatpool.FlatPool` holding this state, held weakly so that a pool dies
+        by reference counting, not at the next gc pass."""
         return self._public_ref()
 
     @property
     def _public(self) -> FlatPool:
-        """:attr:`public` for the handles this state gives out (``Slice.pool``), made only
-        through the pool's own methods, so while it is alive."""
+        """:attr:`public` for the handles made through the pool's methods (so while it lives)."""
         pool = self._public_ref()
         assert pool is not None, "a pool's state outlived its FlatPool while making a handle"
         return pool
@@ -542,14 +455,11 @@ class PoolState:
 
     # -- storage ---------------------------------------------------------------------------
     def materialize(self) -> None:
-        """Make the storage: one allocation of ``capacity`` bytes. Idempotent."""
         self.byte_buffer()
 
     def byte_buffer(self) -> torch.Tensor:
-        """The whole storage as one 1-D ``uint8`` tensor (materializes the pool).
-
-        Under the lock: taken while another thread relocates, even a brief reference to the
-        old buffer would pin the storage that relocation is proving dead."""
+        # Under the lock: even a brief reference to the old buffer would pin the storage a
+        # relocation in another thread is proving dead.
         with self._lock:
             if self._buffer is None:
                 extent = self._alloc.extent
@@ -563,20 +473,13 @@ class PoolState:
             return self._buffer
 
     def view(self, slc: Slice) -> torch.Tensor:
-        """A fresh tensor of ``slc``'s shape and dtype on the pool's storage."""
         with self._lock:
             self.check_live(slc)
             result = self.view_at(slc.offset, slc.shape, slc.dtype)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
-    def view_at(
-        self,
-        offset: int,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stride: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """A base-less tensor at byte ``offset`` of the storage (no autograd view link)."""
+    def view_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype,
+                stride: Sequence[int] | None = None) -> torch.Tensor:
         storage = self.storage
         strides = tuple(stride) if stride is not None else contiguous_strides(shape)
         with tc.outside_inference():
@@ -597,12 +500,6 @@ class PoolState:
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole buffer as one 1-D tensor, for fused collectives.
-
-        ``dtype=None`` gives the slices' dtype when every live slice shares one (and the
-        capacity is a multiple of its size), else bytes. An explicit ``dtype`` other than
-        ``torch.uint8`` requires every live slice to have it.
-        """
         with self._lock:
             self.byte_buffer()  # first: materializing may pad the capacity
             dtypes = self._index.dtypes()
@@ -615,18 +512,15 @@ class PoolState:
                 if dtype != torch.uint8 and dtypes - {dtype}:
                     raise InvalidRequestError(
                         f"pool {self.name!r} holds slices of {sorted(map(str, dtypes))}; a flat "
-                        f"{dtype} view would reinterpret them. Use flat() or flat(torch.uint8)."
-                    )
+                        f"{dtype} view would reinterpret them. Use flat() or flat(torch.uint8).")
                 if self.capacity % dtype.itemsize:
                     raise InvalidRequestError(
-                        f"capacity {self.capacity} is not a multiple of {dtype}'s size"
-                    )
+                        f"capacity {self.capacity} is not a multiple of {dtype}'s size")
             result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     # -- aliasing --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
-        """True when ``t``'s storage *is* this pool's storage and all its bytes lie inside."""
         return self._placement(t) is not None
 
     def _placement(self, t: torch.Tensor) -> tuple[int, int] | None:
@@ -649,7 +543,6 @@ class PoolState:
             return None
 
     def slice_of(self, t: torch.Tensor) -> Slice | None:
-        """The live slice holding all of ``t``'s bytes, or ``None``."""
         with self._lock:
             place = self._placement(t)
             if place is None:
@@ -663,8 +556,7 @@ class PoolState:
 
     # -- all-or-nothing support ----------------------------------------------------------
     def capture(self) -> PoolSnapshot:
-        """Remember layout, storage, registry and traces, for :meth:`restore`; until
-        :meth:`forget`, slices :meth:`free` frees meanwhile are remembered as freed."""
+        """Remember everything for :meth:`restore`; slices freed until :meth:`forget` stay so."""
         with self._lock:
             snap = PoolSnapshot(self)
             self._watching.add(snap)
@@ -705,8 +597,6 @@ class PoolState:
                 self._insert(s)
 
     def check_invariants(self) -> None:
-        """The storage is exactly ``capacity`` bytes (a ``set_`` past its end would have grown
-        it silently) and the slice index matches the allocator. Raises otherwise."""
         with self._lock:
             if self._buffer is not None:
                 nbytes = self._buffer.untyped_storage().nbytes()
@@ -714,31 +604,25 @@ class PoolState:
                     raise PoolInvariantError(
                         f"pool {self.name!r}'s storage is {nbytes} bytes, not its capacity "
                         f"{self.capacity}: a tensor placed past its end grew it, or a tensor on it "
-                        "shrank it (untyped_storage().resize_())"
-                    )
+                        "shrank it (untyped_storage().resize_())")
             if not self._index.consistent():
                 raise PoolInvariantError(f"pool {self.name!r}'s slice index is inconsistent")
 
     # -- originals left alive --------------------------------------------------------------
-    def trace_unreleased(
-        self, info: UnreleasedOriginal, storage: torch.UntypedStorage,
-        tensor: torch.Tensor | None = None,
-    ) -> None:
-        """Remember an original an adoption left alive (``kept_by_pool``: keep it alive too,
-        until ``tensor``'s TensorImpl has no owner besides its Python object)."""
+    def trace_unreleased(self, info: UnreleasedOriginal, storage: torch.UntypedStorage,
+                         tensor: torch.Tensor | None = None) -> None:
+        """Remember an original an adoption left alive (with ``tensor``: keep it until that
+        TensorImpl has no owner besides its Python object)."""
         with self._lock:
             self._traces = self._traces + [Trace(info, storage, tensor)]
 
     def unreleased_originals(self) -> tuple[UnreleasedOriginal, ...]:
-        """Adopted originals still alive: pinned by others under ``on_pinned="warn"``/``"force"``,
-        or kept by the pool because something outside Python may still read them."""
         self.release_kept()
         with self._lock:
             result = tuple(t.info for t in self._traces if t.alive())
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def release_kept(self) -> int:
-        """Drop the originals this pool kept whose outside holders are gone; returns how many."""
         with self._lock:
             dropped = sum(t.release_if_free() for t in self._traces)
             self._traces = [t for t in self._traces if t.alive()]
@@ -746,7 +630,6 @@ class PoolState:
 
     # -- introspection -------------------------------------------------------------------
     def describe(self) -> str:
-        """A table of the layout: every slice and every gap, with totals."""
         with self._lock:
             rows = [("offset", "end", "bytes", "kind", "dtype", "shape", "slice")]
             pos = 0
@@ -762,8 +645,7 @@ class PoolState:
                         str(slc.dtype).replace("torch.", ""),
                         "x".join(map(str, slc.shape)) or "scalar",
                         str(slc.slice_id),
-                    )
-                )
+                    ))
                 pos = slc.end
             if self.capacity > pos:
                 rows.append((str(pos), str(self.capacity), str(self.capacity - pos), "gap", "", "", ""))
@@ -775,13 +657,12 @@ class PoolState:
             lines += table(rows, right=range(len(rows[0])))
             lines.append(
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
-                f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)"
-            )
+                f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)")
             result = "\n".join(lines)
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 __all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
+    "DEFAULT_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
     "empty_storage_tensor", "live_states", "pool_of_storage",
 ]

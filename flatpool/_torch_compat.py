@@ -1,14 +1,9 @@
 """Every private torch API flatpool uses, each behind a named function that says why.
 
-torch moves these between releases. Keeping them in one module makes the supported range this
-file's business (feature-detected where a release changed a signature) and keeps the rest of
-flatpool on typed, public calls. Nothing else in flatpool or its integrations touches
-``torch._C``, ``_cdata``, ``_unsafe_*`` or reference counts.
-
-Geometry readers take the *TensorImpl's* answer: a subclass may override ``shape``/``size()``
-in Python (HyperParallel's DTensor answers with the global shape) or route methods through
-``__torch_function__`` (and raise). Callers read under :func:`no_torch_function`, and the
-readers are ``torch._C.TensorBase``'s own unbound methods, which skip Python overrides.
+torch moves these between releases, so the supported range is this file's business; nothing
+else touches ``torch._C``, ``_cdata``, ``_unsafe_*`` or reference counts. Geometry readers are
+``torch._C.TensorBase``'s own methods: a subclass may lie in ``shape`` (HyperParallel's DTensor)
+or raise in ``__torch_function__``; callers read under :func:`no_torch_function`.
 """
 
 from __future__ import annotations
@@ -35,11 +30,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, ReduceOp, Work
 
 SUPPORTED_TORCH = (2, 7)
-"""Oldest torch release the whole test suite passes on (see docs/compatibility.md): older ones
-are refused at import."""
+"""Oldest torch release the test suite passes on; older ones are refused at import."""
 NEWEST_TESTED = (2, 15)
-"""Newest torch release the whole test suite passed on. A newer one imports with one
-:class:`~flatpool.errors.UntestedTorchWarning`, if every private API flatpool needs is there."""
+"""Newest torch release the test suite passed on; a newer one warns at import."""
 SILENCE_ENV = "FLATPOOL_IGNORE_UNTESTED_TORCH"
 """Set to ``1`` to silence the warning about a torch newer than :data:`NEWEST_TESTED`."""
 
@@ -64,8 +57,7 @@ class UnsupportedTorchError(FlatPoolError, ImportError):
 
 
 def _dotted(name: str) -> object:
-    """The object ``name`` denotes (``a.b.c``), importing modules on the way; AttributeError or
-    ImportError when it is not there."""
+    """The object ``a.b.c`` denotes, importing modules on the way."""
     parts = name.split(".")
     obj: object = importlib.import_module(parts[0])
     for i, part in enumerate(parts[1:], start=1):
@@ -87,23 +79,20 @@ def missing_apis(names: Sequence[str] = _NEEDED_APIS) -> list[str]:
 
 
 def check_supported() -> None:
-    """At import: refuse a torch below the floor or one that lacks a private API flatpool needs
-    (one clear error each), and warn once for a torch newer than the newest tested release."""
+    """Refuse a torch below the floor or lacking a needed private API; warn for an untested one."""
     version = TorchVersion(torch.__version__)
     lo = ".".join(map(str, SUPPORTED_TORCH))
     tested = ".".join(map(str, NEWEST_TESTED))
     if version < lo:  # TorchVersion compares as versions: '2.10' > '2.7', '2.7.0rc1' < '2.7'
         raise UnsupportedTorchError(
             f"flatpool supports torch >= {lo}; this is torch {torch.__version__}. "
-            f"Install a supported release (pip install 'torch>={lo}')."
-        )
+            f"Install a supported release (pip install 'torch>={lo}').")
     missing = missing_apis()
     if missing:
         raise UnsupportedTorchError(
             f"torch {torch.__version__} lacks {', '.join(missing)}, which flatpool needs (tested "
             f"on torch {lo} to {tested}). Install a tested release (pip install "
-            f"'torch>={lo},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}') or a newer flatpool."
-        )
+            f"'torch>={lo},<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}') or a newer flatpool.")
     # X.Y.dev0 sorts before every X.Y release and pre-release: a 2.16 nightly is untested too
     first_untested = f"{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}.dev0"
     if version >= first_untested and os.environ.get(SILENCE_ENV) != "1":
@@ -111,8 +100,7 @@ def check_supported() -> None:
             f"flatpool was tested on torch {lo} to {tested}; this is torch {torch.__version__}. "
             f"Every private API it needs is present, so it goes ahead; please report a failure. "
             f"Set {SILENCE_ENV}=1 to silence this warning.",
-            UntestedTorchWarning,
-        )
+            UntestedTorchWarning)
 
 
 check_supported()  # before the probes below: an old torch lacks some of what they read
@@ -123,10 +111,8 @@ from torch.utils._python_dispatch import (  # noqa: E402
 
 
 # -- collectives ---------------------------------------------------------------------------
-# Recent torch renamed the single-tensor collectives (``all_gather_into_tensor`` ->
-# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``); in 2.13 and 2.14
-# the old names print a FutureWarning on every call (2.15 keeps them as quiet aliases).
-# Feature-detected: a release without the new names gets the old ones.
+# torch 2.13+ renamed the single-tensor collectives and warns on the old names on every call;
+# a release without the new names gets the old ones.
 def _collective(new: str, old: str) -> Callable[..., Work | None]:
     import torch.distributed as dist
 
@@ -135,8 +121,7 @@ def _collective(new: str, old: str) -> Callable[..., Work | None]:
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, *,
                       group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Every rank's ``input`` concatenated into ``output`` (torch's recommended call on each
-    release: no FutureWarning)."""
+    """Every rank's ``input`` concatenated into ``output``."""
     return _collective("all_gather_single", "all_gather_into_tensor")(
         output, input, group=group, async_op=async_op)
 
@@ -154,18 +139,15 @@ _Base = torch._C.TensorBase
 
 
 def outside_inference() -> AbstractContextManager[Any]:
-    """Leave ``torch.inference_mode()`` for the block, if the caller is in it: flatpool's own
-    tensors (the pool's storage, rebound tensors) must never become inference tensors.
-
-    (``inference_mode(False)`` also switches grad mode on, so only use it when needed.)"""
+    """Leave ``torch.inference_mode()`` for the block if in it: flatpool's own tensors must
+    never be inference tensors (``inference_mode(False)`` also enables grad: only when needed)."""
     if torch.is_inference_mode_enabled():
         return cast(AbstractContextManager[Any], torch.inference_mode(False))
     return nullcontext()
 
 
 def no_torch_dispatch() -> AbstractContextManager[Any]:
-    """Stop ``__torch_dispatch__`` for the block: aten ops run natively on a subclass's own
-    TensorImpl (what a storage-sharing wrapper's pass-through dispatch does)."""
+    """Stop ``__torch_dispatch__``: aten ops run natively on a subclass's own TensorImpl."""
     return cast(AbstractContextManager[Any], torch._C._DisableTorchDispatch())
 
 
@@ -178,7 +160,6 @@ impl_size: Callable[[torch.Tensor], torch.Size] = _Base.size
 impl_stride: Callable[[torch.Tensor], tuple[int, ...]] = _Base.stride
 impl_storage_offset: Callable[[torch.Tensor], int] = cast(Callable[[torch.Tensor], int],
                                                       _Base.storage_offset)
-impl_data_ptr: Callable[[torch.Tensor], int] = _Base.data_ptr
 impl_numel: Callable[[torch.Tensor], int] = _Base.numel
 impl_element_size: Callable[[torch.Tensor], int] = _Base.element_size
 impl_is_contiguous: Callable[[torch.Tensor], bool] = _Base.is_contiguous
@@ -189,20 +170,11 @@ storage_nbytes: Callable[[torch.UntypedStorage], int] = torch._C.StorageBase.nby
 """The storage's own size, past any subclass: how many bytes it still holds."""
 impl_set_: Callable[..., torch.Tensor] = _Base.set_
 impl_dtype_of: Callable[[torch.Tensor], torch.dtype] = _Base.__dict__["dtype"].__get__
-""":func:`impl_dtype` as a C callable (the descriptor's own ``__get__``), for ``map``."""
-
-_getters: dict[str, Any] = {
-    name: _Base.__dict__[name].__get__
-    for name in ("dtype", "device", "is_meta", "layout", "is_quantized", "requires_grad",
-                 "is_leaf", "_base", "_version", "is_sparse", "is_nested", "is_mkldnn")
-    if name in _Base.__dict__
-}
-
+"""C callable form of :func:`impl_dtype`, for ``map``."""
 
 def _getter(name: str) -> Callable[[torch.Tensor], Any]:
-    """The descriptor's own ``__get__`` (C): called with the tensor alone (a getset
-    descriptor ignores the owner argument), so no Python frame per read."""
-    get: Callable[[torch.Tensor], Any] = _getters[name]
+    """The getset descriptor's own C ``__get__``: no Python frame per read."""
+    get: Callable[[torch.Tensor], Any] = _Base.__dict__[name].__get__
     return get
 
 
@@ -224,13 +196,9 @@ def is_wrapper_subclass(t: torch.Tensor) -> bool:
     return wrapper
 
 
-_use_count = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
-
-
-tensor_impl_users: Callable[[torch.Tensor], int] = _use_count
-"""Owners of ``t``'s TensorImpl: its Python object, plus every C++ holder (an autograd view's
-base link, a saved tensor, a DLPack capsule). DLPack consumers hold raw pointers into the
-storage, so an unexplained owner must stop a move that would free it."""
+tensor_impl_users = cast(Callable[[torch.Tensor], int], getattr(torch.Tensor, "_use_count"))
+"""Owners of ``t``'s TensorImpl: its Python object plus every C++ holder (view base link, saved
+tensor, DLPack capsule holding raw pointers: an unexplained owner must stop a move)."""
 
 
 # -- storages ------------------------------------------------------------------------------
@@ -240,8 +208,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 
 storage_address: Callable[[torch.Tensor], int] = getattr(torch._C, "_storage_address")
-"""The key of ``t``'s storage without making a Python storage object (cheap, no gc): the
-per-step validity checks read it several times a member."""
+"""The key of ``t``'s storage without making a Python storage object (cheap, no gc)."""
 
 
 def storage_users(storage: torch.UntypedStorage) -> int:
@@ -250,25 +217,19 @@ def storage_users(storage: torch.UntypedStorage) -> int:
 
 
 def storage_has_data(storage: torch.UntypedStorage) -> bool:
-    """False for placeholder storages: reading them crashes or reads nothing.
-
-    A C++ functional tensor's or a wrapper subclass's storage raises on ``data_ptr()``; a
-    ``FakeTensor``'s is a meta storage (checked first: its ``data_ptr()`` warns). A real storage
-    with bytes has a non-null pointer; one resized to 0 bytes has none and no bytes (callers
-    compare ``nbytes()`` with the extent they need)."""
+    """False for placeholder storages (functional, wrapper: ``data_ptr()`` raises; fake: meta,
+    checked first since its ``data_ptr()`` warns). Callers compare ``nbytes()`` themselves."""
     if storage.device.type == "meta":
         return False
     return storage_pointer_valid(storage)
 
 
 UNREADABLE_STORAGE = (RuntimeError, NotImplementedError, TypeError)
-"""What reading a placeholder storage's pointer raises (a C++ functional tensor's, a wrapper
-subclass's)."""
+"""What reading a placeholder storage's pointer raises."""
 
 
 def storage_pointer_valid(storage: torch.UntypedStorage) -> bool:
-    """:func:`storage_has_data` without the meta check (the device read costs half a
-    microsecond): for tensors already known not to be meta or fake."""
+    """:func:`storage_has_data` without the meta check, for tensors known not meta or fake."""
     try:
         ptr = storage.data_ptr()
     except UNREADABLE_STORAGE:
@@ -277,8 +238,7 @@ def storage_pointer_valid(storage: torch.UntypedStorage) -> bool:
 
 
 is_functional: Callable[[torch.Tensor], bool] = getattr(torch, "_is_functional_tensor")
-"""A C++ functional tensor (``torch.func.functionalize``, compile tracing): its storage is a
-placeholder; the data lives in the tensor it wraps. (Its Python type may be ``torch.Tensor``.)"""
+"""A C++ functional tensor (its type may be ``torch.Tensor``): its storage is a placeholder."""
 
 
 def _refcount_in_a_call(obj: object) -> int:
@@ -286,33 +246,26 @@ def _refcount_in_a_call(obj: object) -> int:
 
 
 _CALL_REFS = _refcount_in_a_call(object())
-"""What a count taken inside a called function adds to the caller's own references: the
-parameter and ``getrefcount``'s argument (2), and on Python 3.10 also the caller's stack slot,
-which 3.11+ moves into the callee (3). Measured with a function of :func:`python_refs`' shape."""
+"""What a count taken inside a called function adds to the caller's references (2, or 3 on
+Python 3.10), measured with a function of :func:`python_refs`' shape."""
 
 
 _TRACERS_FILL_LOCALS = sys.version_info < (3, 11)
-"""Python 3.10 copies a function frame's locals into its ``f_locals`` dict before each call of
-a ``sys.settrace`` function (pdb, the interrupt tests' line tracer); the dict then holds a
-reference to every local until the next event refreshes it."""
+"""Python 3.10 copies frame locals into ``f_locals`` for a ``sys.settrace`` function (pdb, the
+interrupt tests): those copies hold references."""
 
 
 def python_refs(obj: object) -> int:
-    """``obj``'s Python references as the caller sees them (this call's own not counted, nor
-    the copies a Python 3.10 trace function leaves in frames' ``f_locals``).
-
-    torch may hold one more while C++ also owns the object's impl: see
-    :data:`PRESERVED_STORAGE_REF` and :data:`PRESERVED_TENSOR_REF`."""
+    """``obj``'s Python references as the caller sees them (torch may hold one more: see
+    :data:`PRESERVED_STORAGE_REF`)."""
     if _TRACERS_FILL_LOCALS and sys.gettrace() is not None:
         return _refs_beside_locals_copies(obj)
     return sys.getrefcount(obj) - _CALL_REFS
 
 
 def _refs_beside_locals_copies(obj: object) -> int:
-    # Refresh the f_locals copy of every function frame on this stack (reading f_locals does),
-    # so the count and the copies agree; then count, and take away the copies' references.
-    # This frame's own copy holds obj once (traced lines refresh it, so it is not searched).
-    # Only C-level iteration: as many traced lines whatever the stack depth.
+    # Refresh every frame's f_locals copy (reading does), count, take away the copies'
+    # references. C-level iteration only: as many traced lines whatever the stack depth.
     here = sys._getframe(0)
     here.f_locals  # noqa: B018 - the read refreshes the copy
     frames = list(map(itemgetter(0), traceback.walk_stack(here.f_back)))
@@ -327,9 +280,7 @@ def _refs_beside_locals_copies(obj: object) -> int:
 
 
 def _preserved_refs() -> tuple[int, int]:
-    """Measure PyObject preservation for (storages, tensors): torch 2.10+ keeps a Python object
-    alive with a strong reference while C++ also owns its impl (1); older releases resurrect it
-    when the last Python reference goes instead (0)."""
+    """PyObject preservation for (storages, tensors): 1 on torch 2.10+, 0 before."""
     with outside_inference():  # an inference tensor has no autograd view link to its base
         t = torch.empty(0)
         s = t.untyped_storage()
@@ -345,8 +296,8 @@ def _preserved_refs() -> tuple[int, int]:
 
 
 PRESERVED_STORAGE_REF, PRESERVED_TENSOR_REF = _preserved_refs()
-"""References torch itself holds on a storage's / tensor's Python object while its impl has
-other C++ owners (0 or 1, measured at import): pin counts subtract them."""
+"""References torch holds on a storage's / tensor's Python object while its impl has other C++
+owners (measured at import): pin counts subtract them."""
 
 
 def in_backward() -> bool:
@@ -354,23 +305,17 @@ def in_backward() -> bool:
     return int(torch._C._current_graph_task_id()) != -1
 
 
-# Raw storage weak references: the pair costs under a microsecond, where a
-# ``StorageWeakRef`` object costs several once thousands of them feed the cycle collector.
-_weak_ref = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
-_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
-_from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
-_free_weak = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
-
-
-weak_storage: Callable[[torch.UntypedStorage], int] = _weak_ref
+# Raw storage weak references: ``StorageWeakRef`` objects by the thousand load the gc.
+weak_storage = cast(Callable[[torch.UntypedStorage], int], torch.UntypedStorage._weak_ref)
 """A weak reference to ``storage`` (an int: free it with :func:`weak_free`)."""
-weak_expired: Callable[[int], bool] = _expired
-weak_free: Callable[[int], None] = _free_weak
+weak_expired = cast(Callable[[int], bool], torch.UntypedStorage._expired)
+weak_free = cast(Callable[[int], None], torch.UntypedStorage._free_weak_ref)
+_from_weak = cast(Callable[[int], torch.UntypedStorage], torch.UntypedStorage._new_with_weak_ptr)
 
 
 def weak_upgrade(ref: int) -> torch.UntypedStorage | None:
     """The storage again, if it still lives."""
-    if _expired(ref):
+    if weak_expired(ref):
         return None
     return _from_weak(ref)
 
@@ -396,8 +341,7 @@ _TUPLE_FORM = _probe_tuple_form()  # torch 2.4-2.6 take one (Tensor, int) per ca
 
 
 def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
-    """Put version counters back after ``set_``/``copy_`` bumped them: the values did not change,
-    and a pending backward that saved the tensor must not fail as "modified in place"."""
+    """Undo ``set_``/``copy_``'s version bumps: a pending backward must not see a modification."""
     if not tensors:
         return
     if _TUPLE_FORM:
@@ -409,10 +353,8 @@ def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> No
 
 # -- bulk ops ------------------------------------------------------------------------------
 def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i`` in one call (a Python loop costs microseconds each).
-
-    A dtype torch has no copy kernel for (torch 2.8: ``float4_e2m1fn_x2``) is copied as
-    same-size integers: flatpool moves bytes, not values."""
+    """``dst[i].copy_(src[i])`` in one call; a dtype with no copy kernel (``float4_e2m1fn_x2``)
+    is copied as same-size integers."""
     try:
         torch._foreach_copy_(list(dst), list(src))
     except NotImplementedError:
@@ -466,9 +408,8 @@ def copy_tensor_flags(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def fsdp_state_param_groups(state: object) -> list[Any]:
-    """The param groups of an FSDP2 ``FSDPState``: torch 2.12+ keeps a list
-    (``_fsdp_param_groups``; there the old singular name is a property that raises when there
-    are several), torch 2.7-2.11 one optional group (``_fsdp_param_group``)."""
+    """The param groups of an FSDP2 ``FSDPState``: a list on torch 2.12+, one optional group
+    before."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
@@ -477,8 +418,7 @@ def fsdp_state_param_groups(state: object) -> list[Any]:
         return [] if group is None else [group]
     raise UnsupportedTorchError(
         f"this torch {torch.__version__} keeps FSDP2's param groups where flatpool does not "
-        "look (neither FSDPState._fsdp_param_groups nor _fsdp_param_group)"
-    )
+        "look (neither FSDPState._fsdp_param_groups nor _fsdp_param_group)")
 
 
 def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -487,33 +427,30 @@ def swap_tensors(a: torch.Tensor, b: torch.Tensor) -> None:
 
 __all__ = [
     "NEWEST_TESTED", "PRESERVED_STORAGE_REF", "PRESERVED_TENSOR_REF", "SILENCE_ENV",
-    "SUPPORTED_TORCH", "UNREADABLE_STORAGE", "UnsupportedTorchError", "all_gather_single",
-    "check_supported", "clone", "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups",
-    "impl_address", "impl_base", "impl_data_ptr", "impl_detach", "impl_device", "impl_dtype",
-    "impl_dtype_of", "impl_element_size", "impl_is_contiguous", "impl_is_inference",
-    "impl_is_leaf", "impl_is_meta", "impl_is_nested", "impl_is_quantized", "impl_layout",
-    "impl_numel", "impl_requires_grad", "impl_set_", "impl_size", "impl_storage_offset",
-    "impl_stride", "impl_untyped_storage", "impl_version", "in_backward", "is_functional",
-    "is_wrapper_subclass", "missing_apis", "new_storage", "no_torch_dispatch",
-    "no_torch_function", "outside_inference", "python_refs", "reduce_scatter_single",
-    "set_versions", "storage_address", "storage_has_data", "storage_key", "storage_nbytes",
-    "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl", "swap_tensors",
-    "tensor_impl_users", "weak_expired", "weak_free", "weak_storage", "weak_upgrade",
+    "SUPPORTED_TORCH", "UnsupportedTorchError", "all_gather_single", "check_supported", "clone",
+    "copy_tensor_flags", "foreach_copy", "fsdp_state_param_groups", "impl_address", "impl_base",
+    "impl_detach", "impl_device", "impl_dtype", "impl_dtype_of", "impl_element_size",
+    "impl_is_contiguous", "impl_is_inference", "impl_is_leaf", "impl_is_meta", "impl_is_nested",
+    "impl_is_quantized", "impl_layout", "impl_numel", "impl_requires_grad", "impl_set_",
+    "impl_size", "impl_storage_offset", "impl_stride", "impl_untyped_storage", "impl_version",
+    "in_backward", "is_functional", "is_wrapper_subclass", "missing_apis", "new_storage",
+    "no_torch_dispatch", "no_torch_function", "outside_inference", "python_refs",
+    "reduce_scatter_single", "set_versions", "storage_address", "storage_has_data", "storage_key",
+    "storage_nbytes", "storage_pointer_valid", "storage_users", "subclass_alias", "swap_impl",
+    "swap_tensors", "tensor_impl_users", "weak_expired", "weak_free", "weak_storage",
+    "weak_upgrade",
 ]
 
 
 def subclass_alias(cls: type[torch.Tensor], t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A ``cls`` object on ``t``'s storage and geometry, built the way ``Tensor._make_subclass``
-    builds a storage-sharing wrapper (HyperParallel's DTensor): its TensorImpl carries the
-    dispatch keys of ``cls`` (the Python key when it defines ``__torch_dispatch__``), so an impl
-    swap onto a wrapper object keeps how the wrapper dispatches."""
+    """A ``cls`` object on ``t``'s storage, made like a storage-sharing wrapper: its impl carries
+    ``cls``'s dispatch keys, so an impl swap onto a wrapper keeps how it dispatches."""
     make = cast(Callable[..., torch.Tensor], torch.Tensor._make_subclass)
     return make(cls, t, requires_grad)
 
 
 def impl_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s TensorImpl: tells whether an impl swap happened. (``_cdata`` is
-    a property a subclass's ``__torch_function__`` sees, and may refuse, unless disabled.)"""
+    """The address of ``t``'s TensorImpl: tells whether an impl swap happened."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return int(t._cdata)
     with torch._C.DisableTorchFunctionSubclass():
@@ -522,17 +459,12 @@ def impl_address(t: torch.Tensor) -> int:
 
 
 def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange the TensorImpls behind two Python tensor objects in one C call.
-
-    Each object keeps its identity, class, ``__dict__`` and weak references; only what it *is*
-    (storage, geometry, autograd view link, version counter) moves. flatpool uses it to move an
-    autograd view off its base (``set_`` would leave the base pinning the original) and a
-    storage-less meta tensor onto real storage, where ``set_`` refuses.
-    """
+    """Exchange the TensorImpls behind two Python objects (identity, class, ``__dict__`` stay):
+    for views (``set_`` would leave the base pinning the original) and meta tensors."""
     torch._C._swap_tensor_impl(a, b)
 
 
-# -- hostile inputs round 3 (adoption engine): view links, math bits ---------------------
+# -- view links ------------------------------------------------------------------------------
 def _links_of(make: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> int:
     base = torch.zeros(2, dtype=dtype)
     before = tensor_impl_users(base)
@@ -543,8 +475,7 @@ def _links_of(make: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) 
 
 
 _MATH_VIEW_LINKS = _links_of(lambda b: b.conj(), torch.complex64)
-"""Owners of its base's TensorImpl one conj view adds (measured: 2 on torch 2.13, its
-backward and forward-mode view records each keep the base; a narrow view keeps 1)."""
+"""Owners of its base's TensorImpl one conj view adds, measured (a narrow view adds 1)."""
 _NEG_VIEW_LINKS = _links_of(lambda b: b._neg_view(), torch.float32)
 _REAL_VIEW_LINKS = _links_of(lambda b: b.real, torch.complex64)
 
@@ -564,21 +495,14 @@ def view_links(view: torch.Tensor, base: torch.Tensor) -> int:
     return 1
 
 
-def has_math_bits(t: torch.Tensor) -> bool:
-    """``t`` reads its bytes through a lazy conj or neg bit."""
-    return _is_conj(t) or _is_neg(t)
-
-
 _grad_slot = _Base.__dict__["grad"]
 _hook_slots = tuple(_Base.__dict__[n] for n in ("_backward_hooks", "_post_accumulate_grad_hooks")
                     if n in _Base.__dict__)
 
 
 def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
-    """After :func:`swap_impl`: give ``obj``'s new TensorImpl the ``.grad`` and the hooks
-    (``register_hook``, ``register_post_accumulate_grad_hook``) its old one, now ``old``'s,
-    had. Both live on the impl's autograd meta; the hook dicts stay on the Python object, and
-    assigning them again registers them on the impl it has now."""
+    """After :func:`swap_impl`: give ``obj``'s new impl the ``.grad`` and hooks its old one had
+    (they live on the impl; assigning the object's hook dicts again registers them)."""
     with torch._C.DisableTorchFunctionSubclass():  # a subclass may route these properties
         if not (impl_is_leaf(old) and impl_requires_grad(old) and impl_requires_grad(obj)):
             return
@@ -591,24 +515,17 @@ def carry_leaf_state(obj: torch.Tensor, old: torch.Tensor) -> None:
                 slot.__set__(obj, hooks)
 
 
-_detach = cast(Callable[[torch.Tensor], torch.Tensor], _Base.detach)
-
-
 def counter_alias(t: torch.Tensor) -> torch.Tensor:
-    """A new plain tensor (no autograd link) sharing ``t``'s storage *and version counter*
-    (``detach()`` shares the counter); ``set_`` it elsewhere and the counter stays shared."""
-    return _detach(t)
-
+    """A plain tensor sharing ``t``'s storage *and version counter* (``detach()``)."""
+    return impl_detach(t)
 
 
 _UNREAL_MODES = frozenset({"FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode"})
-"""Dispatch modes under which tensors made are not real ones (fake, functional, traced). A
-mode that passes ops through (one counting allocations, say) is no obstacle."""
+"""Dispatch modes whose tensors are not real (a pass-through mode is no obstacle)."""
 
 
 def unreal_dispatch_mode() -> object | None:
-    """An active dispatch mode whose tensors have no real storage (``FakeTensorMode``,
-    ``FunctionalTensorMode``, ``make_fx``'s proxy mode), or ``None``."""
+    """An active dispatch mode whose tensors have no real storage, or ``None``."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     for mode in _get_current_dispatch_mode_stack():
@@ -619,15 +536,12 @@ def unreal_dispatch_mode() -> object | None:
 
 
 def in_functorch_transform() -> bool:
-    """True inside ``torch.func.grad``/``vmap``/``jacrev``...: tensors made there are wrapped
-    at the transform's level (``TensorWrapper``, which has no storage)."""
+    """Inside ``torch.func`` transforms tensors are storage-less ``TensorWrapper``s."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 # -- FSDP2's private state (every private FSDP2 name the integration reads) ------------------
-# ``FSDPModule`` and ``fully_shard`` are public (``torch.distributed.fsdp``); a module's
-# ``FSDPState``, its lazy init and its param groups are not. torch.distributed is imported only
-# when a caller asks, so plain flatpool never pays for it.
+# torch.distributed is imported only when a caller asks: plain flatpool never pays for it.
 def fsdp_state(module: object) -> Any:
     """The ``FSDPState`` of a ``fully_shard``-ed module (``FSDPModule._get_fsdp_state``)."""
     return getattr(module, "_get_fsdp_state")()
@@ -643,4 +557,4 @@ def fsdp_module_param_groups(module: object) -> list[Any]:
     return fsdp_state_param_groups(fsdp_state(module))
 
 
-__all__ += ["fsdp_lazy_init", "fsdp_module_param_groups", "fsdp_state"]
+__all__ += ["fsdp_lazy_init", "fsdp_module_param_groups"]

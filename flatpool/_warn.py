@@ -1,8 +1,5 @@
-"""Warnings and log records that point at the user's code, not at flatpool's.
-
-A warning's ``stacklevel`` counted by hand goes stale whenever a call path changes depth; this
-walks the stack to the first frame outside the flatpool package (``flatpool.integrations``
-included) and attributes the warning there.
+"""Warnings that point at the user's code: a hand-counted ``stacklevel`` goes stale whenever a
+call path changes depth, so this walks to the first frame outside flatpool (and integrations).
 """
 
 from __future__ import annotations
@@ -44,12 +41,9 @@ def _in_torch(filename: str) -> bool:
 
 
 def caller_stacklevel(*, past_torch: bool = False) -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` made by the caller of this function) that
-    names the first frame outside flatpool (and outside torch with ``past_torch``: a hook
-    that torch calls from ``nn.Module._call_impl`` is the user's ``model(x)`` line's doing).
-
-    A warning raised while flatpool imports goes to the user's ``import`` line: the walk passes
-    through importlib's frames too, without counting them, since ``warnings`` skips them."""
+    """The caller's ``stacklevel`` naming the first frame outside flatpool (and torch, with
+    ``past_torch``: a hook torch runs is the user's ``model(x)`` line's doing). importlib's
+    frames are passed but not counted, since ``warnings`` skips them."""
     level = 1
     frame = sys._getframe(1)  # the function that will call warnings.warn
     while frame is not None:

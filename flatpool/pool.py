@@ -1,10 +1,7 @@
-"""``FlatPool``: the public face of a pool, with its ownership operations.
+"""``FlatPool``: the public API of a pool, delegating to its private state and the engine.
 
-A ``FlatPool`` *holds* its state (composition, not inheritance): the storage, the layout and
-the registry live in a private :class:`flatpool._state.PoolState`, which keeps them consistent;
-the ownership engine (:mod:`flatpool.ownership`) works on that state. This class declares
-exactly the public API and delegates to the two. The engine, and flatpool's own add-ons, reach
-the state through one private accessor, ``pool._state``.
+The pool *holds* a :class:`flatpool._state.PoolState` (composition), which flatpool's engine
+and add-ons reach through one private accessor, ``pool._state``.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 import torch
 
 from ._registry import AdoptionRegistry
-from ._state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, empty_storage_tensor, live_states
+from ._state import DEFAULT_ALIGNMENT, MAX_BYTES, PoolState, live_states
 from ._devices import DeviceLike
 from .ownership._adopt import AdoptTargets, adopt
 from .ownership._meta import MetaTargets, materialize_into
@@ -24,7 +21,7 @@ from .ownership._readopt import readopt
 from .ownership._relocate import compact, grow
 from .ownership._spec import AdoptionReport, AdoptSpec, OnPinned
 from .ownership._validity import is_valid, moved
-from ._requests import ShapeLike, check_dtype, check_shape, contiguous_strides
+from ._requests import ShapeLike, contiguous_strides
 from .slices import Slice
 from ._unreleased import UnreleasedOriginal
 
@@ -33,18 +30,13 @@ class FlatPool:
     """Contiguous device storage handing out typed :class:`Slice` views.
 
     Args:
-        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (with optional index), a ``torch.device``, or
-            an accelerator index. It must be available now; ``torch_npu`` is imported only for
-            ``"npu"``.
+        device: ``"cpu"``, ``"cuda"``, ``"npu"`` (optional index), a ``torch.device`` or an
+            accelerator index, available now (``torch_npu`` is imported only for ``"npu"``).
         alignment: every slice starts at a multiple of ``max(alignment, dtype.itemsize)``
-            bytes. A power of two up to 1 GiB; default 512. Use 1 to pack slices without gaps.
-        capacity: fixed size in bytes: a batch that does not fit raises
-            :class:`PoolExhaustedError`. ``None`` (default) makes a *growing* pool: planned, it
-            takes every request; :meth:`materialize` sizes its storage to the planned extent,
-            and a later ``adopt`` that does not fit moves the pool, in the same transaction, to
-            a storage with exactly the room it needs (every byte the pool holds is copied
-            once: adopt many tensors in one call, or ``grow()`` first, rather than one call a
-            tensor). ``allocate()`` never moves the storage; it raises and says to ``grow()``.
+            bytes: a power of two up to 1 GiB; 1 packs slices without gaps.
+        capacity: fixed size in bytes, or ``None`` for a *growing* pool: an ``adopt`` that
+            does not fit moves it, in the same transaction, to a storage with room (copying
+            every byte once: adopt many tensors a call). ``allocate()`` never moves it.
         name: shown in errors, ``repr`` and :meth:`describe`.
 
     All methods are thread-safe (one re-entrant lock per pool).
@@ -52,21 +44,12 @@ class FlatPool:
 
     __slots__ = ("_state", "__weakref__")
 
-    _state: PoolState
-    """The pool's storage, layout and registry: the one accessor the engine and flatpool's
-    add-ons use (the state refers back to this object weakly, for the handles it makes)."""
+    _state: PoolState  # refers back to this object weakly, for the handles it makes
 
-    def __init__(
-        self,
-        device: DeviceLike = "cpu",
-        *,
-        alignment: int = DEFAULT_ALIGNMENT,
-        capacity: int | None = None,
-        name: str | None = None,
-    ) -> None:
+    def __init__(self, device: DeviceLike = "cpu", *, alignment: int = DEFAULT_ALIGNMENT,
+                 capacity: int | None = None, name: str | None = None) -> None:
         self._state = PoolState(self, device, alignment=alignment, capacity=capacity, name=name)
 
-    # -- copying: a pool owns device memory that live tensors point into ------------------------
     def __reduce__(self) -> Any:
         return self._state.__reduce__()  # raises: it cannot be pickled or copied
 
@@ -96,8 +79,7 @@ class FlatPool:
 
     @property
     def grows(self) -> bool:
-        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when a batch does
-        not fit."""
+        """Made without ``capacity=``: ``adopt`` moves it to a larger storage when needed."""
         return self._state.grows
 
     @property
@@ -146,8 +128,7 @@ class FlatPool:
 
     @property
     def live_version(self) -> int:
-        """Bumped before every change of the live slices: a cache of them is current while
-        this is unchanged (what ``flatpool.optim`` keys its layouts on)."""
+        """Bumped before every change of the live slices: a cache of them is current until then."""
         return self._state.live_version
 
     @property
@@ -161,11 +142,8 @@ class FlatPool:
         return self._state.slice_alignment(dtype)
 
     def allocate(self, shape: ShapeLike, dtype: torch.dtype) -> Slice:
-        """Reserve a slice for a tensor of ``shape`` and ``dtype``.
-
-        Before materialization this only plans (no memory is touched); afterwards it takes the
-        best-fitting free gap. Raises :class:`PoolExhaustedError` when nothing fits.
-        """
+        """Reserve a slice for ``shape`` and ``dtype``: planned before materialization, then the
+        best-fitting gap; :class:`PoolExhaustedError` when nothing fits."""
         return self._state.allocate(shape, dtype)
 
     def allocate_like(self, t: torch.Tensor) -> Slice:
@@ -217,12 +195,8 @@ class FlatPool:
         return self._state.byte_buffer()
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole buffer as one 1-D tensor, for fused collectives.
-
-        ``dtype=None`` gives the slices' dtype when every live slice shares one (and the
-        capacity is a multiple of its size), else bytes. An explicit ``dtype`` other than
-        ``torch.uint8`` requires every live slice to have it.
-        """
+        """The whole buffer as one 1-D tensor, for fused collectives: in the slices' common dtype
+        (``dtype=None``, else bytes) or ``dtype``, which every live slice must have unless uint8."""
         return self._state.flat(dtype)
 
     def view(self, slc: Slice) -> torch.Tensor:
@@ -230,13 +204,8 @@ class FlatPool:
         (what :meth:`Slice.tensor` returns)."""
         return self._state.view(slc)
 
-    def view_at(
-        self,
-        offset: int,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        stride: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+    def view_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype,
+                stride: Sequence[int] | None = None) -> torch.Tensor:
         """A base-less tensor at byte ``offset`` of the storage (no autograd view link)."""
         return self._state.view_at(offset, shape, dtype, stride)
 
@@ -263,27 +232,19 @@ class FlatPool:
     ) -> AdoptionReport:
         """Move tensors' data into slices of this pool and prove the originals died.
 
-        ``targets`` is a tensor, an :class:`AdoptSpec`, or a sequence of them (one batch: one
-        copy, all-or-nothing). Every tensor object named (the tensor, a DTensor's local tensor,
-        a wrapper sharing its storage, ``AdoptSpec.views``, what ``AdoptSpec.holders`` hold)
-        moves in place, so identity, ``requires_grad`` and optimizer references survive. With
-        ``discover=True`` a gc scan also finds every other Python tensor on the originals.
-        If an original is still referenced afterwards, ``on_pinned`` decides (see
-        :data:`OnPinned`); by default everything rolls back and
-        :class:`PinnedStorageError` names the holders.
+        ``targets``: a tensor, an :class:`AdoptSpec`, or a sequence of them (one all-or-nothing
+        batch). Every tensor object named moves in place, so identity and optimizer references
+        survive; ``discover=True`` also finds every other Python tensor on the originals by a gc
+        scan. A still-referenced original is handled per ``on_pinned`` (:data:`OnPinned`).
         """
         return adopt(self._state, targets, discover=discover, on_pinned=on_pinned)
 
     def readopt(
         self, specs: Sequence[AdoptSpec] | None = None, *, on_pinned: OnPinned = "raise"
     ) -> AdoptionReport:
-        """Bring every adopted tensor that is not in place back into its slice (idempotent).
-
-        Use after a framework re-materialized on its own (``to_empty``, lazy init,
-        ``load_state_dict``): current values are copied into the existing slices and the
-        objects moved back, with the same release proof as :meth:`adopt`. Pass ``specs``
-        (each with its ``slice``) to name the current holders explicitly; they replace the
-        slices' recorded bindings.
+        """Bring every adopted tensor that is not in place back into its slice (idempotent), after
+        a framework re-materialized on its own (``to_empty``, ``load_state_dict``). ``specs``
+        (each with its ``slice``) name the current holders and replace the slices' bindings.
         """
         return readopt(self._state, specs, on_pinned=on_pinned)
 
@@ -296,10 +257,8 @@ class FlatPool:
         return list(seen.values())
 
     def is_valid(self) -> bool:
-        """True when every adopted tensor is in place (on its slice, with the shape, strides and
-        dtype it was adopted with) and no slice lost all the parameters adopted into it (a
-        module that replaced them, ``load_state_dict(assign=True)``: :meth:`readopt` then warns
-        and says how to re-adopt): exactly when :meth:`moved` is empty and nothing is orphaned."""
+        """True exactly when :meth:`moved` is empty and no slice lost all the parameters adopted
+        into it (``load_state_dict(assign=True)``: :meth:`readopt` then says how to re-adopt)."""
         return is_valid(self._state)
 
     def materialize_into(
@@ -335,6 +294,5 @@ def live_pools() -> list[FlatPool]:
 
 
 __all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "check_dtype", "check_shape",
-    "contiguous_strides", "empty_storage_tensor", "live_pools",
+    "DEFAULT_ALIGNMENT", "MAX_BYTES", "FlatPool", "ShapeLike", "contiguous_strides", "live_pools",
 ]

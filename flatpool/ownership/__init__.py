@@ -27,12 +27,9 @@ The engine's modules use these words, each for one thing only:
 * **in place**: a bound member sits exactly where its binding says, by its TensorImpl
   (:func:`~flatpool.ownership._validity.in_place`); *moved* is its negation.
 
-Every module here is private (a leading underscore); this package shows the engine's words a
-user writes (below), and :mod:`flatpool` shows them too. The layers, each importing only what
-lies below it: ``_adopt``/``_readopt``/``_relocate``/``_meta``/``_census`` (operations) ->
-``_release`` (pins and the release proof) -> ``_transaction`` (journal, rollback, guards) ->
-``_moves`` (the only place bytes and tensor objects move) -> the pool's own state
-(:mod:`flatpool._state`).
+The layers, each importing only what lies below it: operations (``_adopt``, ``_readopt``,
+``_relocate``, ``_meta``, ``_census``) -> ``_release`` (pins, release proof) -> ``_transaction``
+(journal, rollback) -> ``_moves`` (the only place bytes and tensors move) -> :mod:`flatpool._state`.
 """
 
 from ._interrupts import RollbackError

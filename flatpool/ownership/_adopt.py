@@ -1,20 +1,10 @@
 """``adopt``: one pipeline moves a batch of originals into pool slices and proves they died.
 
-A batch is one transaction, over one pool (:meth:`FlatPool.adopt`) or several (a fusion
-group's dtype buckets, :func:`adopt_many`); its steps, for every kind of member alike:
-
-1. **plan**: validate every spec (the rules below, read from TensorImpls: a subclass's Python
-   ``shape`` may be a global shape, its ``__torch_function__`` may raise) and work out each
-   original's members (:class:`Original`); nothing changes, and a refusal is a typed error;
-2. allocate a slice per original (or use the one its spec names);
-3. copy every original's bytes into its slice (:func:`flatpool.ownership._moves.copy_all`);
-4. journal and move every member (:func:`flatpool.ownership._moves.move`);
-5. check the pools' invariants and where every member landed, settle the pins, bind the
-   registry and prove each original died (:mod:`flatpool.ownership._release`).
-
-Any failure, an interrupt at any bytecode included, rolls everything back
-(:mod:`flatpool.ownership._transaction`). See [Note: flatpool terms] in :mod:`flatpool.ownership`
-for original, member, holder, wrapper and local tensor.
+A batch is one transaction over one pool or several (:func:`adopt_many`): plan (validate every
+spec from TensorImpls, work out each original's members; nothing changes), allocate, journal
+and move every member, copy the bytes, then check invariants, bind the registry and prove each
+original died (:mod:`flatpool.ownership._release`). Any failure, an interrupt included, rolls
+everything back. Terms: [Note: flatpool terms] in :mod:`flatpool.ownership`.
 """
 
 from __future__ import annotations
@@ -55,11 +45,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
           on_pinned: OnPinned = "raise", into_bound: bool = False) -> AdoptionReport:
-    """Move ``targets`` into ``pool``; see :meth:`FlatPool.adopt`.
-
-    ``into_bound`` lets specs name slices that already have bindings, which the adoption then
-    replaces (re-adoption with explicit specs, :meth:`FlatPool.readopt`).
-    """
+    """See :meth:`FlatPool.adopt`; ``into_bound`` lets specs replace slices' bindings (readopt)."""
     check_policy(on_pinned)
     if not isinstance(discover, bool):
         raise InvalidTypeError(f"discover must be a bool, got {discover!r}")
@@ -72,8 +58,7 @@ def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
 
 def adopt_many(batches: Sequence[tuple[FlatPool, Sequence[Adoptable]]], *,
                on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
-    """Adopt each batch into its pool, all of them in one transaction: every pool ends fully
-    adopted, or every tensor and pool is as it was. One report per batch."""
+    """Adopt each batch into its pool, all in one transaction; one report per batch."""
     check_policy(on_pinned)
     check_not_in_backward()
     given = [(pool._state, normalize(list(specs))) for pool, specs in batches if len(specs)]
@@ -93,8 +78,7 @@ def normalize(targets: AdoptTargets) -> list[Adoptable]:
     else:
         raise InvalidTypeError(
             "adopt() takes a tensor, an AdoptSpec, or a list/tuple of them, got "
-            f"{type(targets).__name__}"
-        )
+            f"{type(targets).__name__}")
     specs: list[Adoptable] = []
     for i, t in enumerate(items):
         if isinstance(t, AdoptSpec):
@@ -107,8 +91,7 @@ def normalize(targets: AdoptTargets) -> list[Adoptable]:
             specs.append(t)
         else:
             raise InvalidTypeError(
-                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs"
-            )
+                f"target #{i} is a {type(t).__name__}; adopt() takes tensors or AdoptSpecs")
     if not specs:
         raise InvalidRequestError("adopt() was given nothing to adopt")
     return specs
@@ -120,8 +103,7 @@ _NO_GEOMETRY: tuple[int, tuple[int, ...], tuple[int, ...]] = (0, (), ())
 
 
 class Original:
-    """One original of a batch: what its target names, where its bytes lie, its members and its
-    slice."""
+    """One original of a batch: its target, bytes, members and slice."""
 
     __slots__ = ("pool", "tensor", "views", "holders", "index", "primary", "key", "extent",
                  "geometry", "shape", "dtype", "external", "members", "slice", "allocated")
@@ -158,10 +140,7 @@ class Original:
 
 def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
              discover: bool, on_pinned: OnPinned, into_bound: bool) -> list[AdoptionReport]:
-    """The pipeline (see the module), in ``txn``; one report per ``(pool, specs)`` batch.
-
-    Each step runs once over the originals of every batch; only what belongs to one pool (its
-    slices, its invariants, its registry) is done pool by pool."""
+    """The pipeline (see the module) in ``txn``, each step once over every batch's originals."""
     batch = plan(txn, batches, discover, into_bound)
     every = [o for originals in batch for o in originals]
     _check_disjoint(every)
@@ -241,27 +220,23 @@ def _bindings(o: Original) -> list[Binding]:
 
 
 def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
-    """A growing pool (made without ``capacity=``) whose storage exists and lacks room for the
-    batch: it moves to a larger storage inside the adoption's transaction. (A planned pool
-    takes every request; a fixed one raises :class:`PoolExhaustedError`.)"""
+    """A materialized growing pool that lacks room for the batch: it moves to a larger storage
+    inside the adoption's transaction."""
     return bool(requests) and pool.grows and pool.is_materialized and not pool.fits(requests)
 
 
 def _copies_into_itself(txn: Transaction, o: Original) -> bool:
-    """``o``'s slice has no bytes to keep (allocated here, or on a pool storage this transaction
-    made) and holds exactly its primary's elements (an exact tensor or parameter, contiguous, no
-    lazy conj/neg bit): its bytes are copied into the moved primary itself, from an alias of the
-    original taken before the move, with no byte view made on either side (they cost more than
-    the rest of a small tensor's copy). Call under ``no_torch_function()``."""
+    """``o``'s slice has no bytes to keep and holds exactly its plain contiguous primary: copy
+    into the moved primary from a pre-move alias, with no byte views (they cost more than a small
+    tensor's copy). Call under ``no_torch_function()``."""
     t = o.primary
     return ((o.allocated or not txn.had_storage(o.pool)) and type(t) in _PLAIN
             and tc.impl_is_contiguous(t) and not t.is_conj() and not t.is_neg())
 
 
 def _copy(txn: Transaction, originals: list[Original], aliases: list[torch.Tensor | None]) -> None:
-    """Copy every original's extent into its slice, after the move, in chunks (views cost host
-    memory): into the moved primary from ``aliases[i]`` where :func:`_copies_into_itself` said
-    so, else byte for byte (an existing slice's old bytes saved first, for a rollback)."""
+    """Copy every original's extent into its slice after the move, in chunks (views cost host
+    memory); an existing slice's old bytes are saved first, for a rollback."""
     flats: dict[int, torch.Tensor] = {}  # each pool's bytes, taken once (byte copies only)
     checkpoint("copy")
     for first in range(0, len(originals), COPY_CHUNK):
@@ -299,9 +274,8 @@ def _outside(originals: list[Original]) -> Outside:
 
 def _move(txn: Transaction, batches: Sequence[tuple[PoolState, Sequence[Original]]],
           members: list[Member] | None = None) -> list[tuple[PoolState, list[Placed]]]:
-    """Journal, then perform, the move of ``members`` (default: all) of the originals of each
-    ``(pool, originals)`` batch onto its pool (one move over every batch); where each must
-    land, per pool."""
+    """Journal, then perform, the move of ``members`` (default: all) of every batch; returns
+    where each must land, per pool."""
     places: list[Dest] = []
     moving: list[Member] = []
     placed: list[tuple[PoolState, list[Placed]]] = []
@@ -319,8 +293,7 @@ def _move(txn: Transaction, batches: Sequence[tuple[PoolState, Sequence[Original
                 if at % item:
                     raise AdoptionError(
                         f"cannot place a {m.dtype} view of {o.label} at byte {at} of the pool: "
-                        f"not a multiple of its element size {item}"
-                    )
+                        f"not a multiple of its element size {item}")
                 moving.append(m)
                 places.append((target, at // item, m.size, m.stride))
                 bounds.append((m.obj, lo, hi, at // item, m.size, m.stride))
@@ -333,8 +306,7 @@ def _move(txn: Transaction, batches: Sequence[tuple[PoolState, Sequence[Original
 # -- planning: the rules, written once ---------------------------------------------------------
 def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]], discover: bool,
          into_bound: bool) -> list[list[Original]]:
-    """Validate every target of every ``(pool, targets)`` batch and work out its members (the
-    facts the rules read, read once over all of them); nothing is changed."""
+    """Validate every target of every batch and work out its members; nothing is changed."""
     batch = [[Original(pool, target, i) for i, target in enumerate(targets)]
              for pool, targets in batches]
     facts = iter(read_facts([o.primary for originals in batch for o in originals]))
@@ -354,12 +326,10 @@ def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
                 if slc.nbytes != o.extent.nbytes or slc.dtype != o.dtype:
                     raise InvalidRequestError(
                         f"{o.label} needs {o.extent.nbytes} bytes of {o.dtype}; slice "
-                        f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}"
-                    )
+                        f"{slc.slice_id} has {slc.nbytes} bytes of {slc.dtype}")
                 if not into_bound and pool.registry.holds(slc.slice_id):
                     raise InvalidRequestError(
-                        f"slice {slc.slice_id} already backs adopted tensors; use readopt()"
-                    )
+                        f"slice {slc.slice_id} already backs adopted tensors; use readopt()")
     for originals in batch:
         for o in originals:
             o.members = members(o, discover)
@@ -367,12 +337,10 @@ def plan(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable]]],
 
 
 def members(o: Original, discover: bool) -> list[Member]:
-    """The members that move with original ``o``: its primary (and a wrapper's local tensor or
-    memory), the spec's views and what its holders hold, with ``discover`` every other Python
-    tensor on the original; each once, with a holder and primary-ness if any naming had them."""
+    """The members that move with original ``o`` (primary, local tensor, views, what holders
+    hold, with ``discover`` every Python tensor on it), each once."""
     if not discover and _moves_alone(o):
-        # A plain tensor or parameter named alone (most batches): its only member is itself,
-        # moved in place; everything below would find exactly that, at several times the cost.
+        # A plain tensor or parameter named alone (most batches): below would find only itself.
         return [Member(o.tensor, Move.IN_PLACE, o.key, *o.geometry, o.dtype,
                        tc.impl_version(o.tensor), None, True)]
     unique: dict[int, Member] = {}  # each object once, by identity
@@ -400,8 +368,7 @@ def members(o: Original, discover: bool) -> list[Member]:
         more = _expand(held, o.key, False)
         if not more:
             raise InvalidRequestError(
-                f"holder {h.describe()} of {o.label} does not hold a tensor on its storage"
-            )
+                f"holder {h.describe()} of {o.label} does not hold a tensor on its storage")
         add(more, h)
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
@@ -413,22 +380,19 @@ def members(o: Original, discover: bool) -> list[Member]:
         if m.how is not Move.ONTO_LOCAL and not start <= lo <= hi <= end:
             raise InvalidRequestError(
                 f"a view of {o.label} reaches bytes outside it ({lo}..{hi} vs {start}..{end}); "
-                "adopt the tensor it is a view of instead"
-            )
+                "adopt the tensor it is a view of instead")
     return list(unique.values())
 
 
 def _moves_alone(o: Original) -> bool:
-    """``o``'s target names only an exact ``torch.Tensor``/``nn.Parameter`` that is no autograd
-    view and has no local tensor (nothing else to find): :func:`members` is then that tensor."""
+    """``o``'s target is only an exact, non-view tensor or parameter: its one member is itself."""
     t = o.tensor
     return (type(t) in _PLAIN and o.primary is t and not o.views and not o.holders
             and tc.impl_base(t) is None)
 
 
 def _on_key(t: torch.Tensor, key: int) -> bool:
-    """``t``'s own storage is original ``key`` (a live original's key is no other storage's:
-    a placeholder, meta or freed one never equals it). Call under ``no_torch_function()``."""
+    """``t``'s own storage is original ``key``. Call under ``no_torch_function()``."""
     try:
         return tc.storage_address(t) == key
     except (RuntimeError, NotImplementedError, TypeError):  # a layout with no one storage
@@ -471,27 +435,20 @@ def _held(h: Holder, o: Original) -> torch.Tensor:
         raise InvalidRequestError(f"holder {h.describe()} of {o.label} cannot be read: {exc}") from exc
     if not isinstance(value, torch.Tensor):
         raise InvalidRequestError(
-            f"holder {h.describe()} of {o.label} holds a {type(value).__name__}, not a tensor"
-        )
+            f"holder {h.describe()} of {o.label} holds a {type(value).__name__}, not a tensor")
     why = h.unassignable()  # from the owner's type: writing would run the place's setter
     if why is not None:
         raise InvalidTypeError(
             f"holder {h.describe()} of {o.label} cannot be assigned ({why}): name a place "
             "flatpool can write (an attribute, a list or dict item), not a read-only property "
-            "or a tuple slot"
-        )
+            "or a tuple slot")
     return value
 
 
 def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[Member]:
     """Every Python-visible tensor on original ``key`` inside ``extent`` (a gc scan) that is
-    safe to move.
-
-    Not safe: on a storage torch marked non-resizable (``t.numpy()``, ``numpy.asarray(t)``,
-    ``torch.from_numpy``), a tensor nothing gc can see refers to. ``t.numpy()`` makes exactly
-    such a tensor, the ndarray's base, and the ndarray reads the storage through a raw
-    pointer: moving its base would free the memory under it. It stays, and pins the original.
-    """
+    safe to move. Not safe: one gc sees no referrer of on a non-resizable storage, such as the
+    base ``t.numpy()`` makes, which the ndarray reads by raw pointer: it stays and pins."""
     found: list[Member] = []
     candidates = tensors_on_storage(key, set(known))
     for t in candidates:
@@ -509,9 +466,8 @@ def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[
 
 
 def _keep_views_with_their_base(members: Iterable[Member]) -> None:
-    """A view whose base moves in place can move in place too (its ``_base`` then points into
-    the pool): that keeps its impl, which an autograd graph may have saved. Only a view whose
-    base stays behind needs the impl swap."""
+    """A view whose base moves in place moves in place too, keeping the impl a graph may have
+    saved; only a view whose base stays behind needs the impl swap."""
     members = list(members)
     off_base = [m for m in members if m.how is Move.OFF_BASE]
     if not off_base:
@@ -549,8 +505,7 @@ def _check_disjoint(originals: list[Original]) -> None:
                 raise AliasingError(
                     f"{a.label} and {b.label} share bytes of one storage; adopt one and pass the "
                     "other in its AdoptSpec.views",
-                    [(a.label, b.label)],
-                )
+                    [(a.label, b.label)])
     given = [(id(o.pool), o.slice.slice_id) for o in originals if o.slice is not None]
     if len(given) != len(set(given)):
         raise InvalidRequestError("two AdoptSpecs name the same target slice")
@@ -574,10 +529,8 @@ element by element; beyond it such a tensor is refused as unproven."""
 
 
 def overlap(t: torch.Tensor) -> str | None:
-    """Why two index tuples of ``t`` may reach the same element: ``"expanded"`` (a stride 0 over
-    a size above 1), ``"shared"`` (interleaved strides, and elements found shared),
-    ``"unproven"`` (interleaved strides over too many elements to check), else ``None``.
-    Call under no_torch_function."""
+    """Why two index tuples of ``t`` may reach one element (``"expanded"``, ``"shared"``,
+    ``"unproven"``), else ``None``. Call under no_torch_function."""
     dims = sorted((st, sz) for sz, st in zip(tc.impl_size(t), tc.impl_stride(t)) if sz > 1)
     if any(st == 0 for st, _ in dims):
         return "expanded"
@@ -598,13 +551,8 @@ def overlap(t: torch.Tensor) -> str | None:
 
 
 def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.UntypedStorage:
-    """The storage that holds ``t``'s bytes, refusing what would crash or adopt garbage.
-
-    A placeholder (C++ functional tensor, FakeTensor) is refused by type; a real storage smaller
-    than ``t``'s extent (``untyped_storage().resize_(0)``, as FSDP frees unsharded parameters)
-    by value, before anything is allocated or moved. ``t`` is already known to be strided,
-    not a wrapper subclass and not meta.
-    """
+    """The storage that holds ``t``'s bytes, refusing a placeholder or a storage smaller than
+    ``t``'s extent (FSDP's ``resize_(0)``) before anything moves."""
     if type(t) in _PLAIN:  # (no __torch_function__ to stop)
         storage = tc.impl_untyped_storage(t)
     else:
@@ -614,28 +562,24 @@ def data_storage(t: torch.Tensor, extent: ByteRange, what: object) -> torch.Unty
         raise InvalidTypeError(
             f"{what} is a functional tensor (made by torch.func.functionalize or compile "
             "tracing): its storage is a placeholder and its data lives in the tensor it wraps; "
-            "adopt the real tensor, outside the functionalized region"
-        )
+            "adopt the real tensor, outside the functionalized region")
     # (an exact tensor's storage is on its own device, not meta: only a subclass can say
     # otherwise of itself, a FakeTensor)
     if type(t) not in _PLAIN and storage.device.type == "meta":
         raise InvalidTypeError(
             f"{what} has only metadata (a {type(t).__name__} made under FakeTensorMode, or "
             "another tensor on a meta storage): there is no data to adopt; adopt real tensors "
-            "outside the fake mode"
-        )
+            "outside the fake mode")
     if not tc.storage_pointer_valid(storage):
         raise InvalidTypeError(
             f"{what} ({type(t).__name__}) has no real storage (a placeholder that crashes when "
-            "read): adopt the tensor that holds its data"
-        )
+            "read): adopt the tensor that holds its data")
     if storage.nbytes() < extent.end:
         raise InvalidRequestError(
             f"{what} reaches byte {extent.end} of a storage that holds only "
             f"{storage.nbytes()} bytes (freed with untyped_storage().resize_(), as FSDP does "
             "for unsharded parameters): there is no data to adopt; resize the storage back "
-            "(or let the framework re-materialize it) first, or adopt the tensor that has the data"
-        )
+            "(or let the framework re-materialize it) first, or adopt the tensor that has the data")
     return storage
 
 
@@ -649,9 +593,8 @@ _READERS = (tc.impl_is_quantized, tc.impl_is_meta, tc.impl_device, tc.impl_numel
 
 
 def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
-    """Each tensor's :data:`Facts` (``None`` for one whose layout has no single strided storage,
-    which the rules refuse first), read a fact at a time over the whole batch: each a C-level
-    pass, where a Python frame per tensor per fact cost several times the read itself."""
+    """Each tensor's :data:`Facts` (``None`` when not strided), read a fact at a time over the
+    batch: a C-level pass each, not a Python frame per tensor per fact."""
     with tc.no_torch_function():
         dense = [layout is torch.strided and not nested for layout, nested
                  in zip(map(tc.impl_layout, ts), map(tc.impl_is_nested, ts))]
@@ -662,9 +605,8 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
 
 
 def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
-    """Check ``o``'s primary against the rules (its :data:`Facts` read already); fill in what
-    the adoption needs to know of it, and return its storage. ``formats``: the pool's device
-    may hold private storage formats (:func:`~flatpool._npu_format.formats_apply`)."""
+    """Check ``o``'s primary against the rules, fill in what adoption needs, return its storage.
+    ``formats``: the device may hold private storage formats (NPU)."""
     inner = o.primary
     if facts is None:
         check_strided(inner, o)
@@ -677,14 +619,12 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
     if meta:
         raise InvalidRequestError(
             f"{o} is a meta tensor (or a fake one) and has no data to adopt; use "
-            "pool.materialize_into() to give it pool storage"
-        )
+            "pool.materialize_into() to give it pool storage")
     pool = o.pool
     if device != pool.device:
         raise InvalidRequestError(
             f"{o} is on {device} but pool {pool.name!r} is on {pool.device}; "
-            "move it to the pool's device first or use a pool on its device"
-        )
+            "move it to the pool's device first or use a pool on its device")
     if formats:  # (only an NPU has private storage formats, and o is on the pool's device)
         check_plain_format(inner, o, device)
     if numel == 0:
@@ -692,8 +632,7 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
     if inference:
         raise InvalidRequestError(
             f"{o} is an inference tensor (made under torch.inference_mode()); it "
-            "cannot be rebound in place: adopt a clone() made outside inference mode"
-        )
+            "cannot be rebound in place: adopt a clone() made outside inference mode")
     if not _leaf_or_view(o.tensor):
         with tc.no_torch_function():
             computed_by = type(o.tensor.grad_fn).__name__
@@ -702,8 +641,7 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
             f"({computed_by}) from tensors that require grad, and its "
             "graph may still read its storage. Adopt the leaf it was computed from (a "
             "parameter, a buffer), or compute it without a graph (under torch.no_grad(), or "
-            "adopt a .detach()ed value once nothing else refers to the original)"
-        )
+            "adopt a .detach()ed value once nothing else refers to the original)")
     o.dtype = check_dtype(dtype, o)
     size, stride = tuple(size), tuple(stride)  # (torch.Size: plain tuples are kept)
     o.geometry = (offset, size, stride)
@@ -718,19 +656,16 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
         if why == "expanded":
             raise InvalidRequestError(
                 f"{o} overlaps itself (an expanded/broadcast view, strides {stride}); adopt "
-                "the tensor it was expanded from"
-            )
+                "the tensor it was expanded from")
         if why == "shared":
             raise InvalidRequestError(
                 f"{o} overlaps itself (strides {stride} over sizes {size} reach some elements "
-                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy"
-            )
+                "twice: an as_strided view); adopt the tensor it views, or a contiguous() copy")
         if why == "unproven":
             raise InvalidRequestError(
                 f"{o} has interleaved strides {stride} over sizes {size}: more than "
                 f"{EXACT_OVERLAP_ELEMENTS} elements to check that no two share memory; adopt "
-                "a contiguous() copy"
-            )
+                "a contiguous() copy")
         o.shape = (o.extent.nbytes // item,)
     storage = data_storage(inner, o.extent, o)
     key = o.key = tc.storage_key(storage)
@@ -740,29 +675,22 @@ def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.Un
             raise InvalidRequestError(
                 f"{o} has a storage of its own that is not its _local_tensor's: the "
                 "wrapper does not view its shard, and adopting the local tensor would leave the "
-                "wrapper reading other memory; rebuild the wrapper around its local tensor"
-            )
+                "wrapper reading other memory; rebuild the wrapper around its local tensor")
     owner = pool_of_storage(key)
     if owner is not None and o.extent.end <= owner.capacity:
         where = "this pool" if owner is pool else f"pool {owner.name!r}"
         raise InvalidRequestError(
-            f"{o} already lives in {where}; use readopt() to bring moved members back"
-        )
-    # Memory another owner may keep: numpy's (from_numpy), a buffer's (frombuffer), or shared
-    # memory other processes map (share_memory_; CUDA storages always say shared: skipped).
-    # torch marks such storages non-resizable; it also marks a storage t.numpy() once viewed,
-    # whose memory is its own, but it does not say which allocator made a storage: every
-    # non-resizable storage counts as external (the safe answer: nothing is reported freed).
+            f"{o} already lives in {where}; use readopt() to bring moved members back")
+    # Memory another owner may keep (from_numpy, frombuffer, share_memory_): torch marks it
+    # non-resizable but does not say which allocator made a storage, so every non-resizable
+    # storage counts as external (the safe answer: nothing is reported freed).
     o.external = not storage.resizable() or (device.type == "cpu" and storage.is_shared())
     return storage
 
 
 def _leaf_or_view(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a leaf of autograd or a view: a computed value (``w * 2``) is neither.
-    A view's history ends in view functions over its base's storage (sizes and strides, never
-    data), so it moves with its base like any view; were some graph to have saved its data, that
-    graph would hold the original storage and the release proof would refuse, naming it. Read
-    past a subclass's ``__torch_function__`` (an exact tensor or parameter has none to pass)."""
+    """Whether ``t`` is an autograd leaf or a view, not a computed value (``w * 2``): a graph
+    that saved a view's data would hold the original, and the release proof would refuse."""
     if type(t) in _PLAIN:
         return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
     with tc.no_torch_function():
@@ -779,6 +707,6 @@ def _external_message(labels: list[str]) -> str:
     )
 
 
-__all__ = ["AdoptTargets", "Adoptable", "Original", "adopt", "adopt_in", "adopt_many",
-           "data_storage", "discover_members", "label", "normalize", "overlap", "plan",
+__all__ = ["AdoptTargets", "Original", "adopt", "adopt_in", "adopt_many",
+           "data_storage", "label", "overlap", "plan",
            "validate"]

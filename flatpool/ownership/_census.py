@@ -1,9 +1,7 @@
 """``census``: list the distinct live storages reachable from roots, and who references them.
 
-A storage outside every pool that holds the same bytes as a live slice is reported *stale*:
-the signature of a hand-rolled fusion that copied shards into a flat buffer but left the
-originals alive. Gradients and optimizer state are legitimate storages of their own and are
-never called stale.
+A storage outside every pool that holds the same bytes as a live slice is reported *stale*: a
+hand-rolled fusion that left the originals alive. Gradients and optimizer state never are.
 """
 
 from __future__ import annotations
@@ -80,8 +78,7 @@ class Census:
         lines.append(
             f"{len(self.records)} storage(s), {self.total_bytes} bytes; in pools "
             f"{self.pool_bytes} bytes; stale {sum(r.nbytes for r in self.stale)} bytes "
-            f"in {len(self.stale)} storage(s)"
-        )
+            f"in {len(self.stale)} storage(s)")
         for dev, counters in self.allocator.items():
             lines.append(f"{dev} allocator: allocated {counters['allocated']} B, "
                          f"reserved {counters['reserved']} B")
@@ -129,10 +126,8 @@ def census(*roots: Any, pools: Iterable[FlatPool] | None = None) -> Census:
     """Distinct live storages reachable from ``roots`` (modules, optimizers, tensors, dicts,
     lists, objects), or from every tensor in the process when no root is given.
 
-    Runs holding the lock of every live pool: the storage objects and byte views a census makes
-    would otherwise pin a storage another thread's adoption or relocation is proving dead (and
-    make it fail), and the answer sees each pool before or after such an operation, never
-    half-way. Nothing made here outlives the call.
+    Holds every live pool's lock: the storage objects a census makes would otherwise pin a
+    storage another thread's adoption is proving dead, and it never sees a half-moved pool.
     """
     pool_list: list[PoolState] | None = None
     if pools is not None:
@@ -152,10 +147,8 @@ LOCK_RETRY = 0.05
 
 @contextmanager
 def all_locked(pools: Iterable[PoolState]) -> Iterator[None]:
-    """Hold every pool's lock, taken in one global order. A lock that does not come within
-    :data:`LOCK_RETRY` (a thread holding it waits for one we hold) makes us release all and
-    retry after a pause, so two threads each holding a pool and taking a census cannot
-    deadlock."""
+    """Hold every pool's lock, in one global order; one that does not come within
+    :data:`LOCK_RETRY` makes us release all and retry, so two censuses cannot deadlock."""
     ordered = sorted(pools, key=id)
     pause = 0.001
     while True:
@@ -258,26 +251,17 @@ _Entry = tuple[str, PoolState, Slice]  # ("pool:slice_id", pool, slice)
 
 
 def _fingerprint(raw: torch.Tensor) -> _Fingerprint:
-    """A summary of the bytes of ``raw`` (1-D ``uint8``): their sum, every ``len // 16``-th
-    byte from the first (16 or 17 of them; all, below 32) and the last. Equal bytes give equal
-    fingerprints; different bytes almost never do (a change shows in the sum unless other
-    changes cancel it exactly, and no sampled byte differs). A few kernels and one host read,
-    however large ``raw`` is."""
+    """A summary of ``raw``'s bytes (their sum and ~17 sampled bytes): equal bytes give equal
+    fingerprints, different bytes almost never; a few kernels however large ``raw`` is."""
     step = max(1, raw.numel() // 16)
     parts = (raw.sum(dtype=torch.int64).reshape(1), raw[::step], raw[-1:])
     return tuple(torch.cat([t.to(torch.int64) for t in parts]).tolist())
 
 
 class _SliceContents:
-    """The live slices of ``pools``, looked up by their bytes for the stale check.
-
-    Comparing a tensor with every slice of its size is quadratic when thousands of members
-    share a shape (a fused model's parameters, its gradient and state buffers, and as many
-    per-parameter tensors outside them). Here each slice of a size some tensor has is
-    fingerprinted once, at the first look-up of that size, and a tensor is compared byte for
-    byte only with the slices of its fingerprint: linear in slices and tensors. Slice bytes are
-    viewed only while fingerprinted or compared (the census holds the pools' locks).
-    """
+    """The live slices of ``pools``, looked up by their bytes for the stale check: each slice
+    is fingerprinted once, and a tensor compared byte for byte only with slices of its
+    fingerprint (linear, where thousands of same-shaped members would make it quadratic)."""
 
     def __init__(self, pools: Iterable[PoolState]) -> None:
         self._by_size: dict[int, list[_Entry]] = {}
@@ -292,8 +276,7 @@ class _SliceContents:
         return nbytes in self._by_size
 
     def copy_of(self, raw: torch.Tensor) -> str | None:
-        """The label of the first slice (in pool, then storage order) whose bytes equal those
-        of ``raw`` (1-D ``uint8``), or ``None``."""
+        """The label of the first slice whose bytes equal ``raw``'s, or ``None``."""
         key = (raw.numel(), raw.device)
         index = self._by_print.get(key)
         if index is None:

@@ -1,9 +1,5 @@
-"""Named points inside multi-step operations where tests inject failures.
-
-Production code calls :func:`checkpoint` at each step (allocate, copy, rebind, release, ...);
-it costs one global lookup. :mod:`flatpool.testing` installs hooks that raise at the k-th call
-to prove every step rolls back cleanly (``KeyboardInterrupt`` included).
-"""
+"""Named points inside multi-step operations where :mod:`flatpool.testing` injects failures, to
+prove every step rolls back (one global lookup each)."""
 
 from __future__ import annotations
 

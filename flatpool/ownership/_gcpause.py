@@ -1,21 +1,10 @@
 """Pause Python's automatic cycle collection around batch work that creates many small objects.
 
-A batch over thousands of tensors (adoption, a census) creates a few Python objects per tensor;
-the growing heap triggers full gc passes that cost more than the work itself. Nothing in
-flatpool relies on the cycle collector for correctness (release proofs go by reference counts,
-and an explicit ``gc.collect()`` is used where cycles matter), so it is paused for the batch.
-
-The pause sets the first collection threshold to 0 (``gc.set_threshold(0, ...)``: no automatic
-collection) instead of calling ``gc.disable()``, so it never touches the flag a user sets with
-``gc.disable()``/``gc.enable()``: a user's call in another thread while an adoption runs stands.
-It is reference-counted across threads: the first pause saves the thresholds, the last one puts
-them back, unless someone set other thresholds meanwhile (then theirs stand). Overlapping
-batches in two threads therefore stay paused until both end.
-
-Each thread's pauses are counted apart so that a process forked while another thread is
-inside a pause can drop that thread's share: the thread does not exist in the child, and its
-pause would otherwise stop automatic collection there for good (:func:`after_fork_in_child`,
-called by :mod:`flatpool._fork`).
+Release proofs go by reference counts, so nothing relies on the cycle collector, whose full
+passes would cost more than the batch. The pause sets threshold 0 rather than calling
+``gc.disable()``, leaving the user's flag alone; it is counted across threads (the last pause
+restores the thresholds unless someone changed them) and per thread, so a forked child can drop
+the pauses of threads that do not exist there (:func:`after_fork_in_child`).
 """
 
 from __future__ import annotations
@@ -66,9 +55,8 @@ def paused() -> bool:
 
 
 def after_fork_in_child() -> None:
-    """Only the forking thread lives on: forget the other threads' pauses (they never end
-    here) and give automatic collection back if none of the forking thread's is left. Called
-    by :mod:`flatpool._fork` while it holds ``_lock`` (taken before the fork)."""
+    """Forget the other threads' pauses (they never end here); called by :mod:`flatpool._fork`
+    while it holds ``_lock``."""
     global _depth
     mine = _by_thread.get(threading.get_ident(), 0)
     _by_thread.clear()

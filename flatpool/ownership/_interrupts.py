@@ -1,29 +1,17 @@
 """Keep asynchronous signals (Ctrl-C, alarms) from breaking a rollback in progress.
 
-Python runs signal handlers in the main thread between bytecodes, so a ``KeyboardInterrupt``
-can land anywhere. Inside an operation's body that is fine: the write-ahead journal makes the
-rollback exact. *During* the rollback a second interrupt would leave it half done, so while an
-operation runs, :func:`signals_guarded` routes every signal that has a Python handler through a
-dispatcher: while the thread is unwinding (an exception other than the one current at entry is
-being handled, which covers the ``except`` clause that starts the rollback and the rollback
-itself) the signal is recorded, and it is delivered to the original handler once the operation
-has finished. Outside unwinding the original handler runs at once, as if nothing was installed.
+A ``KeyboardInterrupt`` can land at any bytecode. In an operation's body the write-ahead journal
+makes the rollback exact; *during* the rollback a second one would leave it half done. So while
+an operation runs, :func:`signals_guarded` routes every Python-handled signal through a
+dispatcher that records it while the thread unwinds and delivers it once the operation ends.
 
-A ``with lock:`` block that ends in ``return f()`` leaves a window no guard can close outside an
-operation: CPython checks for signals right after the call returns, and that instruction is
-already outside the block's protected range, so an interrupt there skips ``__exit__`` and the
-lock stays held for good (every other thread then waits on it). Such blocks assign first
-(``result = f()``, still inside the block) and return the name; the signal-points test
-(``tests/reliability/test_signal_points.py``) checks every pool lock is free after each point.
+A ``with lock:`` block ending in ``return f()`` is unsafe: CPython checks for signals right
+after the call, outside the block's protected range, so an interrupt skips ``__exit__`` and the
+lock stays held for good. Such blocks assign first (``result = f()``) and return the name.
 
-Only the main thread can install handlers, and only it receives them; in other threads this is
-a no-op. A guard inside another (an operation run inside an operation, or inside a batch that
-guards its own gc pause) shares the outermost one's dispatcher and pending signals but keeps its
-own state: a signal waits while *any* open guard is entering or finishing, so the inner
-operation's lock and gc pause are taken and let go as safely as the outer one's. A process forked by another thread while
-the main thread is inside a guard gets the user's handlers back (:func:`after_fork_in_child`):
-the guard's thread does not exist in the child, and its dispatcher would defer signals there
-forever.
+Only the main thread receives signals (elsewhere this is a no-op). A nested guard shares the
+outermost one's dispatcher and pending signals; a child forked by another thread gets the
+user's handlers back (:func:`after_fork_in_child`).
 """
 
 from __future__ import annotations
@@ -42,8 +30,7 @@ _ASYNC_SIGNALS = tuple(
     getattr(signal, name)
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF",
                  "SIGUSR1", "SIGUSR2")
-    if hasattr(signal, name)
-)
+    if hasattr(signal, name))
 class _Stack(threading.local):
     def __init__(self) -> None:
         self.guards: list[Guard] = []
@@ -53,8 +40,7 @@ _stack = _Stack()
 """The current thread's open guards, outermost first (only the main thread's are real)."""
 
 _installed: list[tuple[int, dict[int, Any], list[bool]]] = []
-"""The guard whose dispatcher is installed (at most one, the main thread's): its thread, the
-user's handlers it replaced and its "ended" flag."""
+"""The guard whose dispatcher is installed (at most one, the main thread's)."""
 
 Handler = Callable[[int, "FrameType | None"], Any]
 _T = TypeVar("_T")
@@ -70,10 +56,8 @@ class RollbackError(FlatPoolError, RuntimeError):
 
 
 class Guard:
-    """What :func:`signals_guarded` yields. Signals are deferred from the start (while the
-    operation takes its lock and pauses the gc) until :meth:`open`, which delivers what came
-    meanwhile and lets later signals land in the body; :meth:`finishing`, once the work is done,
-    defers them again through the epilogue (letting go of the lock and the gc pause)."""
+    """What :func:`signals_guarded` yields: signals are deferred until :meth:`open` (while the
+    operation takes its lock and gc pause) and again from :meth:`finishing` (letting go)."""
 
     def __init__(self, outer: Guard | None = None) -> None:
         self.deferring: bool = True
@@ -102,9 +86,7 @@ def _deferred(entry: BaseException | None) -> bool:
 @contextmanager
 def signals_guarded() -> Iterator[Guard]:
     """Defer Python-level signal handlers while the current thread unwinds, or while any
-    guard it is inside has not opened or is finishing (see module doc). A guard inside
-    another (an operation run by an operation) shares the outer one's dispatcher and
-    pending signals, so the inner operation's entry and exit are covered too."""
+    guard it is inside has not opened or is finishing (see module doc)."""
     if threading.current_thread() is not threading.main_thread():
         guard = Guard()
         guard.deferring = False
@@ -156,9 +138,7 @@ def signals_guarded() -> Iterator[Guard]:
 
 
 def _nested(outer: Guard) -> Iterator[Guard]:
-    """A guard inside ``outer``'s: deferring until it opens and once it finishes. At its end,
-    what it held back lands in the enclosing operation's body, if that is open; otherwise the
-    enclosing guard delivers it when it opens or ends."""
+    """A guard inside ``outer``'s; what it held back goes to the enclosing guard at its end."""
     guard = Guard(outer)
     guards = _stack.guards
     guards.append(guard)
@@ -173,12 +153,8 @@ def _nested(outer: Guard) -> Iterator[Guard]:
 
 def deliver_all(pending: list[tuple[int, FrameType | None]],
                 deliver: Callable[[int, FrameType | None], None]) -> None:
-    """Deliver every deferred signal in arrival order, emptying ``pending``.
-
-    A handler that raises (a second Ctrl-C's ``KeyboardInterrupt``) does not cost the signals
-    after it their handlers: the first exception is raised once all have run; how many more
-    raised is added to it as a note (Python 3.11+).
-    """
+    """Deliver every deferred signal in arrival order, emptying ``pending``; a handler that
+    raises does not cost later signals their handlers (the first exception is raised last)."""
     first: BaseException | None = None
     later = 0
     while pending:
@@ -198,9 +174,7 @@ def deliver_all(pending: list[tuple[int, FrameType | None]],
 
 
 def after_fork_in_child() -> None:
-    """In a child forked by another thread than the guard's: put the user's handlers back (the
-    guard that would have done it does not exist here). What it deferred belongs to the
-    parent, which delivers it."""
+    """In a child forked by another thread than the guard's: put the user's handlers back."""
     me = threading.get_ident()
     for thread, originals, done in _installed:
         if thread != me:
@@ -211,9 +185,8 @@ def after_fork_in_child() -> None:
 
 
 def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> _T:
-    """``fn()`` inside the context managers ``around`` (entered in order), which are entered and
-    exited with signals deferred, so an interrupt cannot leave a gc pause or a lock behind;
-    ``fn`` itself stays interruptible (an operation it runs guards itself)."""
+    """``fn()`` inside the context managers ``around``, entered and exited with signals deferred
+    so an interrupt cannot leave a gc pause or a lock behind; ``fn`` stays interruptible."""
     with signals_guarded() as guard, ExitStack() as stack:
         for cm in around:
             stack.enter_context(cm)
@@ -226,12 +199,8 @@ def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> 
 
 
 def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
-    """Run an idempotent ``undo`` to the end even if exceptions land inside it.
-
-    A synchronous failure that repeats (a bug, a holder that refuses) is raised after
-    ``attempts`` tries; an asynchronous one that slipped past :func:`signals_guarded` (a
-    ``PyThreadState_SetAsyncExc``, say) only costs a retry.
-    """
+    """Run an idempotent ``undo`` to the end even if exceptions land inside it; one that
+    repeats is raised after ``attempts`` tries."""
     last: BaseException | None = None
     for _ in range(attempts):
         try:
@@ -243,5 +212,5 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
     raise last
 
 
-__all__ = ["Guard", "RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
+__all__ = ["RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
            "signals_guarded"]

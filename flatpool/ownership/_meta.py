@@ -1,10 +1,7 @@
 """Materialize meta tensors and parameters directly into pool slices.
 
-Each meta target's TensorImpl is exchanged for one on its slice (an impl swap, see
-:mod:`flatpool.ownership._moves`), so the Python object stays: the module, an optimizer built
-later and any wrapper keep their references, and a following ``reset_parameters()``
-initializes in place. No storage besides the pool is ever allocated. A torch DTensor parameter
-gets a pool-backed local tensor and a wrapper impl to match.
+Each meta target's TensorImpl is swapped for one on its slice, so the Python object (and every
+reference to it) stays and ``reset_parameters()`` initializes in place; no other storage is made.
 """
 
 from __future__ import annotations
@@ -42,13 +39,11 @@ def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
         device = tc.impl_device(local)
     if not meta:
         raise InvalidRequestError(
-            f"materialize_into() takes meta tensors; target #{i} is on {device}: use adopt()"
-        )
+            f"materialize_into() takes meta tensors; target #{i} is on {device}: use adopt()")
     if not _is_dtensor(t) and tc.is_wrapper_subclass(t):
         raise InvalidTypeError(
             f"target #{i} is a {type(t).__name__}: a wrapper subclass without a _local_tensor "
-            "cannot be given storage; materialize the tensors it wraps"
-        )
+            "cannot be given storage; materialize the tensors it wraps")
     check_strided(local, f"target #{i}")
     with tc.no_torch_function():
         check_dtype(tc.impl_dtype(local), f"target #{i}")  # what allocate() and adopt() refuse
@@ -58,12 +53,8 @@ def _meta_local(t: torch.Tensor, i: int) -> torch.Tensor:
 def materialize_into(
     pool: PoolState, targets: MetaTargets, slices: Sequence[Slice] | None = None
 ) -> tuple[Slice, ...]:
-    """Give meta tensors/parameters (or DTensor params with meta local tensors) pool storage.
-
-    Each target keeps its Python identity; its contents are uninitialized afterwards (like
-    ``to_empty``). ``slices`` may name pre-planned slices (one per target, matching shape and
-    dtype); otherwise they are allocated. All-or-nothing.
-    """
+    """Give meta tensors/parameters (or DTensors with meta locals) uninitialized pool storage,
+    identity kept, all-or-nothing; ``slices`` may name pre-planned slices, one per target."""
     items = [targets] if isinstance(targets, torch.Tensor) else list(targets)
     for t in items:
         if not isinstance(t, torch.Tensor):
@@ -79,15 +70,12 @@ def materialize_into(
         if tc.tensor_impl_users(t) > 1:
             raise AdoptionError(
                 f"target #{i} ({type(t).__name__}) is held outside Python (an autograd graph "
-                "or C++ hook): materialize before running anything on it"
-            )
+                "or C++ hook): materialize before running anything on it")
     return atomic(lambda txn: _materialize(pool, txn, items, locals_, slices), pool)
 
 
-def _materialize(
-    pool: PoolState, txn: Transaction, items: list[torch.Tensor], locals_: list[torch.Tensor],
-    slices: Sequence[Slice] | None,
-) -> tuple[Slice, ...]:
+def _materialize(pool: PoolState, txn: Transaction, items: list[torch.Tensor],
+                 locals_: list[torch.Tensor], slices: Sequence[Slice] | None) -> tuple[Slice, ...]:
     planned: list[Slice] = []
     geometry = []
     with tc.no_torch_function():
@@ -101,8 +89,7 @@ def _materialize(
             if slc.shape != size or slc.dtype != dtype:
                 raise InvalidRequestError(
                     f"target #{i} is {size} {dtype} but slice {slc.slice_id} is {slc.shape} "
-                    f"{slc.dtype}"
-                )
+                    f"{slc.dtype}")
             if pool.registry.holds(slc.slice_id):
                 raise InvalidRequestError(f"slice {slc.slice_id} already backs tensors")
         else:

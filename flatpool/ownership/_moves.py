@@ -1,21 +1,12 @@
 """The one place flatpool moves bytes and tensor objects: the copy into slices, and the move.
 
-Every operation (adopt, readopt, grow/compact, materialize, and rollback) copies bytes with
-:func:`copy_all` and moves tensor objects with :func:`move` (rollback with :func:`set_many` and
-:func:`swap_many`, the same primitives). A move is journaled before it happens (write-ahead):
-:func:`move` appends each :class:`Member` record to the transaction's journal and only then
-moves it, so a rollback (:mod:`flatpool.ownership._transaction`) is right wherever an
-interrupt lands. See [Note: flatpool terms] in :mod:`flatpool.ownership`.
-
-A member keeps its identity whichever way it moves (:class:`Move`):
-
-* ``IN_PLACE``: ``set_`` its TensorImpl onto the slice. Autograd graphs and other C++ holders of
-  the impl follow it.
-* ``OFF_BASE``: an autograd view whose base stays behind (``set_`` would keep the ``_base``,
-  which pins the original): a fresh base-less impl on the slice is swapped in.
-* ``ONTO_LOCAL``: a storage-less (meta) wrapper whose local tensor moves: an impl of its own
-  class on the local tensor's place is swapped in.
-* ``NEW_IMPL``: a meta tensor (``materialize_into``): the impl its caller made is swapped in.
+Every operation, and rollback, copies bytes with :func:`copy_all` and moves tensor objects with
+:func:`move` (rollback: :func:`set_many`, :func:`swap_many`). A move is journaled before it
+happens (write-ahead), so a rollback is right wherever an interrupt lands. A member keeps its
+identity whichever way it moves (:class:`Move`): ``IN_PLACE`` ``set_``s its impl (C++ holders
+follow); ``OFF_BASE`` swaps in a base-less impl (``set_`` would keep the ``_base``, pinning the
+original); ``ONTO_LOCAL`` gives a storage-less wrapper its local tensor's place; ``NEW_IMPL``
+swaps in the impl ``materialize_into`` made. Terms: [Note: flatpool terms].
 """
 
 from __future__ import annotations
@@ -42,13 +33,10 @@ COPY_CHUNK = 1024
 
 SMALL_COPY = 32768
 """Byte copies below this are spread over Python threads by :func:`copy_all`: torch runs a
-``copy_`` below its grain size (32768 elements; these are uint8 views) serially, so thousands
-of them take their first-touch page faults one at a time; larger copies already run in
-parallel inside torch (docs/performance.md has the measurements)."""
+``copy_`` below its grain size serially, taking first-touch page faults one at a time."""
 
 THREADED_BYTES = 4 << 20
-"""Small copies are threaded only when they add up to this many bytes: below it, starting and
-joining the threads costs more than the page faults they would overlap."""
+"""Small copies are threaded only when they add up to this many bytes (threads cost too)."""
 
 Chunk = tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -57,19 +45,14 @@ def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.T
     """``nbytes`` bytes of ``storage`` from ``start`` as a new base-less uint8 tensor."""
     with tc.outside_inference():
         result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-            storage, start, (nbytes,), (1,)
-        )
+            storage, start, (nbytes,), (1,))
         return result  # not `return f()`: see flatpool.ownership._interrupts
 
 
 class _Crew:
-    """Worker threads copying chunks, accountable to the calling thread.
-
-    A worker counts itself running (under the lock) before it copies, unless the crew was
-    cancelled: after :meth:`cancel` no copy starts, and :meth:`cancel` returns once none runs.
-    Whether an interrupted ``Thread.start()`` started its thread does not matter: such a
-    thread either counted itself before the cancel (and is waited for) or copies nothing.
-    """
+    """Worker threads copying chunks. A worker counts itself running (under the lock) before
+    it copies unless cancelled, so after :meth:`cancel` returns none copies, even one whose
+    ``Thread.start()`` was interrupted."""
 
     def __init__(self, chunks: list[Chunk]) -> None:
         self.cond = threading.Condition()
@@ -116,14 +99,9 @@ class _Crew:
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all ``i``: one ``_foreach_copy_``, and on CPU the small
-    copies split over ``torch.get_num_threads()`` Python threads (the op releases the GIL).
-
-    Thousands of small copies into a fresh pool are bound by first-touch page faults taken one
-    at a time; threads take them in parallel, as a single large ``copy_`` does. Whatever lands
-    in the calling thread (an interrupt at any bytecode), no worker writes into ``dst`` once
-    this returns or raises.
-    """
+    """``dst[i].copy_(src[i])`` for all ``i``; on CPU the small copies split over Python
+    threads, taking their page faults in parallel. Whatever lands in the calling thread, no
+    worker writes into ``dst`` once this returns or raises."""
     workers = torch.get_num_threads() if dst and dst[0].device.type == "cpu" else 1
     small = [i for i, d in enumerate(dst) if d.nbytes < SMALL_COPY] if workers > 1 else []
     if len(small) < 4 * workers or sum(dst[i].nbytes for i in small) < THREADED_BYTES:
@@ -153,8 +131,7 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 def _cancel(crew: _Crew) -> None:
-    """:meth:`_Crew.cancel` to the end, even if exceptions land while it waits (signals are
-    deferred while a flatpool operation unwinds; other asynchronous exceptions only retry)."""
+    """:meth:`_Crew.cancel` to the end, even if asynchronous exceptions land while it waits."""
     while True:
         try:
             crew.cancel()
@@ -176,13 +153,9 @@ class Move(enum.Enum):
 class Member:
     """A member to move, and its journal record: where it sat, so any rollback puts it back.
 
-    ``obj`` sat on original ``key`` at element ``offset`` with ``size``, ``stride`` (``dtype``'s
-    elements) and version counter ``version`` (-1: leave the counter alone); ``key`` is
-    ``None`` when it had no place on a real storage (a meta tensor or wrapper). For the impl
-    swaps, ``fresh`` is the other tensor of the swap: the new impl before it, the old impl
-    after (held strongly until :meth:`let_go`), and ``impl`` the address of ``obj``'s impl
-    before it (unchanged means the swap never happened). ``holder`` and ``primary`` are what
-    the registry's binding will say.
+    ``key`` is ``None`` for no place on a real storage; ``version`` -1 leaves the counter
+    alone. For impl swaps ``fresh`` is the other tensor (the old impl after the swap, held until
+    :meth:`let_go`) and ``impl`` the address before (unchanged: the swap never happened).
     """
 
     __slots__ = ("obj", "how", "key", "offset", "size", "stride", "dtype", "version", "holder",
@@ -236,8 +209,7 @@ Dest = tuple[torch.UntypedStorage, int, tuple[int, ...], tuple[int, ...]]
 
 def member_of(obj: torch.Tensor, how: Move, key: int | None, holder: Holder | None = None,
               primary: bool = False) -> Member:
-    """``obj``'s record, read from its TensorImpl now (before anything of its batch moved: a
-    view shares its base's version counter, which a move bumps)."""
+    """``obj``'s record, read before anything of its batch moved (a move bumps shared counters)."""
     with tc.no_torch_function():
         meta = tc.impl_is_meta(obj)
         result = Member(obj, how, key, tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)),
@@ -247,13 +219,9 @@ def member_of(obj: torch.Tensor, how: Move, key: int | None, holder: Holder | No
 
 
 def move(journal: list[Record], members: Sequence[Member], dests: Sequence[Dest]) -> None:
-    """Journal ``members``, then move each onto its destination (:data:`Dest`).
-
-    Tensors that shared a version counter (views of one base, and the base) still share one:
-    ``set_`` keeps an impl's counter, and a swapped view's new impl takes the counter of the
-    first member of its group. Every counter is then put back to what its record read: the
-    values did not change, and a pending backward must not fail as "modified in place".
-    """
+    """Journal ``members``, then move each onto its destination (:data:`Dest`). Tensors that
+    shared a version counter still share one, and every counter is put back to its record's
+    value: a pending backward must not fail as "modified in place"."""
     counters: dict[int, torch.Tensor] = {}
     swapped = [(m, dest) for m, dest in zip(members, dests) if m.how is not Move.IN_PLACE]
     with tc.no_torch_function():
@@ -286,8 +254,7 @@ def _leaf_with_grad(t: torch.Tensor) -> bool:
 
 
 def set_many(places: Iterable[Place]) -> None:
-    """``set_`` every tensor object onto its place, in place (identity and impl kept): the only
-    ``set_`` loop of flatpool's moves (a move, and its rollback)."""
+    """``set_`` every tensor object onto its place (identity and impl kept)."""
     with tc.no_torch_function(), tc.outside_inference(), torch.no_grad():
         deque(starmap(tc.impl_set_, places), maxlen=0)  # (one C-level pass)
 
@@ -305,10 +272,8 @@ def swap_many(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         tc.carry_leaf_state(a, b)
 
 
-def fresh_on(
-    storage: torch.UntypedStorage, offset: int, size: Sequence[int], stride: Sequence[int],
-    dtype: torch.dtype, requires_grad: bool = False,
-) -> torch.Tensor:
+def fresh_on(storage: torch.UntypedStorage, offset: int, size: Sequence[int], stride: Sequence[int],
+             dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
     """A new base-less tensor on ``storage`` at ``(offset, size, stride)`` in elements."""
     with tc.outside_inference():
         out = torch.empty(0, dtype=dtype, device=storage.device)
@@ -318,16 +283,11 @@ def fresh_on(
     return out
 
 
-def fresh_like(
-    obj: torch.Tensor, storage: torch.UntypedStorage, offset: int, size: Sequence[int],
-    stride: Sequence[int], dtype: torch.dtype, requires_grad: bool = False,
-    counter_of: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`fresh_on`, carrying ``obj``'s lazy conj/neg bits: a new impl that is to read as
-    ``obj`` reads over the same bytes (a conj view's storage holds the unconjugated values).
-
-    ``counter_of``: a tensor whose version counter the new impl shares (an alias of ``obj``
-    before the move), so that autograd still sees an in-place write through either one."""
+def fresh_like(obj: torch.Tensor, storage: torch.UntypedStorage, offset: int, size: Sequence[int],
+               stride: Sequence[int], dtype: torch.dtype, requires_grad: bool = False,
+               counter_of: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fresh_on`, carrying ``obj``'s lazy conj/neg bits and sharing ``counter_of``'s
+    version counter, so autograd still sees an in-place write through either one."""
     if counter_of is None or tc.impl_dtype(counter_of) != dtype:
         out = fresh_on(storage, offset, size, stride, dtype, requires_grad)
     else:
@@ -342,14 +302,13 @@ def fresh_like(
 
 
 def counter_group(t: torch.Tensor) -> int:
-    """Which version counter ``t`` uses, as far as autograd links tell: an autograd view shares
-    its base's (the impl address of the base names the group), anything else has its own.
-    Call under ``no_torch_function()``."""
+    """Which version counter ``t`` uses: a view shares its base's (named by the base's impl
+    address). Call under ``no_torch_function()``."""
     base = tc.impl_base(t)
     return tc.impl_address(t if base is None else base)
 
 
 __all__ = [
     "COPY_CHUNK", "Dest", "Member", "Move", "Place", "Record", "SlotSet", "byte_view", "copy_all",
-    "counter_group", "fresh_like", "fresh_on", "member_of", "move", "set_many", "swap_many",
+    "fresh_like", "fresh_on", "member_of", "move", "set_many", "swap_many",
 ]

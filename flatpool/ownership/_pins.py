@@ -1,7 +1,6 @@
 """Name what keeps a storage alive: the Python holders a gc scan finds, or "C++ only".
 
-Used to explain a failed release proof. Naming is best effort and only runs on the error path
-(a full gc scan costs milliseconds per thousand objects); the proof itself never depends on it.
+Best effort, on the error path only (a gc scan is slow); the release proof never depends on it.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ NUMPY_BASE = (
 
 
 CXX_ONLY = "held only from C++ (autograd saved tensors, hooks)"
-"""What names a holder no Python object explains: it may be one that lets go by itself (a
-collective's worker thread, for a moment after ``wait()`` returned)."""
+"""Names a holder no Python object explains (it may let go by itself, like gloo's worker)."""
 
 
 def only_cxx(reasons: Iterable[str]) -> bool:
@@ -57,18 +55,18 @@ def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tens
     return found
 
 
+def _local_name(frame: types.FrameType, name: str) -> str:
+    return (f"local variable {name!r} in {frame.f_code.co_name}() "
+            f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+
+
 def _ours(obj: Any) -> bool:
     return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
 def _frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
-    """A frame's locals, without leaving a snapshot behind.
-
-    Before Python 3.13 ``frame.f_locals`` of a function frame fills a dict cached on the frame;
-    it keeps every value alive until the frame ends, even ones the function ``del``s later,
-    which would itself pin the storages being named. Clear that cache after reading it (the
-    fast locals stay authoritative; the next ``locals()`` call rebuilds it).
-    """
+    """A frame's locals, without leaving a snapshot behind: before Python 3.13 the dict cached
+    on the frame would keep every value alive (pinning the storages being named)."""
     snapshot = frame.f_locals
     items = list(snapshot.items())
     if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
@@ -77,11 +75,8 @@ def _frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
 
 
 def _locals_copies() -> set[int]:
-    """Ids of the ``f_locals`` dicts of the function frames on this stack (cleared once read,
-    see :func:`_frame_locals`). Before Python 3.13 they are copies a gc scan sees as dicts
-    holding the frames' locals; under a Python 3.10 trace function (pdb) every traced call
-    makes a new one, which the parent search would follow without end. Frames are named by
-    the stack walk instead."""
+    """Ids of the ``f_locals`` dicts of this stack's frames: a gc scan must not follow them
+    (under a 3.10 tracer each call makes a new one); frames are named by the stack walk."""
     if sys.version_info >= (3, 13):
         return set()
     ids = set()
@@ -117,8 +112,7 @@ def _owner_of_dict(d: dict[Any, Any], skip: set[int], depth: int = 0) -> str | N
                     obj = next(  # the object whose attribute dict this is: "Type.attr"
                         (o for o in gc.get_referrers(owner)
                          if not isinstance(o, type) and getattr(o, "__dict__", None) is owner),
-                        None,
-                    )
+                        None)
                     if obj is not None and isinstance(k, str):
                         return f"{type(obj).__name__}.{k}"
                     parent = _owner_of_dict(owner, skip | {id(d)}, depth + 1)
@@ -173,10 +167,7 @@ def name_referrers(obj: Any, skip: Iterable[int] = (), depth: int = 0) -> list[s
             for name, value in _frame_locals(ref):
                 if value is obj:
                     local = name
-            names.append(
-                f"local variable {local!r} in {ref.f_code.co_name}() "
-                f"({os.path.basename(ref.f_code.co_filename)}:{ref.f_lineno})"
-            )
+            names.append(_local_name(ref, local))
         elif isinstance(ref, types.CellType):
             owners = [
                 f for f in gc.get_referrers(ref)
@@ -202,22 +193,15 @@ def name_referrers(obj: Any, skip: Iterable[int] = (), depth: int = 0) -> list[s
         if id(frame) not in seen_frames and not _ours(frame):
             for name, value in _frame_locals(frame):
                 if value is obj:
-                    names.append(
-                        f"local variable {name!r} in {frame.f_code.co_name}() "
-                        f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
-                    )
+                    names.append(_local_name(frame, name))
         frame = frame.f_back
     del frame
     return names
 
 
-def name_pins(
-    storage: torch.UntypedStorage,
-    skip: set[int],
-    known: Iterable[str] = (),
-) -> tuple[str, ...]:
-    """Explain what pins ``storage``, excluding objects whose ids are in ``skip``; ``known``
-    are reasons the caller already found (a moved tensor held outside Python)."""
+def name_pins(storage: torch.UntypedStorage, skip: set[int], known: Iterable[str] = (),
+              ) -> tuple[str, ...]:
+    """Explain what pins ``storage``, beside ``skip``'s ids and the ``known`` reasons."""
     reasons = list(known)
     key = tc.storage_key(storage)
     found = tensors_on_storage(key, skip)

@@ -1,10 +1,8 @@
 """Re-adoption: bring bound members that moved back into their slices.
 
-Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``
-with ``assign=True``): a bound object may be re-pointed at a new storage, or its holder may get
-a new object. Re-adoption copies the current values into the binding's place in its existing
-slice and moves the object back, with the same journal, invariant check, release proof and
-rollback as :func:`adopt` (the storages it moves out of are its originals).
+Frameworks re-materialize on their own (``to_empty``, FSDP2's lazy init, ``load_state_dict``):
+re-adoption copies current values into the existing slices and moves the objects back, with the
+same journal, release proof and rollback as :func:`adopt`.
 """
 
 from __future__ import annotations
@@ -41,27 +39,17 @@ def orphan_message(slices: Sequence[Slice]) -> str:
     )
 
 
-def readopt(
-    pool: PoolState,
-    specs: Sequence[AdoptSpec] | None = None,
-    *,
-    on_pinned: OnPinned = "raise",
-) -> AdoptionReport:
-    """Bring every moved binding of ``pool`` back into its slice; a no-op when nothing moved.
-
-    With ``specs`` (each naming its ``slice``), adopt exactly those into their existing slices
-    instead, replacing the slices' bindings: for callers that know the current holders better
-    than the registry, e.g. after ``load_state_dict(assign=True)`` installed new Parameter
-    objects that no recorded holder points to.
-    """
+def readopt(pool: PoolState, specs: Sequence[AdoptSpec] | None = None, *,
+            on_pinned: OnPinned = "raise") -> AdoptionReport:
+    """Bring every moved binding of ``pool`` back into its slice; with ``specs`` (each naming
+    its ``slice``), adopt exactly those instead, replacing the slices' bindings."""
     check_policy(on_pinned)
     if specs is not None:
         specs = list(specs)
         for i, spec in enumerate(specs):
             if not isinstance(spec, AdoptSpec) or spec.slice is None:
                 raise InvalidRequestError(
-                    f"readopt() spec #{i} must be an AdoptSpec naming the slice to re-adopt into"
-                )
+                    f"readopt() spec #{i} must be an AdoptSpec naming the slice to re-adopt into")
         if not specs:
             return AdoptionReport(())
         return adopt(pool, specs, on_pinned=on_pinned, into_bound=True)
@@ -89,15 +77,13 @@ def _check(slc: Slice, b: Binding, obj: torch.Tensor, pool: PoolState) -> None:
         if tc.impl_is_meta(obj):
             raise InvalidRequestError(
                 f"a tensor bound to slice {slc.slice_id} is on the meta device now; use "
-                "materialize_into() to give it pool storage"
-            )
+                "materialize_into() to give it pool storage")
         size, dtype, device = tuple(tc.impl_size(obj)), tc.impl_dtype(obj), tc.impl_device(obj)
     if size != b.shape or dtype != b.dtype or device != pool.device:
         raise InvalidRequestError(
             f"a tensor bound to slice {slc.slice_id} changed to {size} {dtype} on {device} (was "
             f"{b.shape} {b.dtype} on {pool.device}); re-adoption keeps shape, dtype and device. "
-            f"Call pool.disown(slice) and pool.free(slice), then adopt it anew"
-        )
+            f"Call pool.disown(slice) and pool.free(slice), then adopt it anew")
     with tc.no_torch_function():
         extent = extent_of(obj)
     data_storage(obj, extent, what)  # a storage resized away would be read past its end

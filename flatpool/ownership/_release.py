@@ -1,23 +1,14 @@
 """The end of every move: the pools' invariants, the pins, the commit and the release proof.
 
-After its moves every operation (adopt, readopt, grow/compact) calls :func:`check_placed`, then
-:func:`finish`:
+Every operation calls :func:`check_placed`, then :func:`finish`:
 
-1. **pins** (before the commit, while the rollback can still be exact): does anything but the
-   transaction still use an original? Counted cheaply, with no gc scan: TensorImpls and
-   storage objects on it (:func:`storage_pinned`) beyond the ones the transaction knows (its
-   storage object, the old impls of members swapped off their base, their bases), Python
-   references to those beyond the transaction's own; and, read *before* the move
-   (:func:`held_outside_python`), owners of a moved member's TensorImpl that Python cannot see:
-   a DLPack consumer keeps a raw pointer into the original, so it pins it; torch cannot tell it
-   from an autograd graph that saved the tensor, so both are reported "held outside Python"
-   (only a live graph's grad accumulator for a leaf is told apart and allowed). A pinned
-   original is named by a gc scan (:mod:`flatpool.ownership._pins`); a holder no Python object
-   explains is looked at again for a bounded time first (a collective's worker thread lets go
-   by itself). Then the ``on_pinned`` policy: raise (roll back), warn, or force.
+1. **pins**, before the commit while the rollback can still be exact: users of an original
+   beyond the transaction's own, counted without a gc scan (:func:`storage_pinned`), plus
+   owners of a moved member's TensorImpl Python cannot see, read before the move
+   (:func:`held_outside_python`: a DLPack consumer and a graph that saved the tensor look
+   alike, so both pin). Pinned originals are named by a gc scan; then ``on_pinned`` decides.
 2. **the release proof**: commit, drop every reference to the originals, and ask a weak
-   reference to each whether it died. An original that survives unexpectedly is named, and
-   under "raise" the operation undoes itself.
+   reference to each whether it died; under "raise" a survivor undoes the operation.
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ from typing import TypeVar
 import torch
 
 from .. import _torch_compat as tc
+from .._aliasing import extent_of
 from .._warn import warn
 from ..errors import (
     InvalidRequestError, InvalidTypeError, OriginalKeptAliveWarning, PinnedStorageError,
@@ -70,14 +62,12 @@ OUTSIDE_PYTHON = (
 # -- the pools' invariants -------------------------------------------------------------------
 def check_placed(pool: PoolState, placed: Sequence[Placed]) -> None:
     """Raise :class:`PoolInvariantError` unless the pool is consistent and every moved member,
-    read back from its TensorImpl, sits exactly where the move put it (inside its slice: the
-    moves place each member inside its slice; the message says where one landed instead)."""
+    read back from its TensorImpl, sits exactly where the move put it."""
     check_all_placed([(pool, placed)])
 
 
 def check_all_placed(moved: Sequence[tuple[PoolState, Sequence[Placed]]]) -> None:
-    """:func:`check_placed` for each ``(pool, placed)``: the members of every pool read back
-    in one pass."""
+    """:func:`check_placed` for each ``(pool, placed)``, in one pass."""
     expected = []
     for pool, placed in moved:
         pool.check_invariants()
@@ -100,20 +90,13 @@ def _check_each(pool: PoolState, placed: Sequence[Placed]) -> None:
     key = pool.storage_key
     with tc.no_torch_function():
         for t, lo, hi, offset, size, stride in placed:
-            item = tc.impl_element_size(t)
-            start = tc.impl_storage_offset(t) * item
-            end = start
-            if tc.impl_numel(t):
-                span = 1
-                for n, step in zip(tc.impl_size(t), tc.impl_stride(t)):
-                    span += (n - 1) * abs(step)
-                end = start + span * item
+            rng = extent_of(t)
+            start, end = rng.start, rng.end
             if tc.storage_address(t) != key or start < lo or end > hi:
                 raise PoolInvariantError(
                     f"a {type(t).__name__} moved into pool {pool.name!r} would sit at bytes "
                     f"{start}..{end}, outside its slice {lo}..{hi} (its geometry is not what it "
-                    "claimed): nothing was changed"
-                )
+                    "claimed): nothing was changed")
             if (tc.impl_storage_offset(t), tuple(tc.impl_size(t)),
                     tuple(tc.impl_stride(t))) != (offset, size, stride):
                 raise PoolInvariantError(  # the geometry is in bounds, yet not what was asked
@@ -122,10 +105,9 @@ def _check_each(pool: PoolState, placed: Sequence[Placed]) -> None:
 
 
 # -- owners outside Python, read before the move ---------------------------------------------
-# A collective's worker thread can hold a tensor it just wrote for a moment after the caller's
-# wait() returned (gloo's runLoop drops its Work, and the tensors in it, only afterwards), more
-# than 16 ms on a loaded machine. Such owners go away by themselves; a DLPack consumer does not.
-# So look again with a doubling back-off, up to a bounded total.
+# A collective's worker thread can hold a tensor it just wrote for a moment after wait()
+# returned (gloo), and goes away by itself; a DLPack consumer does not. So look again with a
+# doubling back-off, up to a bounded total.
 CXX_HOLDER_WAIT_ENV = "FLATPOOL_CXX_HOLDER_WAIT_S"
 """Environment variable that sets :func:`cxx_holder_wait` at import (seconds)."""
 DEFAULT_CXX_HOLDER_WAIT_S = 0.25
@@ -158,16 +140,12 @@ _wait_s = _wait_from_env()
 
 
 def cxx_holder_wait() -> float:
-    """The total time (seconds) an adoption waits for an owner outside Python to let go of a
-    tensor before it counts as a pin (:data:`DEFAULT_CXX_HOLDER_WAIT_S`, or
-    ``$FLATPOOL_CXX_HOLDER_WAIT_S`` at import, or :func:`set_cxx_holder_wait`)."""
+    """Seconds an adoption waits for an owner outside Python to let go before it pins."""
     return _wait_s
 
 
 def set_cxx_holder_wait(seconds: float) -> float:
-    """Set :func:`cxx_holder_wait` (0: look once more after a bare yield only); returns the
-    previous value. Raise it on a heavily loaded machine, lower it where a DLPack consumer or
-    autograd graph that saved a tensor is expected and the wait is wasted."""
+    """Set :func:`cxx_holder_wait` (0: one bare yield only); returns the previous value."""
     global _wait_s
     value = _checked_wait(seconds, "the C++ holder wait")
     previous, _wait_s = _wait_s, value
@@ -179,11 +157,8 @@ LOAD_SCALE_MAX = 8.0
 
 
 def load_factor(load: float | None = None, cpus: int | None = None) -> float:
-    """How many times longer to wait on a loaded machine: the 1-minute load average per CPU
-    this process may run on, between 1 and :data:`LOAD_SCALE_MAX` (1 where the load is
-    unknown). The holder is usually a thread that only needs a time slice (gloo's worker
-    dropping a finished collective's tensor); with N runnable threads per CPU it waits about N
-    times longer for one."""
+    """How many times longer to wait on a loaded machine (load average per usable CPU, 1 to
+    :data:`LOAD_SCALE_MAX`): the holder is usually a thread that only needs a time slice."""
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -201,8 +176,7 @@ def effective_cxx_holder_wait() -> float:
 
 
 def settle_delays(limit: float | None = None) -> list[float]:
-    """The sleeps of one wait: a bare yield, then 0.5 ms doubling up to 32 ms a sleep, until
-    they add up to ``limit`` (default :func:`effective_cxx_holder_wait`)."""
+    """The sleeps of one wait: a bare yield, then 0.5 ms doubling up to 32 ms, up to ``limit``."""
     total = effective_cxx_holder_wait() if limit is None else limit
     out = [0.0]
     left, delay = total, _FIRST_DELAY_S
@@ -215,9 +189,8 @@ def settle_delays(limit: float | None = None) -> list[float]:
 
 
 def look_again(held: _H, recheck: Callable[[_H], _H]) -> _H:
-    """Re-check ``held`` (what an owner outside Python still holds) with the bounded back-off
-    of :func:`settle_delays` until ``recheck(held)`` comes back empty or the wait is over; the
-    last answer. Each sleep lets a holder's thread run (0: a bare yield)."""
+    """Re-check ``held`` with the back-off of :func:`settle_delays` until ``recheck(held)`` is
+    empty or the wait is over; the last answer."""
     for delay in settle_delays():
         if not held:
             break
@@ -229,14 +202,9 @@ def look_again(held: _H, recheck: Callable[[_H], _H]) -> _H:
 def held_outside_python(
     candidates: Iterable[torch.Tensor], views: Iterable[torch.Tensor] = ()
 ) -> list[torch.Tensor]:
-    """The ``candidates`` (members about to be ``set_`` elsewhere) whose TensorImpl has owners
-    beyond its Python object, the autograd links of the known ``views`` (each view's impl keeps
-    its base's; pass every member the operation moves), and a live graph's grad accumulator.
-
-    Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator, after which
-    the two can no longer be told apart. An extra owner must still be there after looking again
-    (:func:`look_again`; only a tensor that has such an owner pays the wait).
-    """
+    """The ``candidates`` whose TensorImpl has owners beyond its Python object, the links of the
+    known ``views`` and a live graph's grad accumulator, still there after :func:`look_again`.
+    Call it *before* the move: ``set_`` detaches a leaf from its grad accumulator."""
     candidates = list(candidates)
     if all(map(operator.eq, map(tc.tensor_impl_users, candidates), repeat(1))):
         return []  # (every expected count is at least the Python object's own: none is held)
@@ -267,9 +235,8 @@ def _held(candidates: Iterable[torch.Tensor], children: dict[int, int]) -> list[
 
 
 def _accumulator_holds(t: torch.Tensor) -> bool:
-    """A live autograd graph's AccumulateGrad node holds this leaf's impl (benign: gradients
-    accumulate into the same impl wherever it points). Asking for the node creates it when it
-    did not exist, and then the use count rises: that is how the two cases are told apart."""
+    """A live graph's AccumulateGrad node holds this leaf's impl (benign). Asking for the node
+    creates it when it did not exist, raising the use count: that tells the cases apart."""
     with tc.no_torch_function():
         if not (tc.impl_requires_grad(t) and tc.impl_is_leaf(t)):
             return False
@@ -303,9 +270,7 @@ def _old_impls(txn: Transaction) -> dict[int, list[torch.Tensor]]:
 
 
 def storage_pinned(txn: Transaction, key: int, olds: Sequence[torch.Tensor] = ()) -> bool:
-    """Original ``key`` has a user the transaction cannot account for (before release).
-
-    ``olds``: the old impls the transaction holds on it."""
+    """Original ``key`` has a user beyond ``olds``, the old impls the transaction holds on it."""
     known: dict[int, torch.Tensor] = {}
     bases: dict[int, torch.Tensor] = {}
     address, is_meta, base_of = tc.storage_address, tc.impl_is_meta, tc.impl_base
@@ -339,8 +304,7 @@ def storage_pinned(txn: Transaction, key: int, olds: Sequence[torch.Tensor] = ()
 
 
 def pinned_keys(txn: Transaction, keys: Iterable[int], outside: Outside) -> dict[int, bool]:
-    """The pinned originals (cheap counts, no gc scan): key -> pinned by a storage user (else
-    only by an owner outside Python)."""
+    """The pinned originals: key -> pinned by a storage user (else only outside Python)."""
     olds = _old_impls(txn)
     originals, users, refs = txn.originals, tc.storage_users, tc.python_refs
     out: dict[int, bool] = {}
@@ -378,15 +342,10 @@ def _name_all(txn: Transaction, found: dict[int, bool], skip: Callable[[], Itera
             for key, by_storage in found.items()}
 
 
-def _let_cxx_holders_go(
-    txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
-    skip: Callable[[], Iterable[object]],
-) -> tuple[dict[int, bool], Pins]:
-    """Wait (bounded, :func:`look_again`) for the storage pins that no Python object explains:
-    a collective's worker thread still holds the tensor it wrote for a moment after ``wait()``
-    returned (gloo, right after ``distribute_tensor``), and the move made here took less than
-    that moment. The pre-move check waits for such owners of the moved impls; this one is for
-    another impl on the same storage. ``(found, pins)`` after it."""
+def _let_cxx_holders_go(txn: Transaction, outside: Outside, found: dict[int, bool], pins: Pins,
+                        skip: Callable[[], Iterable[object]]) -> tuple[dict[int, bool], Pins]:
+    """Wait (bounded) for the storage pins no Python object explains (a collective's worker
+    thread, on another impl of the same storage); ``(found, pins)`` after it."""
     waiting = {k for k, by_storage in found.items() if by_storage and only_cxx(pins[k])}
     if not waiting:
         return found, pins
@@ -397,10 +356,9 @@ def _let_cxx_holders_go(
     return found, (_name_all(txn, found, skip) if found else {})
 
 
-def settle_pins(
-    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
-    skip: Callable[[], Iterable[object]] = tuple, force: Callable[[Pins], None] | None = None,
-) -> Pins:
+def settle_pins(txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+                skip: Callable[[], Iterable[object]] = tuple,
+                force: Callable[[Pins], None] | None = None) -> Pins:
     """Apply the ``on_pinned`` policy; returns what stays pinned (empty when all is clear)."""
     checkpoint("release")
     keys = list(txn.originals)
@@ -429,27 +387,23 @@ def _labelled(pins: Pins, label: Labels) -> dict[str, tuple[str, ...]]:
 
 
 def _keep_unreleased(txn: Transaction, label: Labels, pins: Pins, outside: Outside) -> None:
-    """Record what a warn/force operation left alive; keep alive (in its pool) each original
-    whose moved members something outside Python holds, until it lets go."""
+    """Record what a warn/force operation left alive; the pool keeps alive each original held
+    outside Python until it lets go."""
     for key, reasons in pins.items():
         storage = txn.originals[key]
         # Kept only where nothing Python can see holds it: then the pool is all that does.
         held = outside.get(key, []) if OUTSIDE_PYTHON in reasons else []
         info = UnreleasedOriginal(
             label=label(key), nbytes=txn.nbytes[key], address=storage.data_ptr(),
-            device=str(storage.device), kept_by_pool=bool(held),
-        )
+            device=str(storage.device), kept_by_pool=bool(held))
         txn.into[key].trace_unreleased(info, storage, held[0] if held else None)
         del storage
 
 
 def _prove(txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned,
            ) -> tuple[dict[int, bool], Pins]:
-    """Commit, let go of the originals, prove which died; name late survivors.
-
-    Under "raise" a late survivor undoes the whole operation (the originals still alive are
-    put back exactly; ones that died are rebuilt from the pool's copy) and raises.
-    """
+    """Commit, let go of the originals, prove which died; under "raise" a late survivor undoes
+    the operation (dead originals rebuilt from the pool's copy) and raises."""
     checkpoint("release")
     txn.commit()
     expired = txn.release()
@@ -476,14 +430,11 @@ def _prove(txn: Transaction, label: Labels, pinned: Pins, on_pinned: OnPinned,
     return expired, late
 
 
-def finish(
-    txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
-    bind: Callable[[], None], skip: Callable[[], Iterable[object]] = tuple,
-    force: Callable[[Pins], None] | None = None,
-) -> tuple[dict[int, bool], Pins]:
-    """Settle the pins (:func:`settle_pins`), keep what the policy keeps alive, ``bind()`` (the
-    registry), commit and prove the release. Returns, per original key, whether it died, and
-    what still holds each one that did not."""
+def finish(txn: Transaction, label: Labels, outside: Outside, on_pinned: OnPinned,
+           bind: Callable[[], None], skip: Callable[[], Iterable[object]] = tuple,
+           force: Callable[[Pins], None] | None = None) -> tuple[dict[int, bool], Pins]:
+    """Settle the pins, apply the policy, ``bind()``, commit and prove the release: per original
+    key, whether it died and what still holds it."""
     pins = settle_pins(txn, label, outside, on_pinned, skip, force)
     _keep_unreleased(txn, label, pins, outside)
     bind()
@@ -498,19 +449,17 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
     if kept:  # on_pinned="warn"/"force": the move stands, the originals live on
         lines.append(
             "The move was kept (on_pinned='warn'/'force'); each original is freed when its "
-            "holders drop it (pool.unreleased_originals() lists them)."
-        )
+            "holders drop it (pool.unreleased_originals() lists them).")
         return "\n".join(lines)
     lines.append(
         "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
-        "references, or use on_pinned='warn'/'force'. Nothing was changed."
-    )
+        "references, or use on_pinned='warn'/'force'. Nothing was changed.")
     return "\n".join(lines)
 
 
 __all__ = [
-    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "OUTSIDE_PYTHON", "Labels", "Outside",
-    "Pins", "Placed", "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
+    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "Outside", "Pins", "Placed",
+    "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
     "held_outside_python", "load_factor", "look_again", "outside_by_key", "own_ids",
-    "pinned_keys", "pinned_message", "set_cxx_holder_wait", "settle_delays", "storage_pinned",
+    "set_cxx_holder_wait", "settle_delays", "storage_pinned",
 ]

@@ -1,9 +1,7 @@
 """``grow`` and ``compact``: move a pool to new storage and move everything it adopted.
 
-The old storage must die like any adopted original: a tensor the pool does not know about
-(``pool.flat()`` or ``slice.tensor()`` kept from before) pins it, and the move rolls back with
-the holders named. Handles stay valid across ``grow`` (offsets do not change); ``compact``
-returns new handles, and the old ones raise :class:`FreedSliceError`.
+The old storage must die like any adopted original (a kept ``pool.flat()`` pins it). Handles
+stay valid across ``grow``; ``compact`` returns new ones.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ def grow(pool: PoolState, capacity: int, *, on_pinned: OnPinned = "raise") -> No
         if capacity < pool.capacity:
             raise InvalidRequestError(
                 f"grow() cannot shrink pool {pool.name!r} from {pool.capacity} to {capacity} "
-                "bytes; use compact() to drop free space"
-            )
+                "bytes; use compact() to drop free space")
         layout = {s.slice_id: s.offset for s in pool.slices()}
         relocate(pool, capacity, layout, on_pinned)
 
@@ -87,18 +84,16 @@ def _relocate(
 def grow_within(
     txn: Transaction, pool: PoolState, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]
 ) -> tuple[int, list[torch.Tensor]]:
-    """Inside an adoption's transaction: move ``pool`` to a storage with room for ``requests``
-    past its last slice (exactly: its buffer stays the bytes it holds, padded to alignment).
-    Returns the old storage's key in ``txn`` and its members held outside Python: the caller's
-    release proof covers it with its own originals, and a rollback puts it back."""
+    """Inside an adoption's transaction: move ``pool`` to a storage with room for ``requests``.
+    Returns the old storage's key in ``txn`` and its members held outside Python, for the
+    caller's release proof."""
     end = max((s.end for s in pool.slices()), default=0)
     for shape, dtype in requests:
         end = align_up(end, pool.slice_alignment(dtype)) + math.prod(shape) * dtype.itemsize
     capacity = align_up(max(end, pool.capacity), pool.alignment)
     if capacity > MAX_BYTES:
         raise InvalidRequestError(
-            f"pool {pool.name!r} would grow to {capacity} bytes, past {MAX_BYTES} bytes"
-        )
+            f"pool {pool.name!r} would grow to {capacity} bytes, past {MAX_BYTES} bytes")
     # Offsets stay, so every tensor on the old storage has its place on the new one: the views
     # a user made after adoption follow (an explicit grow() names them as pins instead).
     layout = {s.slice_id: s.offset for s in pool.slices()}
@@ -111,9 +106,8 @@ def move_storage(
     pool: PoolState, txn: Transaction, capacity: int, layout: dict[int, int],
     follow_unbound: bool = False,
 ) -> tuple[dict[int, Slice], tuple[int, list[torch.Tensor]] | None]:
-    """Everything of a relocation but the release proof: the new layout's handles by old slice
-    id and, when there was a storage, its key in ``txn`` and its members held outside Python.
-    ``follow_unbound`` (offsets kept only) also moves tensors the registry does not know."""
+    """Everything of a relocation but the release proof. ``follow_unbound`` (offsets kept only)
+    also moves tensors the registry does not know."""
     old_slices = pool.slices()
     keep_ids = all(layout[s.slice_id] == s.offset for s in old_slices)
     alloc = RangeAllocator(capacity, pool.alignment)
@@ -157,9 +151,8 @@ def _move_bound(
     mapping: dict[int, Slice],
     follow_unbound: bool,
 ) -> tuple[dict[int, list[Binding]], list[Placed], list[torch.Tensor]]:
-    """Move every bound member in place to the new storage (and, with ``follow_unbound``, every
-    other Python-visible tensor on the old one, to the same offsets); returns the new registry,
-    where each moved member must sit, and the moved members held outside Python."""
+    """Move every bound member (with ``follow_unbound``, every Python-visible tensor) to the
+    new storage; returns the new registry, placements and members held outside Python."""
     out: dict[int, list[Binding]] = {}
     members: list[Member] = []
     dests: list[Dest] = []
@@ -195,10 +188,8 @@ def _move_bound(
 
 
 def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
-    """The Python-visible tensors on the old storage the registry does not know (a view made
-    after adoption, a kept ``pool.flat()``), except one an ndarray reads through a raw pointer
-    (``t.numpy()``'s base: a non-resizable storage nothing gc sees refers to), which stays and
-    pins the storage."""
+    """The Python-visible tensors on the old storage the registry does not know, except
+    ``t.numpy()``'s base (an ndarray reads it by raw pointer): it stays and pins."""
     found = tensors_on_storage(key, known)
     out = []
     for t in found:
@@ -209,4 +200,4 @@ def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["compact", "grow", "grow_within", "move_storage", "relocate"]
+__all__ = ["compact", "grow", "grow_within", "relocate"]

@@ -13,14 +13,10 @@ from .._holder import Holder
 from ..slices import Slice
 
 OnPinned = Literal["raise", "warn", "force"]
-"""What to do when an original storage is still referenced after rebinding.
-
-``"raise"`` (default) rolls the adoption back and raises :class:`PinnedStorageError` naming
-the holders. ``"warn"`` keeps the adoption and warns; the original lives on until its holders
-drop it. ``"force"`` also rebinds every Python-visible tensor found on the original by a gc scan,
-then behaves like ``"warn"`` for what is left (C++ holders). No mode ever frees memory that
-something still uses: an original that only something outside Python holds (a DLPack consumer)
-is kept alive by the pool until that holder lets go.
+"""What to do when an original storage is still referenced after rebinding: ``"raise"``
+(default) rolls back and raises :class:`PinnedStorageError` naming the holders; ``"warn"`` keeps
+the adoption and warns; ``"force"`` also rebinds every Python tensor a gc scan finds on it. No
+mode frees memory something still uses (the pool keeps such an original alive).
 """
 
 
@@ -39,12 +35,10 @@ def _sequence(value: object, what: str) -> tuple[object, ...]:
         fix = "views=[t]" if what == "views" else "holders=[Holder(owner, key)] for its places"
         raise InvalidTypeError(
             f"AdoptSpec.{what} must be a sequence, got a single tensor (it would be split into "
-            f"rows): pass {fix}"
-        )
+            f"rows): pass {fix}")
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidTypeError(
-            f"AdoptSpec.{what} must be a list or tuple, got {type(value).__name__}"
-        )
+            f"AdoptSpec.{what} must be a list or tuple, got {type(value).__name__}")
     return tuple(value)
 
 
@@ -63,8 +57,7 @@ def _holders(value: Sequence[Holder]) -> tuple[Holder, ...]:
     for h in out:
         if not isinstance(h, Holder):
             raise InvalidTypeError(
-                f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}"
-            )
+                f"AdoptSpec.holders must hold flatpool.Holder, got {type(h).__name__}")
     return cast("tuple[Holder, ...]", out)
 
 
@@ -168,8 +161,7 @@ _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
 def _size(n: int) -> str:
-    """Bytes as :func:`flatpool.memory.fmt_bytes` writes them (which this module cannot
-    import: :mod:`flatpool.memory` imports the package this module is part of)."""
+    """Bytes as :func:`flatpool.memory.fmt_bytes` writes them (importing it would be a circle)."""
     for unit, name in _UNITS:
         if n >= unit:
             return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"

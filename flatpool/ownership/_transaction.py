@@ -1,17 +1,10 @@
 """All-or-nothing bookkeeping for one operation on one or several pools; rollback lives here.
 
-A :class:`Transaction` captures every pool it covers (a fusion group's dtype buckets are
-several pools adopted in one transaction), holds the originals (so the release proof can
-account for every reference flatpool itself holds), keeps the journal of every move, written
-*before* the move happens (:func:`flatpool.ownership._moves.move`), and can undo all of it,
-exactly and idempotently: :meth:`Transaction.rollback` puts every member back where its record
-says, whether or not its move happened, so an interrupt at any bytecode leaves a state it can
-undo. :func:`atomic` is the guard every operation's body runs in.
-
-Its life is a :class:`Phase`: open -> (moves) -> committed -> released (the originals dropped,
-weak references taken) -> closed. An exception before the commit rolls everything back; after
-it the operation stands (every member is in the pool), except where the operation itself undoes
-a release that did not go through (:meth:`Transaction.rollback` then recovers the originals).
+A :class:`Transaction` captures every pool it covers, holds the originals (so the release proof
+can account for flatpool's own references) and keeps the write-ahead journal of every move;
+:meth:`Transaction.rollback` puts every member back where its record says, whether or not its
+move happened, exactly and idempotently. :func:`atomic` is the guard every operation runs in.
+Its life is a :class:`Phase`; an exception before the commit rolls everything back.
 """
 
 from __future__ import annotations
@@ -36,14 +29,10 @@ T = TypeVar("T")
 def atomic(body: Callable[[Transaction], T], *pools: PoolState) -> T:
     """Run ``body`` as one all-or-nothing operation on ``pools`` and return what it returns.
 
-    Under every pool's lock (taken in one global order, so two operations on overlapping pools
-    cannot deadlock), with the cycle collector paused and outside inference and grad mode. An
-    exception before the transaction commits rolls everything back; an exception landing
-    inside the rollback only makes it start over (it is idempotent). Signals that arrive while
-    the locks are taken and the gc paused are delivered as the body starts; signals that
-    arrive while the rollback runs, or once the body has returned (while the locks and the gc
-    pause are let go: CPython cannot make a ``with`` statement's exit atomic), are delivered
-    after the operation, as their original handlers would have run.
+    Under every pool's lock (taken in one global order: no deadlock), with the gc paused and
+    outside inference and grad mode. An exception before the commit rolls everything back; one
+    inside the rollback restarts it (it is idempotent). Signals during the rollback or the
+    epilogue are delivered after the operation (see :mod:`flatpool.ownership._interrupts`).
     """
     check_plain_torch()
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():
@@ -67,21 +56,19 @@ def atomic(body: Callable[[Transaction], T], *pools: PoolState) -> T:
 
 
 def check_plain_torch() -> None:
-    """Refuse to run under a fake/functional/tracing dispatch mode or a functorch transform:
-    flatpool moves real storages, and there every tensor it makes would be fake or wrapped."""
+    """Refuse fake/functional/tracing modes and functorch transforms: tensors made there are
+    not real."""
     mode = tc.unreal_dispatch_mode()
     if mode is not None:
         raise InvalidRequestError(
             f"flatpool cannot move storages while a {type(mode).__name__} is active (its tensors "
             "have no real storage, and the mode intercepts the copies); call it outside the "
-            "`with` block of the mode"
-        )
+            "`with` block of the mode")
     if tc.in_functorch_transform():
         raise InvalidRequestError(
             "flatpool cannot move storages inside a torch.func transform (grad, vmap, jacrev, "
             "...): tensors made there are wrapped at the transform's level; adopt before "
-            "entering the transform"
-        )
+            "entering the transform")
 
 
 def check_not_in_backward() -> None:
@@ -89,8 +76,7 @@ def check_not_in_backward() -> None:
     if tc.in_backward():
         raise AdoptionError(
             "cannot move storages while autograd's backward pass is running (called from a "
-            "backward hook?); adopt before forward or after backward and the optimizer step"
-        )
+            "backward hook?); adopt before forward or after backward and the optimizer step")
 
 
 class Phase(enum.Enum):
@@ -110,8 +96,7 @@ class Transaction:
         self.snapshots: list[PoolSnapshot | None] = [p.capture() for p in self.pools]
         self.originals: dict[int, torch.UntypedStorage] = {}
         """Original key -> its storage, held strongly until :meth:`release`."""
-        self.into: dict[int, PoolState] = {}
-        """Original key -> the pool it moves into."""
+        self.into: dict[int, PoolState] = {}  # Original key -> the pool it moves into
         self.nbytes: dict[int, int] = {}
         self.journal: list[Record] = []
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool bytes, before)
@@ -122,14 +107,12 @@ class Transaction:
                         if snap is not None and snap.buffer_key is not None}
 
     def had_storage(self, pool: PoolState) -> bool:
-        """``pool`` had a storage when the transaction began. One made since holds no bytes a
-        rollback must give back: the pool goes back to having none."""
+        """``pool`` had a storage when the transaction began (else a rollback drops the new one)."""
         return id(pool) in self._stored
 
     # -- originals -------------------------------------------------------------------------
     def track(self, storage: torch.UntypedStorage, pool: PoolState, key: int | None = None) -> int:
-        """Hold ``storage`` (whose key the caller may know) as an original moving into ``pool``;
-        its key."""
+        """Hold ``storage`` as an original moving into ``pool``; returns its key."""
         key = tc.storage_key(storage) if key is None else key
         if key not in self.originals:
             self.originals[key] = storage
@@ -142,8 +125,8 @@ class Transaction:
         self.saved.append((view, tc.clone(view.detach())))
 
     def detach_buffer(self, pool: PoolState) -> None:
-        """Relocation: ``pool``'s snapshot must not pin its old storage (tracked as an original
-        under the snapshot's ``buffer_key``); a rollback rebuilds the buffer tensor from it."""
+        """Relocation: ``pool``'s snapshot must not pin its old storage (now an original); a
+        rollback rebuilds the buffer tensor from it."""
         snap = self.snapshots[self.pools.index(pool)]
         if snap is not None:
             snap.buffer = None
@@ -154,11 +137,7 @@ class Transaction:
         self.phase = Phase.COMMITTED
 
     def release(self) -> dict[int, bool]:
-        """Drop every reference to the originals; report which ones died (weak references).
-
-        The journal keeps only weak references to the old impls of swapped members, so if the
-        operation then undoes itself a member gets its very impl back where it still lives.
-        """
+        """Drop every reference to the originals; report which ones died (weak references)."""
         self.weak = {key: tc.weak_storage(s) for key, s in self.originals.items()}
         self.phase = Phase.RELEASED
         for rec in self.journal:
@@ -207,8 +186,7 @@ class Transaction:
             raise RollbackError(
                 f"rollback restored everything except {len(errors)} holder(s): "
                 + "; ".join(f"{type(e).__name__}: {e}" for e in errors),
-                errors,
-            )
+                errors)
 
     def _recover_originals(self) -> None:
         """After :meth:`release`: get each original back (alive) or rebuild it from the pool."""
@@ -243,12 +221,8 @@ class Transaction:
 
 def undo(journal: Sequence[Record], originals: dict[int, torch.UntypedStorage],
          ) -> list[BaseException]:
-    """Put every member of ``journal`` back where its record says; absolute and idempotent (a
-    member already there, or whose swap never happened, stays).
-
-    Returns the errors of records that could not be undone (a holder whose setter now fails),
-    after undoing everything else.
-    """
+    """Put every member of ``journal`` back where its record says (absolute, idempotent);
+    returns the errors of records that could not be undone, after undoing the rest."""
     back = []
     swaps = []
     counted: list[Member] = []
@@ -277,4 +251,4 @@ def undo(journal: Sequence[Record], originals: dict[int, torch.UntypedStorage],
     return errors
 
 
-__all__ = ["Phase", "Transaction", "atomic", "check_not_in_backward", "check_plain_torch", "undo"]
+__all__ = ["Transaction", "atomic", "check_not_in_backward", "undo"]

@@ -1,16 +1,10 @@
 """Is every adopted tensor object in place? The rule, and the pool-wide answers built on it.
 
-A bound object is *in place* when its TensorImpl says it sits exactly where its binding put it:
-on the pool's storage (by storage identity, never by data pointer: a tensor that ``.data``
-moved onto another storage at the same address, ``torch.from_numpy(p.detach().numpy())``,
-has an equal pointer and another StorageImpl), at its byte offset, with its shape, strides and
-dtype, inside bytes the pool's storage still holds (a storage shrunk or ``resize_(0)``-ed
-through a member no longer holds the slices past its end: every object there has moved, and
-reading it would read freed memory). Only sizes are read, never bytes.
-
-:func:`is_valid` is exactly "nothing moved and no slice orphaned": there is no faster form
-that could disagree with the rule (``tests/test_pool_validity.py`` holds the two answers
-together under threads, tracers and every kind of move).
+A bound object is *in place* when its TensorImpl sits exactly where its binding put it: on the
+pool's storage (by storage identity: a same-address alias on another storage is not), at its
+offset, with its shape, strides and dtype, inside bytes the storage still holds (a shrunk
+storage's tail is freed memory). :func:`is_valid` is exactly "nothing moved and no slice
+orphaned": there is no faster form that could disagree.
 """
 
 from __future__ import annotations
@@ -46,10 +40,7 @@ def in_place(pool_key: int, slc: Slice, b: Binding, obj: torch.Tensor | None) ->
 
 
 def moved(pool: PoolState) -> list[Moved]:
-    """Every bound object that is not in place (see the module): what ``readopt`` brings back.
-
-    While the pool's storage holds fewer bytes than its capacity, every live object bound to a
-    slice past its end is listed too, however its TensorImpl reads."""
+    """Every bound object that is not in place (see the module): what ``readopt`` brings back."""
     with pool.lock:
         key = pool.storage_key
         if key is None:
@@ -68,12 +59,8 @@ def moved(pool: PoolState) -> list[Moved]:
 
 
 def orphaned(pool: PoolState) -> list[Slice]:
-    """Live slices that had adopted *parameters* and none of whose bound objects lives now.
-
-    A module that replaced its parameters (``load_state_dict(assign=True)``, ``p = nn.Parameter
-    (...)``) drops the adopted objects; what it holds now is not on the pool and the pool cannot
-    see it (only holders named at adoption, ``AdoptSpec(holders=...)``, lead to a replacement).
-    Such a slice is memory nothing uses, and the pool is not what the model trains on."""
+    """Live slices that had adopted *parameters* none of which lives now (a module replaced
+    them, ``load_state_dict(assign=True)``): memory nothing uses."""
     with pool.lock:
         out = []
         for slice_id, bound in pool.registry.items():
