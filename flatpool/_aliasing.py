@@ -1,10 +1,8 @@
 """Storage identity and byte-range checks between tensors, pool or no pool.
 
-Decisions are made by *storage identity* and byte ranges, never by ``data_ptr()`` equality:
-two different storages can share an address (zero-size tensors, free-and-reuse), and wrapper
-subclasses such as HyperParallel's DTensor override ``data_ptr()``. Every helper sees through
-DTensor (its ``_local_tensor``) and through subclasses whose wrapper shares the storage, and
-reads geometry from the TensorImpl (a subclass's Python ``shape`` may be a global shape).
+Decided by storage identity and byte ranges, never ``data_ptr()``: two storages can share an
+address (empty tensors, reuse), and wrappers such as HyperParallel's DTensor override it.
+Geometry comes from the TensorImpl (a subclass's ``shape`` may be global).
 """
 
 from __future__ import annotations

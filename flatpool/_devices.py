@@ -1,8 +1,7 @@
 """Turn what a user calls a device into a checked ``torch.device``.
 
-CPU always works. CUDA is used when torch sees it. ``torch_npu`` is imported only when a caller
-asks for ``"npu"``: importing it eagerly breaks plain ``import torch`` on machines without
-Huawei's CANN libraries, so its absence must be a clear error at that moment, never earlier.
+``torch_npu`` is imported only when a caller asks for ``"npu"``: importing it eagerly breaks
+``import torch`` on machines without Huawei's CANN libraries.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Originals an adoption left alive, as the pool remembers them.
+"""Originals an adoption left alive (``on_pinned="warn"``/``"force"``), as the pool remembers them.
 
-Under ``on_pinned="warn"``/``"force"`` an adoption may leave an original alive: others still
-hold it (the pool keeps a weak reference, for reports and memory attribution), or only a holder
-outside Python does (a DLPack consumer), in which case the pool itself keeps it alive until that
-holder lets go of the moved tensor's TensorImpl.
+Held weakly when others hold them; held by the pool when only a holder outside Python (a
+DLPack consumer) does, until that holder lets go of the moved tensor's TensorImpl.
 """
 
 from __future__ import annotations

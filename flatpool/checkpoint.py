@@ -1,38 +1,19 @@
 """Checkpoints of pooled tensors: pickle and deep-copy them as if they were ordinary tensors.
 
-torch serializes a tensor together with its *whole* storage. For a tensor that lives in a pool
-that storage is the pool: ``torch.save`` of one 4 KB bias writes the whole pool, and refuses
-outright once the pool holds two dtypes (a BatchNorm's int64 counter next to its fp32 weights,
-bf16 next to fp32): torch cannot save one storage viewed as two types. ``copy.deepcopy`` of a
-plain tensor copies its whole storage too. ``Module.state_dict()`` returns fresh ``detach()``-ed
-tensors on the pool's storage, so neither module hooks nor attributes set on adopted tensors
-reach what gets saved; and ``pool.adopt`` sees tensors, not modules. What every save and copy
-does reach is the tensor itself, so the fix sits there, narrowly:
+torch serializes a tensor with its whole storage: for a pooled tensor that is the pool, and
+``torch.save`` refuses once the pool holds two dtypes; ``copy.deepcopy`` copies the whole pool
+too. ``state_dict()`` returns fresh tensors, so the fix sits on the tensor itself:
 
-* **pickling** (``torch.save``, ``pickle``): a reducer for plain ``torch.Tensor`` registered
-  with :mod:`copyreg` (the standard extension point; torch registers none). ``nn.Parameter``
-  pickles its ``.data``, a plain tensor, so parameters are covered too.
-  ``torch.multiprocessing``'s ``ForkingPickler`` puts torch's own shared-memory reducer above
-  the copyreg table, so tensors sent to other processes still share memory, never copied.
+* **pickling**: a :mod:`copyreg` reducer for plain ``torch.Tensor`` (``nn.Parameter`` pickles
+  its ``.data``). ``ForkingPickler`` puts torch's shared-memory reducer above the copyreg
+  table, so tensors sent to other processes still share memory.
 * **deep copies**: ``torch.Tensor.__deepcopy__`` is wrapped (there is no registry for it).
-  ``nn.Parameter.__deepcopy__`` already clones only the parameter's own bytes.
 
-Both act only on a plain, strided, leaf ``torch.Tensor`` whose storage is the storage of a live
-materialized pool and is larger than the tensor's own bytes. Such a tensor is replaced by a
-*compact twin*: a copy of the bytes it can reach (its strided extent), same shape, stride,
-dtype, ``requires_grad``, conj/neg bits and Python attributes, on the same device. Everything
-else goes to torch's code untouched. The twin is what gets written, so a checkpoint holds the
-tensor's own bytes and loads anywhere, with or without flatpool, ``weights_only=True`` included.
-
-Sharing: tensors covering exactly the same bytes of a pool as the same dtype (tied weights,
-``w`` and ``w.t()``) share one twin within one ``torch.save`` and one ``deepcopy``, so they stay
-tied after loading, as they would without a pool. Views that overlap only partly are written
-separately (each its own bytes) and load as independent tensors.
-
-Costs: a transient copy of each saved pooled tensor's own bytes, held until the save finishes
-(torch writes storages after pickling), so bounded by what is written. Tensor subclasses
-(DTensor, HyperParallel's DTensor, user subclasses) are delegated to torch as they are; torch's
-DTensor pickles its ``_local_tensor``, a plain tensor, which is compacted.
+Both act only on a plain, strided, leaf tensor on a live pool's storage larger than its own
+bytes; it is replaced by a *compact twin* (its own bytes, same geometry, dtype, bits and
+attributes), which loads anywhere, ``weights_only=True`` included. Tensors covering exactly the
+same bytes as the same dtype share one twin per save or deepcopy, so tied weights stay tied.
+Subclasses go to torch untouched (torch's DTensor pickles its plain ``_local_tensor``).
 """
 
 from __future__ import annotations

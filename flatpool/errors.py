@@ -1,9 +1,7 @@
 """The one exception hierarchy of flatpool.
 
-Every failing public call raises a subclass of :class:`FlatPoolError` and leaves every pool,
-tensor and parameter it touched exactly as it was before the call. Children that describe bad
-arguments also derive from the matching builtin (``ValueError``/``TypeError``) so callers that
-already catch those keep working.
+Every failing public call raises a :class:`FlatPoolError` and leaves what it touched as it
+was; bad-argument errors also derive from ``ValueError``/``TypeError`` so existing handlers work.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Test hooks for code that builds on flatpool: inject failures inside its operations.
 
-``set_fault_hook(FailAt(k))`` makes the k-th checkpoint (allocate, copy, rebind, release, ...)
-of the operations that run while it is installed raise, so an integration can prove that its
-own calls into flatpool roll back cleanly. Always clear it again with ``set_fault_hook(None)``.
+``set_fault_hook(FailAt(k))`` makes the k-th checkpoint raise, so an integration can prove its
+own calls roll back; clear it with ``set_fault_hook(None)``.
 """
 
 from __future__ import annotations

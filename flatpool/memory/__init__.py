@@ -1,14 +1,9 @@
 """See the memory: attribute an allocator snapshot to pools, named tensors and stale originals.
 
-The caching allocator's snapshot (``torch.cuda.memory._snapshot()``, ``torch_npu``'s twin) says
-which blocks are in use; flatpool knows which of them is a fused pool, which a parameter, and
-which an original that a fusion step should have freed. :func:`attribute` joins the two into
-a typed :class:`MemoryAttribution` with a table (``render()``) and, with the ``viz`` extra, a
-picture (:func:`draw`). :func:`capture` does it all in one call per rank; a :class:`Manifest`
-written to JSON lets ``python -m flatpool.memory SNAPSHOT.pickle --manifest M.json`` do it on
-another machine. On CPU, :func:`cpu_snapshot` stands in for the allocator.
-
-Nothing here imports matplotlib, ``torch_npu`` or ``flatpool.integrations`` at import time.
+:func:`attribute` joins an allocator snapshot with what flatpool knows (a :class:`Manifest`)
+into a :class:`MemoryAttribution`; :func:`capture` does it in one call per rank, and
+``python -m flatpool.memory`` on another machine. Nothing here imports matplotlib,
+``torch_npu`` or ``flatpool.integrations`` at import time.
 """
 
 from ._attribution import Progress, attribute, attribute_manifest

@@ -1,11 +1,7 @@
 """``python -m flatpool.memory SNAPSHOT.pickle [--manifest M.json] [--png OUT.png]``.
 
-Attributes a pickled allocator snapshot (``torch.cuda.memory._dump_snapshot()``) on any
-machine, with the manifest the training process wrote (``Manifest.write`` or
-``capture(manifest_out=...)``). Without a manifest every active block is unattributed, which
-still gives the totals (a note on stderr says so). Prints the table to stdout; progress for
-large snapshots, notes and errors to stderr. Exit status: 0, or 2 for a bad input (the message
-names the field) or a picture that cannot be written (checked before any work).
+Prints the attribution table; without a manifest every active block is unattributed. Exit
+status 0, or 2 for a bad input or a picture that cannot be written (checked before any work).
 """
 
 from __future__ import annotations

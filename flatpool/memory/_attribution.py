@@ -1,22 +1,9 @@
 """Attribute every active block of an allocator snapshot to the objects a manifest names.
 
-Address mapping (the rule that keeps totals exact):
-
-1. Every manifest object is a byte range ``[address, address + nbytes)``: a pool's or flat
-   buffer's whole storage, a reachable storage, a stale original. Where ranges overlap, the
-   higher class wins each byte: ``stale`` over ``pool`` over ``tensor`` (a watched original
-   that a parameter still references is stale; the parameter's path becomes a referrer).
-2. An active block is cut at the boundaries of the ranges that intersect it; each piece goes
-   to its object. So a storage spanning several blocks collects a piece of each, and a block
-   holding several storages is split between them.
-3. Bytes of a block that no range covers are the allocator's rounding slack (a block is
-   rounded up from the requested size) and go to the object holding most of that block.
-4. A block no range touches is ``unattributed``, one item per block, named by the first
-   non-torch frame of its allocation when the snapshot recorded stacks.
-
-Inactive blocks are free memory and attributed to nothing. Objects are matched only against
-segments they can live in: CPU objects only against a CPU census record, device objects only
-against device snapshots, and, when both sides say, only against the same device index.
+Rules that keep totals exact: where object ranges overlap the higher class wins each byte
+(``stale`` over ``pool`` over ``tensor``); a block is cut at range boundaries, each piece to its
+object; uncovered bytes of a block (rounding slack) go to the object holding most of it; a
+block no range touches is ``unattributed``. Objects match only segments of their own device.
 """
 
 from __future__ import annotations

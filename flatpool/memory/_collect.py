@@ -1,13 +1,7 @@
 """Build a :class:`Manifest` from live objects: pools, roots, flat buffers and watch lists.
 
-Every address comes from a storage (``storage.data_ptr()``, ``storage.nbytes()``), never from a
-tensor's ``data_ptr()``: a view starts inside its storage, and wrappers such as HyperParallel's
-DTensor override ``data_ptr()``. Tensors on a pool's storage are recorded in the slice they lie
-in (that is what makes a slice *adopted* in the picture), every other storage once, with all
-the paths that reach it.
-
-Stale copies (a storage outside every pool whose bytes equal a live slice) are found by calling
-:func:`flatpool.census` on those storages' tensors, so the rule is census's own.
+Addresses come from storages, never a tensor's ``data_ptr()`` (views start inside, wrappers
+override it). Stale copies are found by :func:`flatpool.census`, so the rule is census's own.
 """
 
 from __future__ import annotations

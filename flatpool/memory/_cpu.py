@@ -1,13 +1,7 @@
 """A snapshot-shaped record of live CPU storages, for attribution where no allocator exists.
 
-CPU tensors come from ``malloc``, which keeps no snapshot. This record stands in for one, so
-the attribution code runs unchanged (and is tested) on CPU with real addresses: every distinct
-live storage becomes one segment holding one ``active_allocated`` block of exactly its bytes
-(``[storage.data_ptr(), + nbytes)``). Storages come from the manifest (pools, flat buffers,
-reachable storages, originals still alive) and, with ``scan=True``, from every tensor the
-garbage collector tracks, so storages no root reaches show up as ``unattributed`` the way
-unknown blocks do in a device snapshot. Ranges that overlap (one storage seen twice) are merged
-into one segment. Storages only C++ references (autograd's saved tensors) are not seen.
+``malloc`` keeps no snapshot; one segment per live storage lets the attribution code run (and
+be tested) on CPU with real addresses. Storages only C++ references are not seen.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Take a snapshot of one device's caching allocator (CPU: the census record instead).
 
-CUDA's snapshot comes from ``torch.cuda.memory._snapshot()``, Ascend's from
-``torch_npu.npu.memory._snapshot()`` (same format); ``torch_npu`` is imported only when the
-device is ``npu``. Both report every device of the process; only the asked device's segments
-are kept.
+``torch_npu`` is imported only for an ``npu`` device; only the asked device's segments are kept.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Errors of :mod:`flatpool.memory`: bad snapshots, bad manifests, a missing optional extra.
-
-They join flatpool's one hierarchy (:class:`flatpool.errors.FlatPoolError`), so a caller that
-catches flatpool errors catches these too; the bad-input ones are also ``ValueError``.
-"""
+"""Errors of :mod:`flatpool.memory`, in flatpool's one hierarchy (bad inputs: ``ValueError``)."""
 
 from __future__ import annotations
 

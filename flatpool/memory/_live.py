@@ -1,9 +1,4 @@
-"""One call per rank: name this process's memory, snapshot it, attribute it, draw it.
-
-This is what a training script (or the HSDP demo's ``--png``) calls after a fusion step:
-everything it needs is what the script already holds: the model or its parameters, the flat
-buffers, the pools, and the watch list of originals taken before the step.
-"""
+"""One call per rank: name this process's memory, snapshot it, attribute it, draw it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The manifest: what a process knows about its memory, as plain data that outlives it.
 
-A manifest lists the address ranges flatpool can name: every pool's storage and its slices
-(with the names of the tensors lying in each), flat buffers the caller declared, the storages
-reachable from the caller's roots, and originals that should be dead. It is built in the
-training process (:func:`flatpool.memory.build_manifest`), written to JSON, and read back
-anywhere to attribute a snapshot taken at the same moment (``python -m flatpool.memory``).
-
-Addresses are device addresses (``data_ptr()`` of each storage), valid only together with a
-snapshot of the same process at the same time.
+Built in the training process, written to JSON, read anywhere to attribute a snapshot of the
+same process at the same moment (its addresses mean nothing otherwise).
 """
 
 from __future__ import annotations

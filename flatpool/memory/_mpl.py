@@ -1,10 +1,7 @@
 """The typed boundary to matplotlib (the optional ``viz`` extra).
 
-matplotlib is imported here only, on first use, never when flatpool is imported. Drawing uses
-an explicit ``Figure`` with the non-interactive Agg canvas: no pyplot, no global backend
-switch, nothing that could open a window or disturb a caller's own plots. The protocols below
-name the few calls the pictures make, so ``mypy --strict`` checks this package whether or not
-matplotlib (and its type information) is installed.
+Imported on first use only; an explicit ``Figure`` on the Agg canvas (no pyplot, no global
+backend switch). The protocols let ``mypy --strict`` check this package without matplotlib.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """The typed result of attributing a snapshot: blocks, the items they belong to, totals.
 
-Classes (:data:`KINDS`), in the order tables list them:
-
-* ``pool``: a flatpool pool's storage, or a flat buffer the caller declared;
-* ``tensor``: any other storage reachable from the roots (named by path);
-* ``stale``: a storage that should be dead: a watched original still alive, an original a
-  pool's adoption kept alive, or a copy of a live slice (census's stale check);
-* ``unattributed``: an active block no known object touches.
-
-Every byte of every active block belongs to exactly one item, so the per-class bytes add up
-to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory._attribution` for how
-partial overlaps are split).
+Every byte of every active block belongs to exactly one item, so the per-class bytes
+(:data:`KINDS`) add up to :attr:`MemoryAttribution.active_bytes` exactly.
 """
 
 from __future__ import annotations

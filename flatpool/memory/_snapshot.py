@@ -1,16 +1,7 @@
 """Read a caching-allocator snapshot into checked, typed segments and blocks.
 
-The format is the one ``torch.cuda.memory._snapshot()`` returns and ``_dump_snapshot`` pickles
-(``torch_npu.npu.memory._snapshot()`` has the same shape): a dict whose ``segments`` each have an
-``address``, a ``total_size`` and ``blocks`` with ``size``, ``state`` and usually ``address``,
-``requested_size`` and ``frames``. Older snapshots (and some backends) omit a block's
-``address``: blocks tile their segment in order, so it is recomputed. A bare list is taken as
-the segment list (what ``torch.cuda.memory_snapshot()`` returns).
-
-Every malformed entry raises :class:`SnapshotError` naming its path, so a truncated file or a
-pickle of something else is reported as such instead of failing somewhere downstream. Pickles
-are read with an unpickler that refuses every class: snapshots hold only builtin containers,
-strings and numbers, and a pickle that asks for anything else could run code.
+Every malformed entry raises :class:`SnapshotError` naming its path. Pickles are read with an
+unpickler that refuses every class: snapshots hold only builtins, and anything else could run code.
 """
 
 from __future__ import annotations

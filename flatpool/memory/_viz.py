@@ -1,21 +1,8 @@
 """Pictures of an attribution: device memory by class, and the layout of its pools.
 
-Bar lengths are bytes. Every column of one picture (e.g. the naive rebase beside flatpool's
-fusion) shares one linear byte scale, so twice the memory is twice the length: the top row of
-a column stacks its active bytes by class, each row below is one segment with its blocks
-coloured by class: pool, adopted (pool slices that named tensors live in), stale, tensor
-(outside the pools), unattributed, free (inactive). A bar too short to see is drawn
-:data:`MIN_FRACTION` of the axis long and its label gives its true size; every item is named,
-inside its bar when the name fits, else after the row. With many segments, those holding pool
-or stale blocks are shown first, then the fullest, up to ``max_segments``.
-
-Under them, one layout per column that has a pool (the largest unless named), spread over the
-picture's width: slices coloured by dtype (a palette no class uses), each labelled with the
-tensor that lives there and its size (small slices above the bar, on a leader line),
-alignment padding hatched, free ranges pale. A column without a pool gets no empty box.
-
-Needs the ``viz`` extra (matplotlib); without it :class:`MissingExtraError` says so. Files are
-written atomically.
+Bar lengths are bytes on one linear scale shared by every column; a bar too short to see is
+drawn :data:`MIN_FRACTION` of the axis long and labelled with its true size. Needs the ``viz``
+extra (matplotlib).
 """
 
 from __future__ import annotations

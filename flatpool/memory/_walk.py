@@ -1,16 +1,8 @@
 """Name the tensors and pools reachable from a program's live roots.
 
-A snapshot only has addresses; a person needs names: ``layers.3.mlp.w1``,
-``optimizer.state[layers.3.mlp.w1]['exp_avg']``, ``fused.buffers.0.buckets.0.pool``. This walker
-goes from the roots a caller hands over (modules, optimizers, FSDP2/HSDP groups, pools, dicts,
-lists, any object holding those) to every tensor and :class:`~flatpool.FlatPool` they hold,
-with a dotted path for each.
-
-Modules are walked through ``named_parameters``/``named_buffers`` (and each parameter's
-``.grad``), optimizers through their parameters and state, containers by key or index, and any
-other object through its instance attributes (``__dict__`` and ``__slots__``), up to
-``max_depth`` objects deep and each object once: that is how framework objects such as an
-FSDP2 param group (``fsdp_params[i]._sharded_param_data``) are seen without knowing them.
+Any object is walked through its instance attributes (``__dict__``, ``__slots__``), up to
+``max_depth`` deep and each object once: that is how framework objects (an FSDP2 param group)
+are seen without knowing them.
 """
 
 from __future__ import annotations

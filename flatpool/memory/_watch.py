@@ -1,11 +1,7 @@
 """Watch lists: storages that should be dead, checked without keeping them alive.
 
-A fusion step (HSDP comm fusion, FSDP2 flattening, ``pool.adopt``) is correct only if the
-storages its tensors had before are gone afterwards. Record them *before* the step with a
-watch list; afterwards ``alive_storages()`` names the survivors with their address, so a
-snapshot can show them as STALE. Anything with that one method is a watch list
-(:class:`StorageWatch`): the HSDP layer's ``OriginalStorages`` and the pool's record of
-originals that adoption kept alive can both serve, without this package importing either.
+Anything with ``alive_storages()`` is a watch list (:class:`StorageWatch`), so this package
+imports neither the HSDP layer nor the pool's record of kept originals.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """``clip_grad_norm_`` as torch computes it, with pooled gradients scaled once per run.
 
-The total norm is torch's own (``torch.nn.utils.get_total_norm(..., foreach=True)``). For torch
-DTensor gradients sharing one mesh and placements it is computed as DTensor computes it, with
-one DTensor operation instead of list operations over every gradient (DTensor's first sharding
-propagation of a list op grows with the square of its length: 11 s for 1,000 gradients on 2
-ranks, and again for every new list): each shard's norms by the same local kernel
-(``_foreach_norm`` per device and dtype, in torch's grouping order), stacked, made a DTensor with
-the placements DTensor gives those norms, and reduced by torch's own ``vector_norm``. The
-clipping coefficient is torch's arithmetic on that norm; every gradient (a pooled run, or one
-gradient) is multiplied by its local value, as DTensor's ``mul`` does shard by shard.
+For DTensor gradients on one mesh the norm is one DTensor operation over stacked local norms:
+DTensor's sharding propagation of a list op grows with the square of its length.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Companion pools: a parameter pool's optimizer state, at the same byte offsets.
 
-For each parameter pool and state kind (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
-``momentum_buffer``) one pool of the same capacity, named ``<pool>/<kind>``: a member's state
-is a view at the member's own offset, so a segment's range of the parameter pool and the same
-range of each companion are what one flat kernel call reads. Companions hold no slices: nothing
-else is ever allocated in them, and a pool without slices has no reference cycle, so it dies,
-storage and all, the moment its last reference goes. Bytes outside the members' elements stay
-zero, a fixed point of every flat rule.
-
-``step`` counts are one element per member, in storage order, in ``<pool>/step``: each parameter
-keeps a step tensor of its own (a 0-d view of its element) and a segment's counts are one range
-(checked equal, and incremented, with one operation).
+One pool per state kind (``<pool>/<kind>``), so a segment's range is one flat kernel call.
+Companions hold no slices, so they have no reference cycle and die with their last reference;
+bytes outside members stay zero, a fixed point of every flat rule.
 """
 
 from __future__ import annotations

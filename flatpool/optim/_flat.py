@@ -1,12 +1,4 @@
-"""``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step.
-
-Set up once over a torch optimizer whose parameters were adopted into pools. From then on
-``optimizer.step()`` itself is the flat step (:mod:`._dropin`): before every step the plan is
-checked against the optimizer and its pools (:mod:`._plan`), and each group is stepped flat, or
-by torch's own step per parameter, as torch's state decides (:mod:`._stepper`). Gradients are
-pooled with torch's ``.grad`` semantics and memory (:mod:`._grads`), optimizer state per
-parameter in companion pools (:mod:`._state`).
-"""
+"""``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step."""
 
 from __future__ import annotations
 

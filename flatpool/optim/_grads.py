@@ -1,28 +1,10 @@
 """Pooled gradients with torch's ``.grad`` semantics and torch's memory.
 
-Every member's ``.grad`` is a view of one gradient pool per parameter pool (``<pool>/grad``, the
-member at its own offset), so the flat step and the flat clip read one range per segment.
-Autograd and FSDP2 add into an existing ``.grad`` in place (FSDP2: ``grad._local_tensor +=
-reduce-scatter output``), so a zeroed view installed when a backward pass starts (a hook on the
-module's output fires before any parameter's gradient is made) makes the backward write
-straight into the pool. Three rules keep this torch's ``.grad``:
-
-* **Written or not.** A pre-installed view that nothing wrote to would make a parameter that
-  took no part in the backward (unused, frozen) look like one with a zero gradient, which torch
-  steps (weight decay, momentum) where it skips ``None``. Each view is a base-less tensor with a
-  version counter of its own, bumped by every in-place write (autograd's accumulation, FSDP2's
-  ``+=``); :meth:`Grads.settle` gives the views still at their install-time version back as
-  ``None``. It runs when a backward pass ends (an autograd final callback, after FSDP2's), and
-  before anything else reads gradients through the flat optimizer (step, clip, ``zero_grad``).
-* **Only for parameters that require grad**: a frozen parameter gets no view.
-* **Memory like torch.** The gradient pool holds no slices and nothing but the installed views
-  refers to its storage, so when ``zero_grad(set_to_none=True)`` drops every ``.grad``,
-  :meth:`Grads.release` drops the pool and the storage is freed (one block); the next forward
-  makes one block again. With ``set_to_none=False`` torch zeroes the views in place.
-
-A gradient installed elsewhere (autograd made one, the user assigned one, ``.grad.data = x``)
-is copied into its place at the next step (:meth:`Grads.absorb`) and its own storage dies with
-its last reference.
+Each ``.grad`` is a view of ``<pool>/grad`` installed zeroed when a backward starts, so autograd
+and FSDP2 (which add in place) write straight into the pool. Views nothing wrote to (their own
+version counter unchanged) go back to ``None`` (:meth:`Grads.settle`), as torch skips ``None``;
+frozen parameters get none; the pool dies with ``zero_grad(set_to_none=True)``. A gradient
+installed elsewhere is copied in at the next step (:meth:`Grads.absorb`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""All-or-nothing changes to objects others can see (the optimizer, its state, ``.grad``s, a
-module's hooks): every change is recorded *before* it is made, so :meth:`Journal.rollback`
-puts back exactly what was there, wherever an exception (a Ctrl-C included) landed; each undo
-is absolute (it sets the old value), so running it twice is harmless.
+"""All-or-nothing changes to objects others can see (optimizer, state, ``.grad``s, hooks).
 
-:func:`committed` runs a commit with signals deferred (the engine's
-:func:`flatpool.ownership._interrupts.signals_guarded`, never opened): a real Ctrl-C arrives
-after the commit or after its rollback, never half-way; an exception raised inside it anyway
-(a failing setter, a tracer) rolls everything back.
+Each change is recorded before it is made and each undo sets the old value, so rollback is
+exact wherever an exception (Ctrl-C included) landed, and harmless twice. :func:`committed`
+runs with signals deferred, so a Ctrl-C lands after the commit or after its rollback.
 """
 
 from __future__ import annotations

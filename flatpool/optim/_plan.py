@@ -1,10 +1,7 @@
 """The plan of a flat optimizer, and whether it still describes the optimizer and its pools.
 
-A plan records what planning read: the pools (their storages, capacities and layouts), the
-optimizer's ``state`` object, its param groups (each group dict, its params, its options that
-decide flat-ability and which state exists) and where each member's data lies. :func:`stale`
-compares all of it with the present in C-level passes and says what changed; the flat optimizer
-then plans again (``replans``). Nothing here changes the optimizer or a tensor.
+:func:`stale` compares what planning read with the present and says what changed; nothing here
+changes the optimizer or a tensor.
 """
 
 from __future__ import annotations

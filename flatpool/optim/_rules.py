@@ -1,12 +1,7 @@
-"""The flat rule of each supported optimizer: which state it keeps, when torch makes it, and one
-call of torch's own functional kernel over lists of tensors (one flat tensor each for a flat
-step).
+"""The flat rule of each supported optimizer: its state, and one call of torch's functional kernel.
 
-Only elementwise optimizers have a rule: their step over a concatenation equals the
-concatenation of their steps, so torch's kernel over one flat float32/float64 tensor computes,
-element for element, what it computes over the parameters one by one (measured bit-identical;
-the tests hold it to ``torch.equal``). The kernel runs in the form torch itself picks for the
-group (foreach or the for-loop, :func:`flatpool.optim._torch.foreach_choice`).
+Only elementwise optimizers have one: their step over a concatenation is the concatenation of
+their steps (the tests hold it to ``torch.equal``).
 """
 
 from __future__ import annotations

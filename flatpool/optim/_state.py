@@ -1,20 +1,8 @@
 """Pooled optimizer state: each member's state entries are views of its companion pools.
 
-``optimizer.state`` stays what torch reads and writes: keyed per parameter, one dict per
-parameter, each entry a tensor of its own (a view of the member's place in
-``<pool>/<kind>``, a DTensor for a DTensor parameter; ``step`` a 0-d view of the member's
-element of ``<pool>/step``). So ``state_dict()``, ``load_state_dict``, ``deepcopy``,
-``torch.save`` and DCP see per-parameter state, and torch's own step (for the parameters the
-flat step leaves to it) updates the pooled views in place.
-
-Before every flat step :meth:`State.all_pooled` compares each entry with the view it expects
-(identity, C-level passes); on a mismatch :meth:`State.classify` looks at the member. An entry
-torch or the user replaced (a ``load_state_dict``, ``opt.state[p]["exp_avg"] = t``, state torch
-made on its own step) is *adopted*: its values are copied into the member's place and the entry
-rebound to the pooled view, values first (an interrupt in between leaves the user's tensor,
-adopted again next time). A parameter without state gets it as torch would make it at this
-step (:meth:`State.make_fresh`). Anything else (a missing key, a tensor of another shape or
-dtype) is torch's to handle: the group is stepped by torch's own step.
+``optimizer.state`` stays per parameter, so ``state_dict``, ``deepcopy`` and DCP see torch's
+shape. An entry torch or the user replaced is adopted (values copied in, then the entry rebound,
+so an interrupt between leaves the user's tensor); anything else is torch's to step.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """One optimizer step, decided by torch's own state, group by group.
 
-:meth:`Stepper.prepare` reads what torch reads (each member's ``.grad``, its
-``optimizer.state`` entries) and decides, per param group:
-
-* **flat**: the group's members with a gradient, in runs of adjacent members whose state is
-  pooled (or made now, as torch would make it) and whose ``step`` counts agree, each run one
-  call of torch's functional kernel over one flat tensor per list;
-* **torch's own step** for the rest of the group, per parameter (a sub-group of the same
-  options): parameters outside the pools, members whose dtype has no exact flat form
-  (:data:`flatpool.optim._layout.FLAT_DTYPES`); and for the *whole* group when its options, a
-  gradient (sparse, another shape) or its state (a missing key, a tensor of another dtype) are
-  torch's to handle, so torch's own step raises or handles it exactly as without flatpool.
-
-Gradients and state installed elsewhere are adopted on the way (copied into the pooled places).
-Members without a gradient are skipped, as torch skips them. Nothing is stepped until every
-group is prepared; :meth:`Stepper.run` then steps the groups in order, torch's part of a group
-first (if it raises, nothing of that group was stepped).
+Each group is stepped flat in runs of adjacent pooled members, and by torch's own step for the
+rest; a whole group goes to torch when its options, a gradient or its state are torch's to
+handle, so torch raises or handles it exactly as without flatpool. Nothing is stepped until
+every group is prepared.
 """
 
 from __future__ import annotations

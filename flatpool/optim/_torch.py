@@ -1,12 +1,7 @@
 """The private torch APIs the flat optimizer reads, each behind one named function.
 
-torch's optimizer is the flat optimizer's source of truth, so it follows torch's own decisions
-rather than re-deriving them: which kernel a group runs (``_default_to_fused_or_foreach``), the
-dtype of a new ``step`` (``_get_scalar_dtype``), the step without its hook wrapper (to run a
-group per parameter inside a step whose hooks already ran). DTensor views of pooled memory are
-made with DTensor's own constructor from the parameter's spec (``from_local`` costs about 150 us
-a tensor; the constructor 3 us), and the end of a backward pass is found with the autograd
-engine's final callbacks, as FSDP2 finds it.
+The flat optimizer follows torch's own decisions (kernel choice, ``step`` dtype) rather than
+re-deriving them.
 """
 
 from __future__ import annotations

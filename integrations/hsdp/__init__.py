@@ -1,8 +1,4 @@
-"""The HSDP / FSDP2 fusion layer: adopt a param group's shards into one pool per dtype.
-
-Import path: ``flatpool.integrations.hsdp`` (the repository folder ``integrations/`` installs
-under the ``flatpool`` package).
-"""
+"""The HSDP / FSDP2 fusion layer: adopt a param group's shards into one pool per dtype."""
 
 from flatpool.errors import UnfusedGroupWarning
 

@@ -1,21 +1,10 @@
 """HyperParallel's comm-fusion flat buffer, backed by flatpool: what the drop-in lines call.
 
-HyperParallel's ``HSDPParamGroup`` builds its flat buffer in one of three shapes (see
-docs/integration.md): a group method pair ``_init_flat_param_buffer`` /
-``_is_flat_buffer_valid`` (V1, and the same pair gated by ``enable_zero_copy``), or, newest, an
-``AllGatherBucket.init_flat_param_buffer(device)`` / ``is_flat_buffer_valid()`` pair per
-(shard group, dtype) bucket. Each init may run many times (after ``lazy_init``,
-``load_state_dict``, ``to_empty``): the first call that finds materialized shards adopts them;
-later ones re-adopt the members that moved. Validity runs before every all-gather (twice per
-bucket in the newest shape), so it is the cheap per-step check of
-:func:`flatpool.integrations.hsdp.validity.is_valid`.
-
-The state lives in one attribute the drop-in lines read with ``getattr(..., None)``: V1's
-``__init__`` calls ``_init_flat_param_buffer()`` before any attribute a patch could add is set.
-
-:class:`V1Lines` and :class:`BucketLines` hold the drop-in lines of docs/integration.md as
-typed mixins (their method bodies are the documented lines, a test compares them): the demo
-plugs them into the simulation, and HyperParallel may inherit them instead of pasting.
+Each init may run many times (``lazy_init``, ``load_state_dict``, ``to_empty``): the first that
+finds materialized shards adopts them, later ones re-adopt what moved. The state lives in one
+attribute read with ``getattr(..., None)``: V1's ``__init__`` calls the init before any patched
+attribute is set. :class:`V1Lines`/:class:`BucketLines` hold docs/integration.md's drop-in lines
+as typed mixins (a test compares them).
 """
 
 from __future__ import annotations

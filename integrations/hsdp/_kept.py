@@ -1,13 +1,7 @@
 """Originals a fail-safe fusion left alive: which member, how many bytes, held by what.
 
-Inside a framework's forward (FSDP2's keep-valid hooks, HyperParallel's flat-buffer lines) a
-reference the user holds to an original shard (a ``to_local()`` handle, a ``state_dict()``
-taken earlier, a ``detach()`` alias, a checkpoint tensor the shard is a view of) is not an
-error: the group is fused anyway under ``on_pinned="warn"`` and the original lives on, held by
-that reference. :class:`KeptAlive` remembers each such original once (for the one warning and
-log line that name it) and forgets it when it dies, which happens by itself the moment the user
-drops the reference; :meth:`KeptAlive.refresh` also lets go of originals a pool kept for a
-holder outside Python that has gone since (``FlatPool.release_kept``).
+A user's reference to an original shard inside a framework's forward is not an error; each
+such original is remembered once (for one warning) and forgotten when it dies.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Zero-copy materialization: give meta shards their storage directly in the pool.
 
-The usual deferred-init flow (build under ``torch.device("meta")``, ``fully_shard``,
-``to_empty``) allocates one storage per shard and a fusion step then copies them into a flat
-buffer: twice the memory at the peak, and a storage per shard to prove dead. Here the pool is
-planned from the meta shapes and allocated once, and each member's Parameter is *swapped*
-(``torch.utils.swap_tensors``, identity kept) for a DTensor whose local tensor already is its
-slice. Initialization (``reset_parameters()``, ``load_state_dict``) then writes in place; no
-other shard storage ever exists. FSDP2's lazy ``reset_sharded_param`` sees the padded data and
-the local tensor on one storage and leaves them alone.
+The usual ``to_empty`` flow allocates one storage per shard and fusion copies them: twice the
+memory at the peak. Here each Parameter is swapped (identity kept) for a DTensor whose local
+tensor already is its slice, so no other shard storage ever exists.
 """
 
 from __future__ import annotations

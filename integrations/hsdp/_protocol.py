@@ -1,9 +1,7 @@
 """The shape of a sharded parameter that a fusion group manages.
 
-HyperParallel's ``TorchHSDPParamV2`` was adapted from PyTorch FSDP2's ``FSDPParam``; both keep,
-per parameter, the same few attributes. The layer is written against this protocol only, so
-it serves both (and the simulation in ``examples/hyperparallel_sim``)
-without importing either.
+HyperParallel's ``TorchHSDPParamV2`` and FSDP2's ``FSDPParam`` share these attributes, so the
+layer serves both without importing either.
 """
 
 from __future__ import annotations

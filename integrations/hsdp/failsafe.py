@@ -1,23 +1,10 @@
 """Keep a group fused from inside a framework's forward, without ever breaking the step.
 
-A training loop that runs without flatpool must run with it. So where the fusion layer acts on
-its own, inside FSDP2's forward (:class:`~flatpool.integrations.hsdp.fsdp2.FusedModule`'s hooks
-and ``revalidate``) or HyperParallel's flat-buffer lines (:func:`~flatpool.integrations.hsdp.fuse`),
-:func:`keep_fused` applies a fail-safe policy instead of raising:
-
-* a reference the user holds to an original shard is not an error: the group is fused with that
-  original kept alive (``on_pinned="warn"``), reported once per original (warning and log, with
-  the holder and the bytes) and counted in ``GroupBuffers.kept`` until it dies;
-* a group whose members changed dtype, device or size (``module.double()``, ``.to(...)``) is
-  planned anew instead of re-adopted into slices that no longer fit;
-* any other :class:`flatpool.FlatPoolError` leaves that group unfused for this step
-  (:class:`flatpool.errors.UnfusedGroupWarning`, once per reason) and it is tried again next step.
-
-What a group does depends only on its structure (dtypes, sizes, world size, where members
-sit), which is the same on every rank, and never on a held reference, which may be on one rank
-only: so every rank takes the same path and no rank-local problem turns into a hang in the
-next collective. ``on_pinned="raise"`` turns the policy off (errors propagate, for tests and
-strict users).
+Inside a forward, a user's reference to an original is kept alive and reported once
+(``on_pinned="warn"``); a group whose dtype, device or size changed is planned anew; any other
+:class:`flatpool.FlatPoolError` leaves the group unfused this step. The path depends only on
+structure, the same on every rank, so no rank-local problem hangs the next collective.
+``on_pinned="raise"`` turns the policy off.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Apply the fusion layer to every param group of a ``fully_shard``-ed module and keep it valid.
 
-FSDP2 rebinds a member's storage in two places, both through ``FSDPParam.reset_sharded_param``:
-``nn.Module._apply`` (``to_empty``, ``.to``) and a ``load_state_dict`` post-hook. An in-place
-``load_state_dict`` leaves the member in place (``reset_sharded_param`` sees the same storage
-and does nothing); ``to_empty`` and ``load_state_dict(assign=True)`` install new storages. So the
-layer re-validates (and re-adopts what moved) at the two points that matter:
-
-* after ``load_state_dict`` (a post-hook on the root, which runs after FSDP2's own; with
-  ``assign=True`` the caller's state dict pins the new storages until the call returns, so
-  that case is left to the next point), and
-* before the first all-gather of every forward (a forward pre-hook on the root, prepended so it
-  runs before FSDP2's own pre-forward; it runs FSDP2's lazy init first, which on torch 2.7
-  re-pads uneven shards into fresh memory), which also catches ``to_empty``, ``nn.Module._apply``
-  (``.to``, ``.cpu()``, ``.double()``: a new dtype or device plans the group's pools anew) and
-  groups that were still on meta when :func:`fuse_fully_sharded` was called.
-
-Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
-``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
-raise; the original is kept alive, reported once and counted in
-:attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
-(it dies by reference count; the next check forgets it), or, when something outside Python
-holds the moved shard (a DLPack consumer) and the pool keeps the original for it, at the first
-check (the next forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
-planned anew, kept alive, skipped) go to the ``flatpool`` logger.
-
-FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
-private state (``FSDPState``, lazy init, param groups) is read through
-:mod:`flatpool._torch_compat`.
+FSDP2 installs new storages in ``nn.Module._apply`` and a ``load_state_dict`` post-hook, so the
+layer re-validates after ``load_state_dict`` (a post-hook after FSDP2's) and before every
+forward (a pre-hook prepended before FSDP2's, which runs its lazy init first), under the
+fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe`. FSDP2's private state is read
+through :mod:`flatpool._torch_compat`.
 """
 
 from __future__ import annotations

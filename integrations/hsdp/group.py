@@ -1,15 +1,9 @@
 """``adopt_group``: the hook a fusion group calls to move its shards into one pool per dtype.
 
-HyperParallel's ``HSDPParamGroup._init_flat_param_buffer`` (comm fusion) copies every member's
-``_sharded_param_data`` into one flat buffer and rebases the member onto it. Done by hand, the
-old per-parameter storages survive whenever a holder is missed (the DTensor's local tensor, a
-storage-sharing wrapper, an autograd ``_base``) and the optimizer then updates memory the
-all-gather no longer reads. This module hands the move to :meth:`flatpool.FlatPool.adopt`, which
-rebinds every named holder, *proves* each original storage died, and rolls back otherwise.
-
-Layout: members are bucketed by the dtype of their padded data, in group order (the order the
-group's all-gather concatenates them), one pool per bucket, packed without gaps by default
-(``alignment=1``) so the flat buffer *is* the concatenation a group's split sizes describe.
+Done by hand, original storages survive whenever a holder is missed; :meth:`FlatPool.adopt`
+rebinds every named holder and proves each original died. Members are bucketed by dtype in
+group order and packed without gaps (``alignment=1``), so the flat buffer is the
+concatenation the group's split sizes describe.
 """
 
 from __future__ import annotations

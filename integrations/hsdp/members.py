@@ -1,11 +1,7 @@
-"""Reading a group member the way flatpool must: from TensorImpls, past every Python override.
+"""Reading a group member from its TensorImpls, past every Python override.
 
-HyperParallel's DTensor answers ``shape``/``size()`` with the *global* shape, ``data_ptr()``
-with its local tensor's address, and raises for ops without a layout rule (``data_ptr``,
-``untyped_storage``, ``TensorBase.size``) unless ``__torch_function__`` is off. Every read the
-layer makes of a member goes through the helpers here, which use
-:mod:`flatpool._torch_compat`'s TensorImpl readers under ``no_torch_function()``, so the call
-sites never see a subclass's opinion of itself.
+HyperParallel's DTensor answers ``shape`` with the global shape and raises for ops without a
+layout rule unless ``__torch_function__`` is off, so every read goes through here.
 """
 
 from __future__ import annotations

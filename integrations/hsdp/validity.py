@@ -1,24 +1,10 @@
 """Is a fused group still fused? And bringing back the members that were moved out.
 
-A member is in place when its padded data, its local tensor and (for a wrapper with memory of
-its own, HyperParallel's DTensor) the parameter wrapper all sit on its bucket's pool storage,
-starting at the member's slice with the shapes its layout says. Autograd bases are not read: a
-view shares its base's storage unless ``set_`` moved the view alone, which only flatpool does
-(and its release proof at adoption covers it); a base left elsewhere would pin memory, which is
-a census question (:mod:`flatpool.memory`), not whether the group reads and writes its slices. HyperParallel's own check compares member 0's data
-pointer only, which misses a later member moved by ``reset_sharded_param`` and every local
-tensor or wrapper left behind.
-
-Both checks here decide by *storage identity* (the StorageImpl, read without a Python storage
-object), *element offset*, shape and element size, read from the TensorImpls under
-``no_torch_function()``; never by ``data_ptr()``, which is 0 for a zero-element tensor (an
-empty shard on a trailing rank), which HyperParallel's DTensor overrides, and which a tensor on
-another storage at the same address (``torch.from_numpy(t.numpy())``) shares. A member whose
-slice lies past the end of its pool's storage (shrunk through a member with
-``untyped_storage().resize_()``) is not in place either. :func:`is_valid` is the per-step form
-(a few reads a member, no allocation); :func:`member_problems` says in words what is wrong,
-with the same rules (a property test holds the two to agree on every member kind, under other
-threads and tracers).
+A member is in place when its padded data, local tensor and (if it has memory) its wrapper sit
+on its bucket's pool storage at its slice, with its layout's shapes, and the slice lies inside
+the storage. Decided by storage identity and element offset, never ``data_ptr()`` (0 when empty,
+overridden, shared by a ``from_numpy`` alias). :func:`is_valid` is the per-step form;
+:func:`member_problems` says what is wrong by the same rules (a property test holds them equal).
 """
 
 from __future__ import annotations
