@@ -30,8 +30,7 @@ def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` by (device, dtype), groups in order of first appearance (torch's
-    ``_group_tensors_by_device_and_dtype`` order)."""
+    """``tensors`` by (device, dtype), in order of first appearance, as torch groups them."""
     dtypes, devices = set(map(_dtype_of, tensors)), set(map(_device_of, tensors))
     if len(dtypes) == 1 and len(devices) == 1:
         return [tensors] if tensors else []
@@ -42,8 +41,7 @@ def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
-    """Every gradient a torch DTensor of one mesh (the same object, as FSDP2's are) and equal
-    placements (C-level passes)."""
+    """Every gradient a torch DTensor of one mesh object with equal placements."""
     if not grads or not is_dtensor(grads[0]):
         return False
     first: Any = grads[0]
@@ -55,8 +53,7 @@ def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
 
 
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=True)``,
-    bit for bit (module doc)."""
+    """``torch.nn.utils.get_total_norm(grads, ..., foreach=True)``, bit for bit."""
     if not _one_spec(grads):
         return torch.nn.utils.get_total_norm(
             [g if is_dtensor(g) else local_tensor(g) for g in grads], norm_type,

@@ -25,15 +25,9 @@ def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
     return pool
 
 
-def view(pool: FlatPool, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A base-less view (its own version counter) at byte ``offset`` of ``pool``."""
-    return pool.view_at(offset, tuple(shape), dtype)
-
-
 def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]],
           dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-    """:func:`view` for many places of one pool: the storage read once, one grad-mode switch
-    (a few microseconds a view instead of ``view_at``'s tens)."""
+    """Base-less views (each its own version counter) at byte ``offsets`` of ``pool``."""
     storage = pool.storage
     device = pool.device
     out = []
@@ -46,8 +40,7 @@ def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]
 
 
 class Companions:
-    """One companion per (parameter pool, kind), made zeroed on first use and kept while the
-    parameter pool keeps its storage and capacity (a relocation moves members: new ones)."""
+    """One companion per (parameter pool, kind), made anew when the pool's storage changes."""
 
     def __init__(self) -> None:
         self._made: dict[tuple[int, str], tuple[tuple[object, ...], FlatPool]] = {}
@@ -60,13 +53,6 @@ class Companions:
         made = new_pool(f"{pool.name}/{kind}", pool.capacity, pool.device)
         self._made[(id(pool), kind)] = (sig, made)
         return made
-
-    def keep_only(self, pools: Sequence[FlatPool]) -> None:
-        """Forget the companions of parameter pools no longer planned (their views, where still
-        installed, keep them alive until re-adopted)."""
-        ids = {id(p) for p in pools}
-        for key in [k for k in self._made if k[0] not in ids]:
-            del self._made[key]
 
     def pools(self) -> list[FlatPool]:
         return [m for _, m in self._made.values()]
@@ -91,4 +77,4 @@ class StepSlots:
         return self.all[a:b]
 
 
-__all__ = ["Companions", "StepSlots", "new_pool", "view", "views"]
+__all__ = ["Companions", "StepSlots", "new_pool", "views"]

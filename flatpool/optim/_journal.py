@@ -38,8 +38,7 @@ class Journal:
         setattr(obj, name, value)
 
     def add_hook(self, hooks: dict[Any, Any], fn: object, register: Callable[[], object]) -> None:
-        """``register()`` adds ``fn`` to ``hooks`` (a module's hook dict); undo removes every
-        entry holding ``fn``."""
+        """``register()`` adds ``fn`` to ``hooks``; undo removes every entry holding ``fn``."""
 
         def undo() -> None:
             for k in [k for k, v in hooks.items() if v is fn]:
@@ -56,10 +55,8 @@ class Journal:
 
 @contextmanager
 def committed() -> Iterator[Journal]:
-    """A journal whose changes stand only if the block finishes (module doc). A signal deferred
-    during the block is delivered when it ends; if that raises, the changes are rolled back too
-    (the caller sees the interrupt and an unchanged world). The journal, and the old values it
-    holds, go when the block's context manager does."""
+    """A journal whose changes stand only if the block finishes; a signal deferred during it
+    that raises at its end rolls them back too."""
     journal = Journal()
     try:
         with signals_guarded():  # never opened: signals wait until the block or rollback ends

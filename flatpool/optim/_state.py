@@ -36,8 +36,7 @@ Entry = tuple[int, str, torch.Tensor]
 
 
 class State:
-    """The pooled state of ``members`` (every member of every group, in plan order);
-    ``groups[i]`` is member ``i``'s param group."""
+    """The pooled state of ``members`` (plan order); ``groups[i]`` is member ``i``'s group."""
 
     def __init__(self, opt: torch.optim.Optimizer, rule: Rule, members: Sequence[Member],
                  groups: Sequence[dict[str, Any]], companions: Companions) -> None:
@@ -60,8 +59,7 @@ class State:
             self._plan_steps(groups)
 
     def _plan_steps(self, groups: Sequence[dict[str, Any]]) -> None:
-        """Each member's element of its pool's step companion, of the dtype and device torch
-        gives its group's step tensors (CPU, its scalar dtype; the device for ``fused``)."""
+        """Each member's element of a step companion of torch's step dtype and device."""
         by_pool: dict[int, list[int]] = {}
         for i, m in enumerate(self.members):
             by_pool.setdefault(id(m.pool), []).append(i)
@@ -92,8 +90,7 @@ class State:
         return got
 
     def ensure(self, kind: str, indices: Sequence[int]) -> None:
-        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet (a few
-        calls per pool: :func:`flatpool.optim._companions.views`)."""
+        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet."""
         entries, locals_ = self._kind(kind)
         todo = [i for i in indices if entries[i] is None]
         if not todo:
@@ -157,15 +154,12 @@ class State:
         return True
 
     def begin(self) -> None:
-        """Before a step's checks: whether ``optimizer.state`` still maps every member to the dict
-        recorded for it (one look for all groups; updates made while preparing the step keep
-        it true, as they record the dict ``optimizer.state`` holds)."""
+        """Before a step's checks: one look for all groups at whether the state dicts changed."""
         self._unchanged = self._dicts_unchanged()
 
     def _dicts_unchanged(self) -> bool:
-        """``optimizer.state`` maps the same parameters to the same dict objects as when last
-        seen (C-level identity passes over its keys and values: no tensor is hashed), so each
-        member's dict is the one recorded in :attr:`dicts`."""
+        """``optimizer.state`` maps each member to the dict in :attr:`dicts` (identity passes:
+        no tensor is hashed)."""
         state = self.opt.state
         keys, values = list(state.keys()), list(state.values())
         seen = self._seen
@@ -181,8 +175,7 @@ class State:
         return False
 
     def pooled_groups(self, spans: Sequence[tuple[int, int, dict[str, Any]]]) -> list[bool]:
-        """:meth:`all_pooled` of each ``(lo, hi, group)``, with one pass per state key over
-        every member when the groups keep the same keys."""
+        """:meth:`all_pooled` of each ``(lo, hi, group)``, one pass per key when keys agree."""
         keys = {self.keys(g) for _, _, g in spans}
         if self._unchanged and len(keys) == 1:
             ok = [True] * len(self.members)
@@ -200,9 +193,8 @@ class State:
         return [self.all_pooled(lo, hi, g) for lo, hi, g in spans]
 
     def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
-        """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries to adopt added
-        to ``adopt``), :data:`FRESH` (torch makes its state now), or why torch's own step must
-        handle it."""
+        """Member ``i``: :data:`POOLED` (entries to adopt added to ``adopt``), :data:`FRESH`, or
+        why torch's own step must handle it."""
         st = self.opt.state.get(self.params[i])
         if self.rule.fresh(st, group):
             return FRESH
@@ -228,8 +220,7 @@ class State:
         return POOLED
 
     def existing(self, indices: Sequence[int], group: dict[str, Any]) -> list[Entry]:
-        """The adoptable entries members ``indices`` hold now (setup, and after a re-plan; a
-        member whose state torch must handle keeps it as it is)."""
+        """The adoptable entries members ``indices`` hold now."""
         state = self.opt.state
         keys = self.keys(group)
         sts: list[tuple[int, dict[str, Any]]] = [
@@ -291,8 +282,7 @@ class State:
             self.dicts[i] = state[self.params[i]]
 
     def make_fresh(self, indices: Sequence[int], group: dict[str, Any]) -> None:
-        """Adam's state as torch makes it at a parameter's first step (step 0, zeros), in the
-        members' places; each member's entries appear at once (one ``dict.update``)."""
+        """State as torch makes it at a first step (zeros), each member's entries at once."""
         keys = self.keys(group)
         for k in keys:
             self.ensure(k, indices)

@@ -103,8 +103,7 @@ class Stepper:
 
     def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
                ) -> GroupWork | str:
-        """``on``: per member, its gradient is pooled; ``state_pooled``: every member's state
-        entries are its pooled views."""
+        """``on``: per member, its gradient is pooled; ``state_pooled``: all state is."""
         group, lo, hi = gp.group, gp.lo, gp.hi
         grads, members = self.grads, self.plan.members
         everyone = all(on)
@@ -179,10 +178,8 @@ class Stepper:
 
     # -- stepping ---------------------------------------------------------------------------
     def run(self, works: list[GroupWork]) -> None:
-        """Step every group in order: torch's part of a group (after the flat runs of the groups
-        before it), then its runs. Runs of groups whose kernel arguments are equal go to torch's
-        kernel together, as lists of flat tensors (one Python call of the kernel for many runs;
-        each tensor is stepped on its own, with its own step count)."""
+        """Step every group in order, torch's part first; runs of groups with equal kernel
+        arguments go to one kernel call together."""
         batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
         try:
             for w in works:
@@ -218,9 +215,8 @@ class Stepper:
                 opt.param_groups = saved
 
     def _range(self, r: Run, kind: str) -> torch.Tensor:
-        """The run's range of a state companion (a slice of the segment's, made once per plan)
-        or of the parameter pool (a slice of its byte buffer, held for this step only: a view
-        kept past it would pin the storage a relocation of the pool must prove dead)."""
+        """The run's range of a companion, or of the parameter pool (held for this step only: a
+        view kept past it would pin the storage a relocation must prove dead)."""
         seg = r.seg
         if kind == "param":
             buf = self._param_bufs.get(id(seg.pool))
@@ -237,10 +233,8 @@ class Stepper:
         return flat if n == seg.numel else flat[a:a + n]
 
     def _written(self, runs: list[Run]) -> list[torch.Tensor]:
-        """The tensors torch's own step would have written in place: each run's parameters and
-        a wrapper's local tensor. The flat kernel wrote the pool instead, so their version
-        counters are bumped as torch's in-place writes would: a graph that saved one then
-        refuses to run backward, as with torch, instead of using the new values silently."""
+        """What torch's step would have written in place: their version counters are bumped, so
+        a graph that saved one refuses backward as with torch instead of using new values."""
         members = self.plan.members
         params = [members[i].param for r in runs for i in r.members]
         return params + [t for p, t in zip(params, map(local_tensor, params)) if t is not p]

@@ -22,8 +22,7 @@ StepFn = Callable[..., Any]
 
 
 def raw_step(opt: torch.optim.Optimizer) -> StepFn:
-    """``type(opt).step`` without torch's hook wrapper (``Optimizer.profile_hook_step``), called
-    as ``raw_step(opt)(opt, closure)``: the group-per-parameter part of a step whose hooks ran."""
+    """``type(opt).step`` without torch's hook wrapper, for a step whose hooks already ran."""
     step = type(opt).step
     if getattr(step, "hooked", False):
         return cast(StepFn, getattr(step, "__wrapped__", step))
@@ -31,15 +30,12 @@ def raw_step(opt: torch.optim.Optimizer) -> StepFn:
 
 
 def with_step_hooks(body: StepFn) -> StepFn:
-    """``body(opt, *args, **kwargs)`` wrapped as torch wraps every optimizer's ``step``: the
-    global and the optimizer's pre-hooks (which may replace the arguments), the profiler's
-    record, ``_optimizer_step_code`` and the post-hooks, each exactly once."""
+    """``body`` wrapped as torch wraps every optimizer's ``step`` (hooks, profiler record)."""
     return Optimizer.profile_hook_step(body)
 
 
 def foreach_choice(params: list[torch.Tensor], group: dict[str, Any]) -> bool:
-    """Whether torch's functional kernel runs its foreach form for ``group``'s step over
-    ``params`` (its own resolution of ``foreach=None``)."""
+    """Whether torch's kernel runs its foreach form for ``group`` (torch's own resolution)."""
     if group.get("foreach") is not None:
         return bool(group["foreach"])
     if group.get("fused"):
@@ -59,8 +55,7 @@ def step_dtype(fused: bool) -> torch.dtype:
 
 
 def after_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward pass has finished (after every final
-    callback queued so far, FSDP2's last reduce-scatter included)."""
+    """Run ``callback`` after the running backward's final callbacks queued so far (FSDP2's)."""
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(callback)
 
