@@ -14,8 +14,7 @@ from ..slices import Slice
 
 
 def mirror(pool: FlatPool, name: str) -> tuple[FlatPool, dict[int, Slice]]:
-    """A materialized, zeroed pool of ``pool.capacity`` bytes with ``pool``'s slices at the same
-    offsets; returns it and ``{slice_id of pool: slice of the mirror}``."""
+    """A zeroed pool with ``pool``'s slices at the same offsets, and ``{slice_id: its slice}``."""
     slices = sorted(pool.slices(), key=lambda s: s.offset)
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
     owners: list[int | None] = []

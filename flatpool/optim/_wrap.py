@@ -14,8 +14,7 @@ from ._errors import NotPooledError
 
 
 def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as ``param``'s kind of tensor: itself for a plain tensor, a DTensor with
-    ``param``'s mesh, placements, global shape and stride for a DTensor."""
+    """``local`` as ``param``'s kind of tensor (a DTensor with its spec for a DTensor)."""
     if is_dtensor(param):
         return dtensor_like(param, local)
     if local_tensor(param) is not param:

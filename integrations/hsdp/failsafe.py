@@ -43,11 +43,7 @@ def keep_fused(
     on_pinned: OnPinned = "warn",
     where: str = "group",
 ) -> tuple[GroupBuffers, int]:
-    """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``.
-
-    ``previous`` is the group's current state; a valid one is returned as it is (after letting
-    go of kept originals that died). Each skip or failure reason is logged once per group.
-    """
+    """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``."""
     told = previous.kept.logged
     if previous.adopted and is_valid(previous, params):
         previous.kept.refresh()
@@ -81,19 +77,15 @@ def keep_fused(
 
 
 BuildAll = Callable[[OnPinned], list[GroupBuffers]]
-"""Adopt several groups anew in one transaction (``adopt_groups`` with the caller's
-arguments, each group's tracker among them), all or nothing."""
+"""Adopt several groups anew in one transaction, all or nothing."""
 
 
 def keep_all_fused(
     fresh: Sequence[GroupBuffers], build: BuildAll, *, on_pinned: OnPinned = "warn",
     where: Sequence[str],
 ) -> list[GroupBuffers] | None:
-    """:func:`keep_fused` for groups never adopted yet (``fresh``: their current state), all in
-    one transaction; ``None`` when that fails, with every member as it was: the caller then
-    takes each group through :func:`keep_fused`, where a group that cannot fuse stays unfused
-    with its warning and the others fuse. So a failure changes what it costs, never what a
-    group ends up as."""
+    """:func:`keep_fused` for groups never adopted, in one transaction; ``None`` when that fails
+    (nothing changed), and the caller goes group by group: a failure changes only the cost."""
     try:
         with _Quiet() if on_pinned != "raise" else warnings.catch_warnings():
             built = build(on_pinned)
@@ -107,8 +99,7 @@ def keep_all_fused(
 
 
 def _built(out: GroupBuffers, kept: KeptAlive, where: str) -> GroupBuffers:
-    """A group built anew, keeping the tracker it had (a group keeps one for good); logged
-    (a skip once per reason)."""
+    """A group built anew, keeping its tracker; logged (a skip once per reason)."""
     if out.kept is not kept:
         out = evolve(out, kept=kept)
     if out.adopted:

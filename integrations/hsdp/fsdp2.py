@@ -46,11 +46,7 @@ def fsdp_param_groups(module: nn.Module) -> Iterator[FSDPParamGroup]:
 
 
 def lazy_init(module: nn.Module) -> None:
-    """Run FSDP2's lazy initialization now (it otherwise runs at the first forward).
-
-    FSDP2 pads and re-saves every member there (``reset_sharded_param``); HyperParallel builds
-    its flat buffer at that point too. Uses FSDP2's private ``FSDPState._lazy_init``.
-    """
+    """Run FSDP2's lazy initialization now, where it pads and re-saves every member."""
     if not isinstance(module, FSDPModule):
         raise InvalidTypeError(
             f"{type(module).__name__} is not a fully_shard-ed module: call "
@@ -60,8 +56,7 @@ def lazy_init(module: nn.Module) -> None:
 
 
 def _user_class(module: nn.Module) -> type:
-    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
-    (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
+    """The class the user wrote (``fully_shard`` swaps in a subclass it makes)."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
@@ -70,11 +65,9 @@ def _world_size(group: FSDPParamGroup) -> int:
 
 
 class FusedModule:
-    """The layer applied to one ``fully_shard``-ed module: one :class:`GroupBuffers` per group.
+    """The layer applied to one ``fully_shard``-ed module: ``buffers[i]`` for ``groups[i]``.
 
-    Build it with :func:`fuse_fully_sharded`. ``buffers[i]`` belongs to ``groups[i]``.
-    ``on_pinned`` is the policy inside the hooks and :meth:`revalidate`: ``"warn"`` (the
-    default, fail-safe: see :mod:`flatpool.integrations.hsdp.failsafe`) or ``"raise"``.
+    Build it with :func:`fuse_fully_sharded`; ``on_pinned`` is the hooks' policy.
     """
 
     def __init__(self, module: nn.Module, alignment: int = 1, on_pinned: OnPinned = "warn") -> None:
@@ -123,9 +116,7 @@ class FusedModule:
             where=f"fsdp{i}")
 
     def _adopt_all(self, materialize: bool) -> None:
-        """Fuse every group: the ones to adopt all in one transaction (what a group costs once
-        per call is paid once), and only where that fails, group by group (:func:`keep_fused`:
-        a group that cannot fuse stays unfused with its warning, the others fuse)."""
+        """Fuse every group in one transaction; only where that fails, group by group."""
         todo = [i for i in range(len(self.groups)) if not (materialize and self._all_meta(i))]
         for i in sorted(set(range(len(self.groups))) - set(todo)):
             self._adopt(i, materialize=True)
@@ -147,14 +138,8 @@ class FusedModule:
             self.buffers[i] = b
 
     def revalidate(self, on_pinned: OnPinned | None = None) -> None:
-        """Bring every group back into its pools: adopt late groups, re-adopt moved members,
-        plan anew a group whose members changed dtype or device.
-
-        On a healthy rank this is :func:`is_valid` per group: a few TensorImpl reads a member
-        (storage keys and offsets, so an empty shard on a trailing rank reads as in place); the
-        diagnosis and re-adoption run only when a member did move. Under the fail-safe policy
-        (``on_pinned="warn"``, the default) nothing here raises a
-        :class:`flatpool.FlatPoolError`."""
+        """Bring every group back into its pools (adopt late groups, re-adopt moved members,
+        plan anew on a dtype or device change); a healthy rank pays :func:`is_valid` only."""
         policy = self.on_pinned if on_pinned is None else on_pinned
         for i, g in enumerate(self.groups):
             self.buffers[i], moved = keep_fused(
@@ -170,8 +155,7 @@ class FusedModule:
 
     @property
     def kept_alive(self) -> list[KeptOriginal]:
-        """The original shard storages kept alive now (a held reference pinned each one at a
-        fail-safe fusion); empty once the holders dropped them."""
+        """The original shard storages a held reference keeps alive now."""
         for b in self.buffers:
             b.kept.refresh()
         return [k for b in self.buffers for k in b.kept.originals]
@@ -193,17 +177,15 @@ class FusedModule:
 
     def install_hooks(self) -> None:
         def pre_forward(*_: Any) -> None:
-            # FSDP2's lazy init (first thing in this forward otherwise; idempotent) can move
-            # shards: torch 2.7's reset_sharded_param re-pads every uneven shard into fresh
-            # memory. Run it first, so the check sees where the all-gather will read.
+            # FSDP2's lazy init can move shards (torch 2.7 re-pads uneven ones into fresh
+            # memory): run it first, so the check sees where the all-gather will read.
             lazy_init(self.module)
             with torch.no_grad():
                 self.revalidate()
 
         def post_load(*_: Any) -> None:
-            # With ``assign=True`` the caller's state dict still holds the tensors FSDP2 just
-            # installed until ``load_state_dict`` returns: re-adoption would find them pinned.
-            # flatpool rolls back cleanly, and the pre-forward hook re-adopts once they are gone.
+            # With ``assign=True`` the caller's state dict pins the new tensors until
+            # ``load_state_dict`` returns: the pre-forward hook re-adopts them then.
             with torch.no_grad():
                 try:
                     self.revalidate(on_pinned="raise")
@@ -231,14 +213,10 @@ def fuse_fully_sharded(
 ) -> FusedModule:
     """Adopt the shards of every param group of ``module`` (after ``fully_shard``).
 
-    Groups whose shards are all on meta are materialized zero-copy into their pools
-    (:func:`flatpool.integrations.hsdp.materialize_group`; initialize the module afterwards with
+    Groups all on meta are materialized zero-copy into their pools (initialize them with
     ``reset_parameters()`` or ``load_state_dict``, *not* ``to_empty``) unless ``materialize`` is
-    false, in which case they are adopted at the first forward after ``to_empty``. With
-    ``keep_valid`` the hooks described in this module's docstring are installed. ``on_pinned``
-    is the policy here and in the hooks: ``"warn"`` (default) fuses past a reference the caller
-    holds to an original, keeping it alive until dropped; ``"raise"`` raises
-    :class:`flatpool.PinnedStorageError` (nothing changed) instead.
+    false. ``keep_valid`` installs the hooks. ``on_pinned="warn"`` (default) fuses past a held
+    reference to an original, keeping it alive; ``"raise"`` raises ``PinnedStorageError``.
     """
     fused = FusedModule(module, alignment, on_pinned)
     with torch.no_grad():

@@ -7,8 +7,8 @@ layout rule unless ``__torch_function__`` is off, so every read goes through her
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -48,40 +48,38 @@ def local_of(wrapper: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else wrapper
 
 
-def is_meta(t: torch.Tensor) -> bool:
+_T = TypeVar("_T")
+
+
+def _read(read: Callable[[torch.Tensor], _T], t: torch.Tensor) -> _T:
     with tc.no_torch_function():
-        result = tc.impl_is_meta(t)
+        result = read(t)
         return result  # not `return f()`: see flatpool.ownership._interrupts
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    return _read(tc.impl_is_meta, t)
 
 
 def impl_size(t: torch.Tensor) -> torch.Size:
     """The TensorImpl's (local) size, not a subclass's global ``shape``."""
-    with tc.no_torch_function():
-        result = tc.impl_size(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_size, t)
 
 
 def impl_dtype(t: torch.Tensor) -> torch.dtype:
-    with tc.no_torch_function():
-        result = tc.impl_dtype(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_dtype, t)
 
 
 def impl_device(t: torch.Tensor) -> torch.device:
-    with tc.no_torch_function():
-        result = tc.impl_device(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_device, t)
 
 
 def impl_requires_grad(t: torch.Tensor) -> bool:
-    with tc.no_torch_function():
-        result = tc.impl_requires_grad(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_requires_grad, t)
 
 
 def padded_size(p: ShardedParam, index: int) -> torch.Size:
-    """``padded_sharded_param_size``, or ``sharded_size`` where the member has none and its
-    data shows the sharding is even; a typed error where the padding cannot be known."""
+    """``padded_sharded_param_size``, or ``sharded_size`` where its data shows even sharding."""
     padded = getattr(p, "padded_sharded_param_size", None)
     if padded is not None:  # a Size is immutable: the member's own is shared, not copied
         return padded if type(padded) is torch.Size else torch.Size(padded)
@@ -98,8 +96,7 @@ def padded_size(p: ShardedParam, index: int) -> torch.Size:
 
 
 def member_name(p: ShardedParam, index: int) -> str:
-    """How messages name member ``index``: its parameter's name where the framework keeps it
-    (FSDP2's ``_param_fqn``), else its position."""
+    """How messages name member ``index`` (FSDP2's ``_param_fqn`` where kept)."""
     fqn = getattr(p, "_param_fqn", None)
     return f"{fqn} (member {index})" if isinstance(fqn, str) and fqn else f"member {index}"
 
@@ -113,10 +110,8 @@ def shard_dim(p: ShardedParam) -> int:
 def has_memory(wrapper: torch.Tensor) -> bool:
     """Does a parameter wrapper need memory of its own, which must then be its slice?
 
-    HyperParallel's ``_make_subclass`` DTensor shares its local tensor's storage (traceable
-    or not); after deferred init it may be a *meta* wrapper over a real local tensor, which
-    adoption gives the local's place. torch's DTensor (``_make_wrapper_subclass``) has only a
-    placeholder storage: it has no memory, and only its local tensor matters.
+    HyperParallel's DTensor shares its local's storage (or is a meta wrapper adoption places);
+    torch's DTensor has only a placeholder storage, so only its local tensor matters.
     """
     if is_meta(wrapper):
         return True
