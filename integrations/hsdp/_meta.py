@@ -32,9 +32,8 @@ def materialize_group(
 ) -> GroupBuffers:
     """Allocate every meta member of a group straight into one pool per dtype.
 
-    Every member must still be on meta (torch DTensor parameters). The pools' memory is left
-    uninitialized, like ``to_empty``: initialize the module afterwards. Returns the same
-    :class:`GroupBuffers` as :func:`adopt_group`. Nothing is changed when a member is refused.
+    Every member must be a meta torch DTensor. The memory is left uninitialized, like
+    ``to_empty``. Nothing is changed when a member is refused.
     """
     params = list(params)
     if not params:

@@ -23,8 +23,7 @@ def fused_pools(fused: FusedModule) -> list[FlatPool]:
 
 
 def flat_optimizer(fused: FusedModule, optimizer: torch.optim.Optimizer, **kwargs: Any) -> FlatOptimizer:
-    """A :class:`FlatOptimizer` over ``fused``'s pools, with its gradient hook on the root
-    module. ``kwargs`` go to :class:`FlatOptimizer` (``fused=``, ``verify=``)."""
+    """A :class:`FlatOptimizer` over ``fused``'s pools, hooked on the root module."""
     return FlatOptimizer(optimizer, lambda: fused_pools(fused), module=fused.module, **kwargs)
 
 

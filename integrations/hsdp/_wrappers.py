@@ -20,8 +20,7 @@ Row = tuple[int, Slice, int, int, tuple[int], torch.Size]
 
 
 class WrapperKinds:
-    """Per member index: the wrapper last found storage-less, and its storage key then; per
-    bucket, the rows to check."""
+    """Per member: the wrapper last found storage-less; per bucket: the rows to check."""
 
     __slots__ = ("_known", "_rows")
 
