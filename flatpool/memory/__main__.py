@@ -32,8 +32,7 @@ NO_MANIFEST = (
 
 
 def _check_picture_path(path: str) -> None:
-    """Fail before any work if ``path``'s folder does not exist (the picture is written
-    atomically through a temporary file beside it, whose name would otherwise be the error's)."""
+    """Fail before any work if ``path``'s folder does not exist."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise PictureError(f"--png {path!r} is a folder; give a file name, e.g. "

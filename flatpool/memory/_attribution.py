@@ -18,16 +18,8 @@ from attrs import define
 from .. import FlatPool, InvalidRequestError
 from ._collect import Watches, build_manifest
 from ._manifest import Manifest, PoolEntry
-from ._result import (
-    KINDS,
-    BlockView,
-    ClassTotal,
-    Item,
-    Kind,
-    MemoryAttribution,
-    Piece,
-    SegmentView,
-)
+from ._result import KINDS, BlockView, ClassTotal, Item, Kind, MemoryAttribution, Piece
+from ._result import SegmentView
 from ._snapshot import Snapshot, SnapshotSource, load_snapshot
 from ._units import fmt_bytes
 
@@ -66,13 +58,8 @@ def attribute(
     watch: Watches | None = None,
     progress: Progress | None = None,
 ) -> MemoryAttribution:
-    """Classify every active block of ``snapshot`` (a dict, a segment list, a pickle path or a
-    :class:`Snapshot`) as pool / tensor / stale / unattributed.
-
-    Name the objects either live (``roots``, ``pools``, ``flats``, ``watch``: see
-    :func:`build_manifest`; every live pool when ``pools`` is not given) or with a
-    ``manifest`` written earlier, not both.
-    """
+    """Classify every active block of ``snapshot`` as pool / tensor / stale / unattributed,
+    naming objects either live (see :func:`build_manifest`) or by a ``manifest``, not both."""
     snap = load_snapshot(snapshot)
     if manifest is None:
         manifest = build_manifest(roots, pools=pools, flats=flats or (), watch=watch or ())

@@ -31,17 +31,11 @@ def build_manifest(
     """What flatpool can name in this process's memory, as a :class:`Manifest`.
 
     Args:
-        roots: modules, optimizers, FSDP2/HSDP groups, pools, containers or objects holding
-            them (see :func:`flatpool.memory.walk_roots` for the naming); every pool
-            found on the way is included.
-        pools: the pools to include besides those found from the roots; ``None`` (the
-            default) includes every live pool of the process, as :func:`flatpool.census` does.
-        flats: flat buffers built by hand (not pools): shown as fused buffers.
-        watch: one or several :class:`StorageWatch` (e.g. :class:`WatchedStorages` taken
-            before a fusion step); their surviving storages are recorded as stale originals.
-            Every named pool also contributes the originals its adoptions left alive
-            (:meth:`FlatPool.unreleased_originals`: pinned under ``on_pinned="warn"``/
-            ``"force"``, or kept by the pool for a holder outside Python; ``source="pool"``).
+        roots: objects to walk for named tensors and pools (:func:`walk_roots`).
+        pools: pools besides those found; ``None``: every live pool, as :func:`census` does.
+        flats: flat buffers built by hand (not pools).
+        watch: :class:`StorageWatch` lists whose survivors are stale originals (each pool
+            adds the originals its adoptions left alive).
     """
     walked = walk_roots(roots, max_depth=max_depth)
     pool_list: list[FlatPool] = []

@@ -48,8 +48,8 @@ def _scanned_ranges() -> list[tuple[int, int]]:
 
 
 def cpu_snapshot(manifest: Manifest | None = None, *, scan: bool = True) -> dict[str, Any]:
-    """The record described in the module docstring, in ``torch.cuda.memory._snapshot()``'s
-    format (plus ``"flatpool_source": "cpu census"``); picklable, so the CLI reads it too."""
+    """One block per live CPU storage (the manifest's; with ``scan``, every tensor gc tracks),
+    overlaps merged, in ``torch.cuda.memory._snapshot()``'s format (picklable)."""
     ranges = _manifest_ranges(manifest) if manifest is not None else []
     if scan:
         ranges += _scanned_ranges()

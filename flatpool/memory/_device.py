@@ -29,9 +29,7 @@ def _allocator_snapshot(dev: torch.device) -> Any:
 def device_snapshot(
     device: DeviceLike, manifest: Manifest | None = None, *, scan: bool = True
 ) -> dict[str, Any]:
-    """A snapshot dict of ``device`` now. On CPU, :func:`cpu_snapshot` of ``manifest``
-    (``scan`` adds every other live CPU storage); on CUDA/NPU, the allocator's own snapshot
-    restricted to that device's segments."""
+    """A snapshot dict of ``device`` now (on CPU, :func:`cpu_snapshot` of ``manifest``)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
         return cpu_snapshot(manifest, scan=scan)

@@ -79,9 +79,8 @@ class PoolEntry:
         return sum(s.nbytes for s in self.slices if s.tensors)
 
     def gaps(self) -> tuple[Gap, ...]:
-        """Every byte range outside the slices, in order. A gap is ``padding`` when no slice
-        can start in it (the next multiple of the pool's alignment is at or past its end):
-        memory lost to alignment. Otherwise it is ``free``: room for more slices."""
+        """Every byte range outside the slices, in order: ``padding`` when no slice can start
+        in it (lost to alignment), else ``free``."""
         out: list[Gap] = []
         pos = 0
         for s in sorted(self.slices, key=lambda s: s.offset):
@@ -120,9 +119,8 @@ OriginalSource = Literal["watch", "pool"]
 
 @define(frozen=True)
 class OriginalEntry:
-    """A storage that should be dead but is alive: a watched original that outlived a fusion
-    step (``source="watch"``), or one a pool's adoption kept alive under
-    ``on_pinned="warn"``/``"force"`` (``source="pool"``, ``pool`` set)."""
+    """A storage that should be dead but is alive: a watched original (``source="watch"``) or
+    one a pool's adoption kept alive (``source="pool"``)."""
 
     label: str
     address: int
@@ -318,12 +316,6 @@ def _original(value: object, field: str) -> OriginalEntry:
 
 
 __all__ = [
-    "FORMAT",
-    "Gap",
-    "Manifest",
-    "OriginalEntry",
-    "PoolEntry",
-    "SliceEntry",
-    "StorageEntry",
+    "FORMAT", "Gap", "Manifest", "OriginalEntry", "PoolEntry", "SliceEntry", "StorageEntry",
     "VERSION",
 ]

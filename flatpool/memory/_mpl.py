@@ -39,11 +39,7 @@ class Axes(Protocol):
 
     def set_title(self, label: str, **style: Any) -> object: ...
 
-    def set_xlabel(self, label: str, **style: Any) -> object: ...
-
     def legend(self, *, handles: Sequence[object], **style: Any) -> object: ...
-
-    def tick_params(self, **style: Any) -> object: ...
 
 
 class Figure(Protocol):
@@ -92,9 +88,8 @@ def load() -> Matplotlib:
 
 @contextmanager
 def plain_text() -> Iterator[None]:
-    """Text drawn in the block is shown as written: a pool or tensor named ``$x$`` or
-    ``a$b`` would otherwise be parsed as mathtext (garbled, or a parse error that aborts the
-    picture). Only matplotlib's settings for this block change (``rc_context``)."""
+    """Text drawn in the block is shown as written: a name like ``a$b`` would otherwise be
+    parsed as mathtext (garbled, or an error that aborts the picture)."""
     matplotlib = importlib.import_module("matplotlib")
     with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
         yield

@@ -18,14 +18,12 @@ KINDS: tuple[Kind, ...] = ("pool", "tensor", "stale", "unattributed")
 
 @define(frozen=True)
 class Item:
-    """One thing memory is attributed to: a pool, a flat buffer, a storage, a stale original,
-    or (``unattributed``) one block nothing known touches."""
+    """One thing memory is attributed to (``unattributed``: one block nothing known touches)."""
 
     kind: Kind
     label: str
     reason: str
-    """Why it has this class: ``flatpool pool``, ``parameter``, ``watched original``,
-    ``copy of bucket:0``, or for an unknown block where it was allocated."""
+    """Why it has this class (for an unknown block: where it was allocated)."""
     address: int
     nbytes: int
     """The object's own size (its storage's ``nbytes``; a block's size when unattributed)."""
@@ -39,8 +37,7 @@ class Item:
 
 @define(frozen=True)
 class Piece:
-    """Bytes ``[address, address + nbytes)`` of a block and the item they belong to.
-    ``slack`` marks bytes no object covers, given to the block's main item (rounding)."""
+    """Bytes of a block and their item (``slack``: uncovered, given to the main item)."""
 
     address: int
     nbytes: int

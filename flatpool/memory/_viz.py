@@ -38,10 +38,9 @@ LEGEND = (
 )
 DTYPE_COLOURS = ("#DD8452", "#64B5CD", "#DA8BC3", "#CCB974", "#937860", "#2A9D8F", "#E9C46A",
                  "#6D597A", "#B5838D")
-"""Slice colours by dtype: none of them is a class colour (:data:`COLOURS`)."""
 PADDING = "#BDBDBD"
 MIN_FRACTION = 0.005
-"""The shortest bar drawn, as a fraction of its axis (half a percent: a few pixels)."""
+"""The shortest bar drawn, as a fraction of its axis."""
 ROW_INCHES = 0.34
 POOL_INCHES = 2.5
 COLUMN_INCHES = 9.0
@@ -71,8 +70,7 @@ def draw_comparison(
     pool: str | None = None,
     max_segments: int = 24,
 ) -> None:
-    """Several attributions side by side (e.g. ``[("naive rebase", a), ("flatpool", b)]``),
-    one column each on one byte scale, in one PNG."""
+    """Several attributions side by side, one column each on one byte scale, in one PNG."""
     write_atomic(out, render_png(panels, pool=pool, max_segments=max_segments))
 
 
@@ -112,8 +110,7 @@ def figure(
     rows = 1 + max(2, max(len(c) for c in chosen))  # the total row, then the segments
     span = max(max([a.active_bytes] + [a.segments[i].total_size for i in c])
                for (_, a), c in zip(panels, chosen))
-    # Fixed margins in inches (a layout engine costs a third of the drawing time): titles
-    # above each view, tick labels and the legend below, segment labels on the left.
+    # Fixed margins in inches: a layout engine costs a third of the drawing time.
     pool_part = POOL_INCHES if layouts else 0.0
     width = COLUMN_INCHES * len(panels)
     height = 0.75 + ROW_INCHES * rows + 0.9 + pool_part
@@ -215,8 +212,7 @@ def _bar(ax: Axes, spans: Sequence[tuple[float, float]], y: float, colour: str, 
 
 @define(frozen=True)
 class _Row:
-    """One row of bars, planned before drawing: its runs by colour, the names drawn inside
-    their bars, the names written after the row, and where the row ends (in bytes)."""
+    """One row of bars, planned before drawing (names inside bars, names after, its end)."""
 
     label: str
     bars: tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...]  # colour, gid, runs
@@ -233,8 +229,7 @@ class _Row:
 
 
 def _plan_total(a: MemoryAttribution, scale: _Scale) -> _Row:
-    """The column's active bytes stacked by class (adopted apart from the rest of the pools),
-    on the shared scale: every segment counts, shown in a row or not."""
+    """The column's active bytes of every segment, stacked by class."""
     by_colour: dict[str, int] = {}
     for si in range(len(a.segments)):
         for colour, xs in _segment_spans(a, si)[0].items():
@@ -302,8 +297,7 @@ Spans = dict[str, list[tuple[float, float]]]
 
 
 def _segment_spans(a: MemoryAttribution, si: int) -> tuple[Spans, dict[int, tuple[int, int]]]:
-    """Segment ``si``'s runs by colour (offsets and lengths in bytes) and, per item, the
-    address range of its largest piece there (where its name goes)."""
+    """Segment ``si``'s runs by colour, and per item the range of its largest piece there."""
     seg = a.segments[si]
     spans: Spans = {}
     named: dict[int, tuple[int, int]] = {}
@@ -410,9 +404,7 @@ def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
 
 
 def _label_above(ax: Axes, labels: Sequence[tuple[float, str]], scale: _Scale) -> int:
-    """Name small slices above the bar on two staggered levels, each on a leader line to its
-    slice, moved right (or, at the end, left) until it clears its neighbours; how many found
-    no room."""
+    """Name small slices above the bar on two staggered levels; returns how many found no room."""
     level_end = [0.0, 0.0]
     levels = (1.1, 1.4)
     placed = 0

@@ -101,8 +101,7 @@ class _Walker:
 
 
 def _key(k: object, index: int) -> str:
-    """A mapping key as a path part; keys that are objects (a tensor keying optimizer state)
-    are named by type and position, never by their (possibly huge) repr."""
+    """A mapping key as a path part; objects by type and position, never their repr."""
     if isinstance(k, str):
         return k
     if isinstance(k, (int, float, bool, type(None), torch.dtype, torch.device)):
@@ -127,12 +126,8 @@ def _attributes(obj: object) -> Iterator[tuple[str, Any]]:
 
 
 def walk_roots(roots: object, *, max_depth: int = 6) -> Walked:
-    """Every tensor (with its path and role) and every pool reachable from ``roots``.
-
-    ``roots`` is a mapping ``{name: root}`` (paths start with the name), a list or tuple of
-    roots (module paths unprefixed when there is one module, optimizers under
-    ``optimizer.``, others under ``root{i}.``), or one root.
-    """
+    """Every tensor (with its path and role) and every pool reachable from ``roots``: a
+    mapping ``{name: root}``, a list or tuple of roots, or one root."""
     w = _Walker(max_depth)
     items: list[tuple[Any, str]]
     if isinstance(roots, Mapping):
