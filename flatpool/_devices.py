@@ -15,8 +15,7 @@ import torch
 from .errors import DeviceError, InvalidTypeError
 
 DeviceLike = Union[str, torch.device, int]
-"""What ``torch.device`` accepts: ``"cuda:1"``, ``torch.device("npu", 0)``, or an int, which
-names an index of the current accelerator (``torch.device(1)`` is ``cuda:1`` on a CUDA machine)."""
+"""What ``torch.device`` accepts (an int is an index of the current accelerator)."""
 
 _SUPPORTED = ("cpu", "cuda", "npu")
 
@@ -53,12 +52,8 @@ def _current_index(kind: str) -> int:
 
 
 def _accelerator_type() -> str | None:
-    """The accelerator torch would put an int device on, without importing any backend.
-
-    ``torch_npu`` registers NPU as torch's accelerator only once imported; flatpool never
-    imports it for an int (only for an explicit "npu"), so on an Ascend machine where nothing
-    imported it yet an int finds no accelerator and the error says to pass "npu:<index>".
-    """
+    """The accelerator torch would put an int device on, without importing any backend (so
+    NPU only once something imported torch_npu)."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None:
         # check_available: a CUDA build on a machine without a GPU names CUDA otherwise.
@@ -83,9 +78,8 @@ def _from_index(index: int) -> torch.device:
 def resolve_device(device: DeviceLike) -> torch.device:
     """Return ``device`` as a concrete, available ``torch.device`` or raise :class:`DeviceError`.
 
-    Accepts what ``torch.device`` accepts: a string, a ``torch.device``, or an int (an index
-    of the current accelerator). ``"cuda"``/``"npu"`` without an index resolve to the current
-    device of that backend, so two pools made the same way compare equal.
+    ``"cuda"``/``"npu"`` without an index resolve to the current device, so two pools made the
+    same way compare equal.
     """
     if type(device) is torch.device:  # (the most common, first: no abstract-class check)
         dev = device

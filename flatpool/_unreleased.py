@@ -23,13 +23,11 @@ class UnreleasedOriginal:
     """Data pointer of the original storage (for attributing allocator snapshots)."""
     device: str
     kept_by_pool: bool
-    """True when the pool itself keeps it: something outside Python (DLPack, C++) may read it,
-    so it is not freed until ``pool.release_kept()`` finds those holders gone."""
+    """The pool keeps it for a holder outside Python, until ``pool.release_kept()``."""
 
 
 class Trace:
-    """An unreleased original: a weak reference, or a strong one the pool keeps (with the
-    tensor whose C++ holders must go before it may die)."""
+    """An unreleased original: a weak reference, or a strong one the pool keeps."""
 
     __slots__ = ("info", "weak", "storage", "tensor_ref")
 
@@ -48,8 +46,7 @@ class Trace:
         tc.weak_free(self.weak)
 
     def release_if_free(self) -> bool:
-        """Let go of a kept original once its moved tensor has no owner besides its Python
-        object (or died); True when it was let go now."""
+        """Let go of a kept original once its moved tensor has no other owner; True if now."""
         if self.storage is None:
             return False
         tensor = self.tensor_ref() if self.tensor_ref is not None else None

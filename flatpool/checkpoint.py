@@ -45,11 +45,8 @@ _prior_deepcopy: DeepCopy | None = None
 _twins: weakref.WeakValueDictionary[tuple[int, int, int, torch.dtype], torch.UntypedStorage] = (
     weakref.WeakValueDictionary()
 )
-"""Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype).
-
-torch.save keeps every storage it pickled alive until it has written them, so an entry lives
-exactly as long as some save (or pickle) still holds its twin; a hit is reused only if its bytes
-still equal the pool's, so an entry kept alive by something else can never serve stale data."""
+"""Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype):
+alive while a save holds them; a hit is reused only if its bytes still equal the pool's."""
 _twins_lock = threading.Lock()
 
 
@@ -61,12 +58,7 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _viewed_storage_key(t: torch.Tensor) -> int | None:
-    """The key of ``t``'s storage if ``t`` is a plain strided tensor viewing only part of it.
-
-    Cheap for ordinary tensors: a tensor that reaches its whole storage is never looked up
-    (saving or copying its storage costs nothing extra), so the storage lookup runs only for
-    views into larger storages.
-    """
+    """The key of ``t``'s storage if ``t`` is a plain strided tensor viewing only part of it."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return None
     if t.is_quantized or t.is_nested:
@@ -85,17 +77,14 @@ def _viewed_storage_key(t: torch.Tensor) -> int | None:
 
 
 def pool_of(t: torch.Tensor) -> FlatPool | None:
-    """The live, materialized pool whose storage ``t`` (a plain tensor) views part of, else
-    ``None``."""
+    """The live, materialized pool whose storage ``t`` views part of, else ``None``."""
     key = _viewed_storage_key(t)
     state = None if key is None else pool_of_storage(key)
     return None if state is None else state.public
 
 
 def pooled(t: torch.Tensor) -> bool:
-    """``t`` (a plain tensor) views part of a pool's storage, whether or not the pool object
-    still lives: after ``del pool`` the storage lives on in the tensors that view it, and is
-    still the pool's whole buffer (16 MiB behind an 80-byte bias, or several dtypes)."""
+    """``t`` views part of a pool's storage, even after ``del pool`` (the storage lives on)."""
     key = _viewed_storage_key(t)
     return key is not None and was_pool_storage(key)
 
@@ -148,12 +137,8 @@ def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Untyped
 
 
 def compact_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` holding only the bytes ``t`` can reach, with its shape and strides.
-
-    Unlike ``clone()`` it keeps the strides (a transposed view stays transposed), and unlike
-    torch's pickling and ``deepcopy`` it never copies the rest of ``t``'s storage. Keeps
-    ``requires_grad``, the conj/neg bits and the Python attributes; the result is a leaf.
-    """
+    """A leaf copy of ``t`` holding only the bytes ``t`` can reach, strides, flags and
+    attributes kept (``clone()`` loses strides; pickling copies the whole storage)."""
     with torch.no_grad():
         out = _twin_on(t, tc.clone(_span(t)).untyped_storage())
     return _finish(t, out, None)
@@ -216,9 +201,7 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Make pickling and deep copies of pooled tensors compact. Idempotent; ``import flatpool``
-    calls it, because a pooled tensor can only exist once flatpool is imported and a save may
-    happen anywhere after that."""
+    """Make pickling and deep copies of pooled tensors compact (idempotent; on import)."""
     global _prior_reducer, _prior_deepcopy
     with _lock:
         if copyreg.dispatch_table.get(torch.Tensor) is not _reduce:

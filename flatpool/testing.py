@@ -10,9 +10,8 @@ from .ownership._faults import set_fault_hook
 
 
 class FailAt:
-    """A fault hook raising ``exc_type`` at checkpoint number ``k`` (0-based) of the operations
-    run while it is installed. ``steps`` records every checkpoint reached, so a sweep can raise
-    at each step in turn until an operation completes without the hook firing."""
+    """A fault hook raising ``exc_type`` at checkpoint ``k`` (0-based); ``steps`` records every
+    checkpoint reached, so a sweep can fail each step in turn."""
 
     def __init__(self, k: int, exc_type: type[BaseException] = RuntimeError) -> None:
         self.k = k
