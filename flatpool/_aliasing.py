@@ -59,13 +59,11 @@ def check_strided(t: torch.Tensor, what: object = "tensor") -> None:
     if nested:
         raise InvalidTypeError(
             f"{what} is a nested tensor: its components live in several buffers with no single "
-            "strided storage; pass its components (t.unbind()) instead"
-        )
+            "strided storage; pass its components (t.unbind()) instead")
     if layout != torch.strided:
         raise InvalidTypeError(
             f"{what} has layout {layout}; only strided (dense) tensors have one storage with "
-            "byte ranges: convert it first (to_dense())"
-        )
+            "byte ranges: convert it first (to_dense())")
 
 
 def _inner_names(t: torch.Tensor) -> str:
@@ -83,8 +81,7 @@ def check_no_wrapper(t: torch.Tensor, what: object) -> None:
     if tc.is_wrapper_subclass(t):
         raise InvalidTypeError(
             f"{what} is a {type(t).__name__}, a wrapper tensor subclass with no data of its own "
-            f"(it keeps its data in {_inner_names(t)}): pass those inner tensors instead"
-        )
+            f"(it keeps its data in {_inner_names(t)}): pass those inner tensors instead")
 
 
 def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -187,5 +184,4 @@ def check_no_aliasing(tensors: NamedTensors) -> None:
         raise AliasingError(
             f"{len(offenders)} pair(s) of tensors share memory: {listed}. Give each tensor its "
             "own storage (clone()) or pass only one of each aliasing pair.",
-            offenders,
-        )
+            offenders)

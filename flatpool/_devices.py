@@ -70,8 +70,7 @@ def _from_index(index: int) -> torch.device:
         raise DeviceError(
             f"device {index} names an accelerator index, but torch sees no accelerator on this "
             "machine (no CUDA device; NPU only once torch_npu is imported). Use device='cpu', or "
-            f"'npu:{index}' on Ascend (flatpool then imports torch_npu)."
-        )
+            f"'npu:{index}' on Ascend (flatpool then imports torch_npu).")
     return torch.device(kind, index)
 
 
@@ -104,28 +103,24 @@ def resolve_device(device: DeviceLike) -> torch.device:
     else:
         raise InvalidTypeError(
             f"device must be a str, torch.device or int (an accelerator index), got "
-            f"{type(device).__name__}: {device!r}"
-        )
+            f"{type(device).__name__}: {device!r}")
 
     if dev.type == "cpu":
         return dev if dev.index is None else torch.device("cpu")
     if dev.type == "meta":
         raise DeviceError(
             "a pool cannot live on the meta device: give the device its storage will live on "
-            "and plan slices from meta tensors with pool.allocate_like()/pool.allocate()"
-        )
+            "and plan slices from meta tensors with pool.allocate_like()/pool.allocate()")
     if dev.type not in ("cuda", "npu"):
         raise DeviceError(
-            f"device type {dev.type!r} is not supported: expected one of {', '.join(_SUPPORTED)}"
-        )
+            f"device type {dev.type!r} is not supported: expected one of {', '.join(_SUPPORTED)}")
     count = _accelerator_count(dev.type)
     if count == 0:
         raise DeviceError(f"device {str(dev)!r} was asked for but no {dev.type} device is available")
     index = _current_index(dev.type) if dev.index is None else dev.index
     if not 0 <= index < count:
         raise DeviceError(
-            f"device {str(dev)!r} does not exist: this machine has {count} {dev.type} device(s)"
-        )
+            f"device {str(dev)!r} does not exist: this machine has {count} {dev.type} device(s)")
     return torch.device(dev.type, index)
 
 

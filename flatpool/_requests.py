@@ -51,18 +51,15 @@ def check_dtype(dtype: object, what: object = None) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise InvalidTypeError(
             f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__}: "
-            f"{dtype!r}"
-        )
+            f"{dtype!r}")
     if dtype in _QUANTIZED:
         raise InvalidTypeError(
             f"{f'{what}: ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
-            "plain storage cannot carry; store its integer representation (int_repr()) instead"
-        )
+            "plain storage cannot carry; store its integer representation (int_repr()) instead")
     if dtype in _SHELL:
         raise InvalidTypeError(
             f"{f'{what}: ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
-            "for (not even copy_); store the packed values as torch.uint8 instead"
-        )
+            "for (not even copy_); store the packed values as torch.uint8 instead")
     return dtype
 
 

@@ -43,8 +43,7 @@ _prior_deepcopy: DeepCopy | None = None
 """``torch.Tensor.__deepcopy__`` as it was before :func:`install`."""
 
 _twins: weakref.WeakValueDictionary[tuple[int, int, int, torch.dtype], torch.UntypedStorage] = (
-    weakref.WeakValueDictionary()
-)
+    weakref.WeakValueDictionary())
 """Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype):
 alive while a save holds them; a hit is reused only if its bytes still equal the pool's."""
 _twins_lock = threading.Lock()
@@ -196,8 +195,7 @@ def is_installed() -> bool:
     """True while both the reducer and the ``__deepcopy__`` wrapper are in place."""
     return (
         copyreg.dispatch_table.get(torch.Tensor) is _reduce
-        and getattr(torch.Tensor, "__deepcopy__", None) is _deepcopy
-    )
+        and getattr(torch.Tensor, "__deepcopy__", None) is _deepcopy)
 
 
 def install() -> None:

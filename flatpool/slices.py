@@ -69,8 +69,7 @@ class Slice:
         raise InvalidTypeError(
             f"slice {self.slice_id} of pool {self.pool.name!r} cannot be pickled: it is a handle "
             "on a live pool's memory, which another process cannot see. Save its values "
-            "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead"
-        )
+            "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead")
 
 
 _new = object.__new__

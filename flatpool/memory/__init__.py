@@ -14,25 +14,10 @@ from ._device import device_snapshot
 from ._errors import ManifestError, MissingExtraError, PictureError, SnapshotError
 from ._mpl import load as load_matplotlib
 from ._manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry
-from ._result import (
-    KINDS,
-    BlockView,
-    ClassTotal,
-    Item,
-    Kind,
-    MemoryAttribution,
-    Piece,
-    SegmentView,
-)
-from ._snapshot import (
-    MAX_BLOCKS,
-    Block,
-    Segment,
-    Snapshot,
-    SnapshotSource,
-    load_snapshot,
-    parse_snapshot,
-)
+from ._result import KINDS, BlockView, ClassTotal, Item, Kind, MemoryAttribution, Piece
+from ._result import SegmentView
+from ._snapshot import MAX_BLOCKS, Block, Segment, Snapshot, SnapshotSource, load_snapshot
+from ._snapshot import parse_snapshot
 from ._units import fmt_bytes
 from ._viz import draw, draw_comparison, figure, render_png
 from ._walk import Found, Walked, walk_roots

@@ -27,8 +27,7 @@ LARGE = 10_000
 NO_MANIFEST = (
     "note: no --manifest given, so every active block is unattributed (the totals still hold). "
     "Pass the manifest the training process wrote (flatpool.memory.Manifest.write() or "
-    "capture(manifest_out=...)) to name pools, slices, tensors and stale originals."
-)
+    "capture(manifest_out=...)) to name pools, slices, tensors and stale originals.")
 
 
 def _check_picture_path(path: str) -> None:

@@ -244,8 +244,7 @@ def attribute_manifest(
     totals = [ClassTotal(k, kind_blocks.get(k, 0), kind_bytes.get(k, 0)) for k in KINDS]
     return MemoryAttribution(
         snapshot.source, tuple(segments), tuple(blocks), tuple(items), tuple(totals),
-        snapshot.active_bytes, snapshot.reserved_bytes, manifest, tuple(notes),
-    )
+        snapshot.active_bytes, snapshot.reserved_bytes, manifest, tuple(notes))
 
 
 __all__ = ["Progress", "attribute", "attribute_manifest"]

@@ -88,8 +88,7 @@ def build_manifest(
         pools=tuple(_pool_entry(p, slice_names) for p in pool_list),
         flats=tuple(flat_entries),
         tensors=tuple(tensors),
-        originals=tuple(_originals(watch, pool_list)),
-    )
+        originals=tuple(_originals(watch, pool_list)))
 
 
 class _Group:
@@ -138,8 +137,7 @@ def _pool_entry(p: FlatPool, names: dict[tuple[int, int], list[str]]) -> PoolEnt
             SliceEntry(s.slice_id, s.offset, s.nbytes, str(s.dtype).replace("torch.", ""),
                        tuple(s.shape), p.slice_alignment(s.dtype),
                        tuple(names.get((id(p), s.slice_id), ())))
-            for s in p.slices()
-        )
+            for s in p.slices())
         storage = p.storage
         result = PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
                            p.alignment, slices)

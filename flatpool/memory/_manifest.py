@@ -282,8 +282,7 @@ def _pool(value: object, field: str) -> PoolEntry:
             raise ManifestError(f"expected a list of ints >= 0, got {shown(shape)}", f"{sf}.shape")
         slices.append(SliceEntry(
             _int(s, "id", sf), _int(s, "offset", sf), _int(s, "nbytes", sf), _str(s, "dtype", sf),
-            tuple(shape), max(1, _int(s, "alignment", sf)), _strs(s, "tensors", sf),
-        ))
+            tuple(shape), max(1, _int(s, "alignment", sf)), _strs(s, "tensors", sf)))
     entry = PoolEntry(_str(d, "name", field), _str(d, "device", field), _int(d, "address", field),
                       _int(d, "capacity", field), max(1, _int(d, "alignment", field)),
                       tuple(slices))
@@ -299,8 +298,7 @@ def _storage(value: object, field: str) -> StorageEntry:
     return StorageEntry(
         _str(d, "label", field), _str(d, "device", field), _int(d, "address", field),
         _int(d, "nbytes", field), _strs(d, "names", field), _strs(d, "roles", field),
-        _str(d, "stale_of", field, optional=True),
-    )
+        _str(d, "stale_of", field, optional=True))
 
 
 def _original(value: object, field: str) -> OriginalEntry:
@@ -311,8 +309,7 @@ def _original(value: object, field: str) -> OriginalEntry:
     return OriginalEntry(
         _str(d, "label", field), _int(d, "address", field), _int(d, "nbytes", field),
         _str(d, "pool", field, optional=True), source,
-        _str(d, "device", field, optional=True),
-    )
+        _str(d, "device", field, optional=True))
 
 
 __all__ = [

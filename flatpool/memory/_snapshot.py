@@ -92,8 +92,7 @@ class _DataOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise SnapshotError(
             f"the pickle refers to {module}.{name}; an allocator snapshot holds only dicts, "
-            "lists, strings and numbers, so this is not one (nothing was executed)"
-        )
+            "lists, strings and numbers, so this is not one (nothing was executed)")
 
 
 def read_pickle(path: str | os.PathLike[str]) -> Any:
@@ -162,8 +161,7 @@ def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
             keys = ", ".join(sorted(k if isinstance(k, str) else shown(k, 30) for k in data)[:8])
             keys = keys or "none"
             raise SnapshotError(
-                f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
-            )
+                f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments")
         raw = data["segments"]
         tag = data.get("flatpool_source")
         if isinstance(tag, str):
@@ -173,8 +171,7 @@ def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
     else:
         raise SnapshotError(
             f"expected a snapshot dict with 'segments' (or a list of segments), got "
-            f"{type(data).__name__}"
-        )
+            f"{type(data).__name__}")
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
     _check_size(raw, max_blocks)
@@ -237,8 +234,7 @@ def _segment(value: object, field: str, named: dict[int, str | None]) -> Segment
         if nxt.address < prev.end:
             raise SnapshotError(
                 f"blocks at {prev.address:#x} ({prev.size} B) and {nxt.address:#x} overlap",
-                f"{field}.blocks",
-            )
+                f"{field}.blocks")
     return Segment(address, total, tuple(blocks), dev, kind if isinstance(kind, str) else None)
 
 

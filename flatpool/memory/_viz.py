@@ -34,8 +34,7 @@ LEGEND = (
     ("stale", "STALE original"),
     ("tensor", "tensor outside pools"),
     ("unattributed", "unattributed"),
-    ("free", "free (inactive)"),
-)
+    ("free", "free (inactive)"))
 DTYPE_COLOURS = ("#DD8452", "#64B5CD", "#DA8BC3", "#CCB974", "#937860", "#2A9D8F", "#E9C46A",
                  "#6D597A", "#B5838D")
 PADDING = "#BDBDBD"

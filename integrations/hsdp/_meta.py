@@ -41,15 +41,13 @@ def materialize_group(
     not_meta = [i for i, p in enumerate(params) if not is_meta(data_of(p, i))]
     if not_meta:
         raise InvalidRequestError(
-            f"members {not_meta} are not on meta; use adopt_group() for materialized shards"
-        )
+            f"members {not_meta} are not on meta; use adopt_group() for materialized shards")
     not_dtensor = [i for i, p in enumerate(params) if not isinstance(p.sharded_param, DTensor)]
     if not_dtensor:
         raise InvalidTypeError(
             f"members {not_dtensor}: zero-copy materialization needs torch DTensor parameters "
             "(FSDP2); materialize other wrappers (HyperParallel's) with to_empty() or lazy init "
-            "and fuse them with adopt_group()"
-        )
+            "and fuse them with adopt_group()")
     plans = plan_buckets(params, resolve_device(device), alignment, name)
     for _, pool, _ in plans:
         pool.materialize()

@@ -50,8 +50,7 @@ def lazy_init(module: nn.Module) -> None:
     if not isinstance(module, FSDPModule):
         raise InvalidTypeError(
             f"{type(module).__name__} is not a fully_shard-ed module: call "
-            "torch.distributed.fsdp.fully_shard(module) first"
-        )
+            "torch.distributed.fsdp.fully_shard(module) first")
     tc.fsdp_lazy_init(module)
 
 
@@ -89,17 +88,10 @@ class FusedModule:
         def build(on_pinned: OnPinned, kept: KeptAlive) -> GroupBuffers:
             if materialize and self._all_meta(i):
                 return materialize_group(
-                    g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
-                )
-            return adopt_group(
-                g.fsdp_params,
-                device=g.device,
-                world_size=_world_size(g),
-                alignment=self.alignment,
-                name=f"fsdp{i}",
-                on_pinned=on_pinned,
-                kept=kept,
-            )
+                    g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}")
+            return adopt_group(g.fsdp_params, device=g.device, world_size=_world_size(g),
+                               alignment=self.alignment, name=f"fsdp{i}", on_pinned=on_pinned,
+                               kept=kept)
 
         return build
 
@@ -150,8 +142,7 @@ class FusedModule:
     def is_valid(self) -> bool:
         """Every adoptable group adopted, and every member in place."""
         return all(
-            b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers)
-        )
+            b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers))
 
     @property
     def kept_alive(self) -> list[KeptOriginal]:

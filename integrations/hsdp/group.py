@@ -92,8 +92,7 @@ def skip_reason(
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
-            "to allocate them in the pool, or call adopt_group()/readopt_group() after to_empty()"
-        )
+            "to allocate them in the pool, or call adopt_group()/readopt_group() after to_empty()")
     return None
 
 
@@ -115,32 +114,20 @@ def layout_of(
     if len(size) != 1 or size[0] != numel:
         raise InvalidRequestError(
             f"member {index}: _sharded_param_data must be 1-D with {numel} elements "
-            f"(padded size {tuple(padded)}), got shape {tuple(size)}"
-        )
+            f"(padded size {tuple(padded)}), got shape {tuple(size)}")
     orig = getattr(p, "_orig_size", None)
     # The *global* shape is wanted here, which is what a DTensor's Python ``shape`` answers.
     orig_size = _size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
-    return MemberLayout(
-        index=index,
-        offset=offset,
-        numel=size[0],
-        padded_size=padded,
-        sharded_size=_size(p.sharded_size),
-        orig_size=orig_size,
-        shard_dim=shard_dim(p),
-        slice=slc,
-    )
+    return MemberLayout(index=index, offset=offset, numel=size[0], padded_size=padded,
+                        sharded_size=_size(p.sharded_size), orig_size=orig_size,
+                        shard_dim=shard_dim(p), slice=slc)
 
 
 def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
     """How one member moves: the padded data is the primary and the parameter a view (its
     object kept); ``_sharded_param_data`` is remembered as a holder for re-adoption."""
-    return AdoptSpec(
-        p._sharded_param_data,
-        views=(p.sharded_param,),
-        holders=(Holder(p, "_sharded_param_data"),),
-        slice=slc,
-    )
+    return AdoptSpec(p._sharded_param_data, views=(p.sharded_param,),
+                     holders=(Holder(p, "_sharded_param_data"),), slice=slc)
 
 
 def bucket_members(

@@ -26,8 +26,7 @@ def data_of(p: ShardedParam, index: int) -> torch.Tensor:
         raise InvalidTypeError(
             f"member {index} ({type(p).__name__}) has no _sharded_param_data tensor (found "
             f"{type(data).__name__}): pass the group's sharded parameters (FSDPParam, "
-            "TorchHSDPParamV2)"
-        )
+            "TorchHSDPParamV2)")
     return data
 
 
@@ -90,8 +89,7 @@ def padded_size(p: ShardedParam, index: int) -> torch.Size:
             f"member {index} ({type(p).__name__}) has no padded_sharded_param_size and its "
             f"_sharded_param_data holds {numel} elements, not the {math.prod(sharded)} of its "
             f"sharded_size {tuple(sharded)}: the shard is padded (uneven sharding), so the "
-            "member must say its padded shape; set padded_sharded_param_size on it"
-        )
+            "member must say its padded shape; set padded_sharded_param_size on it")
     return sharded
 
 

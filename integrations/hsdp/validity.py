@@ -154,8 +154,7 @@ def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec 
             raise AdoptionError(
                 f"member {m.index}: its _sharded_param_data and its {what} moved to two "
                 "different storages, so which values are current is unknown; point them at one "
-                "storage (as reset_sharded_param does) and call again. Nothing was changed."
-            )
+                "storage (as reset_sharded_param does) and call again. Nothing was changed.")
         along = along or where == moved_to
     spec = adopt_spec(p, m.slice)
     # The parameter is named only when something of it moved with the data.
@@ -194,8 +193,7 @@ def readopt_group(
         if left:
             raise AdoptionError(
                 f"re-adoption left member(s) not in place: {left}; the pool's registry does not "
-                "know the objects they hold now. Call adopt_group() on the group anew."
-            )
+                "know the objects they hold now. Call adopt_group() on the group anew.")
         moved += len(stale)
     return moved
 
