@@ -9,8 +9,7 @@ into a :class:`MemoryAttribution`; :func:`capture` does it in one call per rank,
 from ._attribution import Progress, attribute, attribute_manifest
 from ._live import capture
 from ._collect import Watches, build_manifest
-from ._cpu import cpu_snapshot
-from ._device import device_snapshot
+from ._device import cpu_snapshot, device_snapshot
 from ._errors import ManifestError, MissingExtraError, PictureError, SnapshotError
 from ._mpl import load as load_matplotlib
 from ._manifest import Gap, Manifest, OriginalEntry, PoolEntry, SliceEntry, StorageEntry

@@ -22,20 +22,20 @@ def shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class SnapshotError(InvalidRequestError):
-    """An allocator snapshot is malformed; ``field`` is the offending entry's path."""
+class _InputError(InvalidRequestError):
+    """A malformed input file; ``field`` is the offending entry's path."""
 
     def __init__(self, message: str, field: str = "") -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
 
 
-class ManifestError(InvalidRequestError):
-    """A memory manifest (JSON) is malformed; ``field`` names the offending entry."""
+class SnapshotError(_InputError):
+    """An allocator snapshot is malformed."""
 
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
+
+class ManifestError(_InputError):
+    """A memory manifest (JSON) is malformed."""
 
 
 class PictureError(FlatPoolError, OSError):

@@ -4,13 +4,12 @@ from flatpool.errors import UnfusedGroupWarning
 
 from ._allgather import fused_all_gather, per_param_all_gather
 from .failsafe import keep_fused
-from .fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded, lazy_init
+from .fsdp2 import FusedModule, flat_optimizer, fsdp_param_groups, fuse_fully_sharded, lazy_init
 from .group import GroupBuffers, adopt_group, adopt_spec
 from ._hyperparallel import BucketLines, V1Lines, cast_buffer, flat_buffer, fuse, is_fused
 from ._kept import KeptAlive, KeptOriginal
 from .layout import Bucket, MemberLayout
 from ._meta import materialize_group
-from ._optim import flat_optimizer
 from ._protocol import ShardedParam
 from .validity import is_valid, member_problems, needs_replan, problems, readopt_group
 

@@ -17,10 +17,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from flatpool import FlatPoolError, OnPinned
+from flatpool import FlatPool, FlatPoolError, OnPinned
 from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
+from flatpool.optim import FlatOptimizer
 from flatpool.ownership._spec import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
@@ -217,4 +218,16 @@ def fuse_fully_sharded(
     return fused
 
 
-__all__ = ["FusedModule", "fsdp_param_groups", "fuse_fully_sharded", "lazy_init"]
+def fused_pools(fused: FusedModule) -> list[FlatPool]:
+    """Every pool of every adopted group of ``fused``, in group and bucket order."""
+    return [b.pool for buf in fused.buffers if buf.adopted for b in buf.buckets]
+
+
+def flat_optimizer(fused: FusedModule, optimizer: torch.optim.Optimizer, **kwargs: Any) -> FlatOptimizer:
+    """A :class:`FlatOptimizer` over ``fused``'s pools, hooked on the root module: FSDP2 adds
+    reduce-scatter results into the existing ``.grad``, so the pooled gradients receive them."""
+    return FlatOptimizer(optimizer, lambda: fused_pools(fused), module=fused.module, **kwargs)
+
+
+__all__ = ["FusedModule", "flat_optimizer", "fsdp_param_groups", "fuse_fully_sharded",
+           "fused_pools", "lazy_init"]
