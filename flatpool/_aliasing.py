@@ -76,8 +76,7 @@ def _inner_names(t: torch.Tensor) -> str:
 
 
 def check_no_wrapper(t: torch.Tensor, what: object) -> None:
-    """Refuse a traceable wrapper subclass without ``_local_tensor`` (TwoTensor): its storage
-    is a placeholder that crashes when read."""
+    """Refuse a wrapper subclass without ``_local_tensor``: its storage crashes when read."""
     if tc.is_wrapper_subclass(t):
         raise InvalidTypeError(
             f"{what} is a {type(t).__name__}, a wrapper tensor subclass with no data of its own "

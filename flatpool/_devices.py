@@ -52,8 +52,7 @@ def _current_index(kind: str) -> int:
 
 
 def _accelerator_type() -> str | None:
-    """The accelerator torch would put an int device on, without importing any backend (so
-    NPU only once something imported torch_npu)."""
+    """The accelerator torch would put an int device on, without importing any backend."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None:
         # check_available: a CUDA build on a machine without a GPU names CUDA otherwise.

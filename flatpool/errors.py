@@ -98,8 +98,7 @@ class UntestedTorchWarning(FlatPoolWarning):
 
 
 class FlatStepWarning(FlatPoolWarning):
-    """A flat optimizer step stepped some parameters per parameter, or ran other math than
-    asked (foreach for ``fused=True``); the message says which and why."""
+    """A flat optimizer step stepped some parameters per parameter, or ran other math than asked."""
 
 
 class UnfusedGroupWarning(FlatPoolWarning):

@@ -10,8 +10,7 @@ from .ownership._faults import set_fault_hook
 
 
 class FailAt:
-    """A fault hook raising ``exc_type`` at checkpoint ``k`` (0-based); ``steps`` records every
-    checkpoint reached, so a sweep can fail each step in turn."""
+    """A fault hook raising ``exc_type`` at checkpoint ``k`` (0-based); ``steps`` lists them."""
 
     def __init__(self, k: int, exc_type: type[BaseException] = RuntimeError) -> None:
         self.k = k

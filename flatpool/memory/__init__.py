@@ -17,7 +17,7 @@ from ._result import KINDS, BlockView, ClassTotal, Item, Kind, MemoryAttribution
 from ._result import SegmentView
 from ._snapshot import MAX_BLOCKS, Block, Segment, Snapshot, SnapshotSource, load_snapshot
 from ._snapshot import parse_snapshot
-from ._units import fmt_bytes
+from ._table import fmt_bytes
 from ._viz import draw, draw_comparison, figure, render_png
 from ._walk import Found, Walked, walk_roots
 from ._watch import StorageWatch, WatchedStorages

@@ -21,7 +21,7 @@ from ._manifest import Manifest, PoolEntry
 from ._result import KINDS, BlockView, ClassTotal, Item, Kind, MemoryAttribution, Piece
 from ._result import SegmentView
 from ._snapshot import Snapshot, SnapshotSource, load_snapshot
-from ._units import fmt_bytes
+from ._table import fmt_bytes
 
 Progress = Callable[[int, int], None]
 """Called with (blocks done, blocks in all) during attribution."""
@@ -58,8 +58,7 @@ def attribute(
     watch: Watches | None = None,
     progress: Progress | None = None,
 ) -> MemoryAttribution:
-    """Classify every active block of ``snapshot`` as pool / tensor / stale / unattributed,
-    naming objects either live (see :func:`build_manifest`) or by a ``manifest``, not both."""
+    """Classify every active block of ``snapshot``, naming objects live or by a ``manifest``."""
     snap = load_snapshot(snapshot)
     if manifest is None:
         manifest = build_manifest(roots, pools=pools, flats=flats or (), watch=watch or ())

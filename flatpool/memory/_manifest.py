@@ -119,8 +119,7 @@ OriginalSource = Literal["watch", "pool"]
 
 @define(frozen=True)
 class OriginalEntry:
-    """A storage that should be dead but is alive: a watched original (``source="watch"``) or
-    one a pool's adoption kept alive (``source="pool"``)."""
+    """A storage that should be dead but is alive (watched, or kept alive by a pool)."""
 
     label: str
     address: int

@@ -18,7 +18,7 @@ from ._files import write_atomic
 from ._manifest import PoolEntry
 from ._mpl import Axes, Figure, Matplotlib, load, plain_text
 from ._result import MemoryAttribution
-from ._units import fmt_bytes
+from ._table import fmt_bytes
 
 COLOURS = {
     "pool": "#4C72B0",

@@ -126,8 +126,7 @@ def _attributes(obj: object) -> Iterator[tuple[str, Any]]:
 
 
 def walk_roots(roots: object, *, max_depth: int = 6) -> Walked:
-    """Every tensor (with its path and role) and every pool reachable from ``roots``: a
-    mapping ``{name: root}``, a list or tuple of roots, or one root."""
+    """Every tensor (with its path and role) and every pool reachable from ``roots``."""
     w = _Walker(max_depth)
     items: list[tuple[Any, str]]
     if isinstance(roots, Mapping):

@@ -197,7 +197,7 @@ class Grads:
 
 
 def unpoolable(grad: torch.Tensor, m: Member) -> str | None:
-    """Why a foreign gradient cannot be copied into ``m``'s place (torch's step then), or ``None``."""
+    """Why a foreign gradient cannot be copied into ``m``'s place (torch steps it), or ``None``."""
     local = local_tensor(grad)
     if local.layout != torch.strided:
         return f"a {local.layout} gradient"

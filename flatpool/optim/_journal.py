@@ -55,8 +55,7 @@ class Journal:
 
 @contextmanager
 def committed() -> Iterator[Journal]:
-    """A journal whose changes stand only if the block finishes; a signal deferred during it
-    that raises at its end rolls them back too."""
+    """A journal whose changes stand only if the block finishes, a deferred signal included."""
     journal = Journal()
     try:
         with signals_guarded():  # never opened: signals wait until the block or rollback ends

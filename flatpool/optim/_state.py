@@ -158,8 +158,7 @@ class State:
         self._unchanged = self._dicts_unchanged()
 
     def _dicts_unchanged(self) -> bool:
-        """``optimizer.state`` maps each member to the dict in :attr:`dicts` (identity passes:
-        no tensor is hashed)."""
+        """``optimizer.state`` maps each member to its dict in :attr:`dicts` (no tensor hashed)."""
         state = self.opt.state
         keys, values = list(state.keys()), list(state.values())
         seen = self._seen

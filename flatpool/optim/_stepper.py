@@ -178,8 +178,7 @@ class Stepper:
 
     # -- stepping ---------------------------------------------------------------------------
     def run(self, works: list[GroupWork]) -> None:
-        """Step every group in order, torch's part first; runs of groups with equal kernel
-        arguments go to one kernel call together."""
+        """Step every group in order, torch's part first; equal kernel arguments share a call."""
         batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
         try:
             for w in works:

@@ -63,8 +63,7 @@ def flat_buffer(buffers: GroupBuffers | None) -> torch.Tensor | None:
 def cast_buffer(
     params: Sequence[ShardedParam], flat: torch.Tensor | None, current: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """V1's ``_flat_cast_buffer``: ``flat``'s size in the members' ``param_dtype`` (``None``
-    when that is the flat buffer's); ``current`` is reused when it fits."""
+    """V1's ``_flat_cast_buffer``: ``flat`` in the members' ``param_dtype``, or ``None``."""
     if flat is None:
         return None
     dtype = next((d for d in (getattr(p, "param_dtype", None) for p in params) if d is not None),

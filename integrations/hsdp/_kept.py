@@ -54,8 +54,7 @@ class KeptAlive:
         """Reasons the group's hooks already logged (skips, failures): each is logged once."""
 
     def note(self, pool: FlatPool, report: AdoptionReport, names: Sequence[str]) -> None:
-        """Record what ``report``'s adoption into ``pool`` left alive; ``names[i]`` names spec
-        ``i``'s member (the engine's labels when specs shared an original)."""
+        """Record what ``report``'s adoption left alive; ``names[i]`` names spec ``i``'s member."""
         if report.all_released:  # nothing kept alive: no item to look at
             return
         items = list(report.items)

@@ -199,8 +199,7 @@ def readopt_group(
 
 
 def needs_replan(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> str | None:
-    """Why the group's pools no longer fit its members (``.double()``, ``.to(device)``), or
-    ``None``; such a group is planned anew."""
+    """Why the group's pools no longer fit its members (``.double()``, ``.to()``), or ``None``."""
     if not buffers.adopted:
         return None
     for b in buffers.buckets:
