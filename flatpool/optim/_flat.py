@@ -72,7 +72,7 @@ class FlatOptimizer:
         pools: the pools holding the parameters, or a function returning them now (the HSDP
             layer's pools can appear later: :func:`flatpool.integrations.hsdp.flat_optimizer`).
         module: when given, a hook on its outputs installs zeroed pooled gradients when a
-            backward reaches them (so it writes into the pool); its forward pre-hook checks plans.
+            backward reaches them, so it writes into the pool; a forward pre-hook checks the plan.
         fused: for groups created with ``fused=True``: ``"foreach"`` (default) runs the foreach
             math, bit-identical to ``foreach=True``; ``"fused"`` runs torch's fused kernel over
             the flat tensors (not bit-identical to fused per parameter; see docs/optim.md).
