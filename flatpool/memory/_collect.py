@@ -20,14 +20,9 @@ from ._watch import StorageWatch, WatchedStorages
 Watches = Union[StorageWatch, Iterable[StorageWatch]]
 
 
-def build_manifest(
-    roots: object = None,
-    *,
-    pools: Iterable[FlatPool] | None = None,
-    flats: Sequence[torch.Tensor] = (),
-    watch: Watches = (),
-    max_depth: int = 6,
-) -> Manifest:
+def build_manifest(roots: object = None, *, pools: Iterable[FlatPool] | None = None,
+                   flats: Sequence[torch.Tensor] = (), watch: Watches = (),
+                   max_depth: int = 6) -> Manifest:
     """What flatpool can name in this process's memory, as a :class:`Manifest`.
 
     Args:

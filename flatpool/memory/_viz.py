@@ -49,36 +49,21 @@ _CHAR_INCHES = 0.55 / 72  # average DejaVu Sans advance per point of font size
 _SMALL_LABELS = 24  # small slices named above a pool's bar; the rest are counted
 
 
-def draw(
-    attribution: MemoryAttribution,
-    out: str | os.PathLike[str],
-    *,
-    title: str | None = None,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> None:
+def draw(attribution: MemoryAttribution, out: str | os.PathLike[str], *, title: str | None = None,
+         pool: str | None = None, max_segments: int = 24) -> None:
     """Write the picture of ``attribution`` to ``out`` (PNG)."""
     draw_comparison(out, [(title or "device memory", attribution)], pool=pool,
                     max_segments=max_segments)
 
 
-def draw_comparison(
-    out: str | os.PathLike[str],
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> None:
+def draw_comparison(out: str | os.PathLike[str], panels: Sequence[tuple[str, MemoryAttribution]],
+                    *, pool: str | None = None, max_segments: int = 24) -> None:
     """Several attributions side by side, one column each on one byte scale, in one PNG."""
     write_atomic(out, render_png(panels, pool=pool, max_segments=max_segments))
 
 
-def render_png(
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> bytes:
+def render_png(panels: Sequence[tuple[str, MemoryAttribution]], *, pool: str | None = None,
+               max_segments: int = 24) -> bytes:
     """The PNG bytes :func:`draw_comparison` writes."""
     mpl = load()
     with plain_text():  # names are shown as written, never parsed as mathtext
@@ -88,13 +73,8 @@ def render_png(
     return buf.getvalue()
 
 
-def figure(
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-    mpl: Matplotlib | None = None,
-) -> Figure:
+def figure(panels: Sequence[tuple[str, MemoryAttribution]], *, pool: str | None = None,
+           max_segments: int = 24, mpl: Matplotlib | None = None) -> Figure:
     """The matplotlib ``Figure`` :func:`render_png` prints (bars carry ``gid`` s naming what
     they draw: ``total:<class>``, ``segment:<address>:<class>``, ``slice:<id>``)."""
     if not panels:
