@@ -59,7 +59,8 @@ class Companions:
 
 
 class StepSlots:
-    """``<pool>/step``: one element per member, in storage order (:mod:`._companions` doc)."""
+    """``<pool>/step``: one element per member in storage order, so a segment's counts are one
+    range (checked equal and incremented with one operation)."""
 
     def __init__(self, pool: FlatPool, members: Sequence[Member], dtype: torch.dtype,
                  device: torch.device) -> None:
