@@ -24,15 +24,9 @@ from ._protocol import ShardedParam
 from .validity import is_valid
 
 
-def fuse(
-    params: Sequence[ShardedParam],
-    previous: GroupBuffers | None,
-    *,
-    device: DeviceLike | None,
-    world_size: int | None,
-    name: str = "hsdp",
-    on_pinned: OnPinned = "warn",
-) -> GroupBuffers:
+def fuse(params: Sequence[ShardedParam], previous: GroupBuffers | None, *,
+         device: DeviceLike | None, world_size: int | None, name: str = "hsdp",
+         on_pinned: OnPinned = "warn") -> GroupBuffers:
     """Build the group's (or bucket's) flat buffer the first time, repair it every later time.
 
     ``previous`` is what the last call returned. A group of several dtypes is skipped, as
