@@ -1,10 +1,8 @@
 """Storage identity and byte-range checks between tensors, pool or no pool.
 
-Decisions are made by *storage identity* and byte ranges, never by ``data_ptr()`` equality:
-two different storages can share an address (zero-size tensors, free-and-reuse), and wrapper
-subclasses such as HyperParallel's DTensor override ``data_ptr()``. Every helper sees through
-DTensor (its ``_local_tensor``) and through subclasses whose wrapper shares the storage, and
-reads geometry from the TensorImpl (a subclass's Python ``shape`` may be a global shape).
+Decided by storage identity and byte ranges, never ``data_ptr()``: two storages can share an
+address (empty tensors, reuse), and wrappers such as HyperParallel's DTensor override it.
+Geometry comes from the TensorImpl (a subclass's ``shape`` may be global).
 """
 
 from __future__ import annotations
@@ -61,13 +59,11 @@ def check_strided(t: torch.Tensor, what: object = "tensor") -> None:
     if nested:
         raise InvalidTypeError(
             f"{what} is a nested tensor: its components live in several buffers with no single "
-            "strided storage; pass its components (t.unbind()) instead"
-        )
+            "strided storage; pass its components (t.unbind()) instead")
     if layout != torch.strided:
         raise InvalidTypeError(
             f"{what} has layout {layout}; only strided (dense) tensors have one storage with "
-            "byte ranges: convert it first (to_dense())"
-        )
+            "byte ranges: convert it first (to_dense())")
 
 
 def _inner_names(t: torch.Tensor) -> str:
@@ -80,26 +76,17 @@ def _inner_names(t: torch.Tensor) -> str:
 
 
 def check_no_wrapper(t: torch.Tensor, what: object) -> None:
-    """Refuse a traceable wrapper subclass without ``_local_tensor`` (TwoTensor; check a jagged
-    NestedTensor with :func:`check_strided` first): its own storage is a placeholder that
-    crashes when read and says nothing about where its data lives."""
+    """Refuse a wrapper subclass without ``_local_tensor``: its storage crashes when read."""
     if tc.is_wrapper_subclass(t):
         raise InvalidTypeError(
             f"{what} is a {type(t).__name__}, a wrapper tensor subclass with no data of its own "
-            f"(it keeps its data in {_inner_names(t)}): pass those inner tensors instead"
-        )
+            f"(it keeps its data in {_inner_names(t)}): pass those inner tensors instead")
 
 
 def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors, storage-less wrappers and
-    placeholder storages (functional/fake tensors).
-
-    torch's DTensor is a traceable wrapper subclass with no data of its own; depending on how it
-    was built it answers with an empty or an invalid placeholder storage, counted here as none.
-    A ``Tensor._make_subclass`` wrapper (HyperParallel's DTensor) shares its shard's storage and
-    so has one, traceable (``__tensor_flatten__``, its newest version) or not: the storage
-    itself, not the class, tells the two apart.
-    """
+    """``t``'s *own* storage, not unwrapped; ``None`` for meta tensors and placeholder storages
+    (torch's DTensor, fake tensors). The storage, not the class, tells a storage-sharing
+    ``_make_subclass`` wrapper (HyperParallel's DTensor) from a storage-less one."""
     try:
         with tc.no_torch_function():
             if tc.impl_is_meta(t) or tc.impl_layout(t) != torch.strided or tc.impl_is_nested(t):
@@ -123,10 +110,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
 
 
 def extent_of(t: torch.Tensor) -> ByteRange:
-    """The strided byte extent of ``t`` itself (no unwrapping), from its TensorImpl.
-
-    Call under :func:`flatpool._torch_compat.no_torch_function`.
-    """
+    """The strided byte extent of ``t`` itself (call under ``no_torch_function``)."""
     item = tc.impl_element_size(t)
     start = tc.impl_storage_offset(t) * item
     numel = tc.impl_numel(t)
@@ -156,22 +140,16 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` share a storage and their byte extents intersect.
-
-    Extents are conservative for interleaved strided views (two disjoint column slices of one
-    matrix count as overlapping); zero-size tensors never overlap anything.
-    """
+    """True when ``a`` and ``b`` share a storage and their byte extents intersect
+    (conservative for interleaved strided views; empty tensors overlap nothing)."""
     if not same_storage(a, b):
         return False
     return byte_range(a).intersects(byte_range(b))
 
 
 def check_no_aliasing(tensors: NamedTensors) -> None:
-    """Raise one :class:`AliasingError` listing *every* pair of tensors whose memory overlaps.
-
-    ``tensors`` is a mapping of names to tensors, or an iterable (names become ``[i]``). The same
-    tensor object given twice counts as aliasing: pass each tensor once.
-    """
+    """Raise one :class:`AliasingError` listing *every* pair of tensors whose memory overlaps
+    (an iterable's names are ``[i]``; one tensor given twice aliases itself)."""
     items: list[tuple[str, torch.Tensor]]
     if isinstance(tensors, torch.Tensor):  # iterable too: it would be checked row by row
         raise InvalidTypeError("check_no_aliasing() needs a mapping or iterable of tensors, "
@@ -205,5 +183,4 @@ def check_no_aliasing(tensors: NamedTensors) -> None:
         raise AliasingError(
             f"{len(offenders)} pair(s) of tensors share memory: {listed}. Give each tensor its "
             "own storage (clone()) or pass only one of each aliasing pair.",
-            offenders,
-        )
+            offenders)

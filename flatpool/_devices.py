@@ -1,8 +1,7 @@
 """Turn what a user calls a device into a checked ``torch.device``.
 
-CPU always works. CUDA is used when torch sees it. ``torch_npu`` is imported only when a caller
-asks for ``"npu"``: importing it eagerly breaks plain ``import torch`` on machines without
-Huawei's CANN libraries, so its absence must be a clear error at that moment, never earlier.
+``torch_npu`` is imported only when a caller asks for ``"npu"``: importing it eagerly breaks
+``import torch`` on machines without Huawei's CANN libraries.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ import torch
 from .errors import DeviceError, InvalidTypeError
 
 DeviceLike = Union[str, torch.device, int]
-"""What ``torch.device`` accepts: ``"cuda:1"``, ``torch.device("npu", 0)``, or an int, which
-names an index of the current accelerator (``torch.device(1)`` is ``cuda:1`` on a CUDA machine)."""
+"""What ``torch.device`` accepts (an int is an index of the current accelerator)."""
 
 _SUPPORTED = ("cpu", "cuda", "npu")
 
@@ -54,12 +52,7 @@ def _current_index(kind: str) -> int:
 
 
 def _accelerator_type() -> str | None:
-    """The accelerator torch would put an int device on, without importing any backend.
-
-    ``torch_npu`` registers NPU as torch's accelerator only once imported; flatpool never
-    imports it for an int (only for an explicit "npu"), so on an Ascend machine where nothing
-    imported it yet an int finds no accelerator and the error says to pass "npu:<index>".
-    """
+    """The accelerator torch would put an int device on, without importing any backend."""
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None:
         # check_available: a CUDA build on a machine without a GPU names CUDA otherwise.
@@ -76,17 +69,15 @@ def _from_index(index: int) -> torch.device:
         raise DeviceError(
             f"device {index} names an accelerator index, but torch sees no accelerator on this "
             "machine (no CUDA device; NPU only once torch_npu is imported). Use device='cpu', or "
-            f"'npu:{index}' on Ascend (flatpool then imports torch_npu)."
-        )
+            f"'npu:{index}' on Ascend (flatpool then imports torch_npu).")
     return torch.device(kind, index)
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
     """Return ``device`` as a concrete, available ``torch.device`` or raise :class:`DeviceError`.
 
-    Accepts what ``torch.device`` accepts: a string, a ``torch.device``, or an int (an index
-    of the current accelerator). ``"cuda"``/``"npu"`` without an index resolve to the current
-    device of that backend, so two pools made the same way compare equal.
+    ``"cuda"``/``"npu"`` without an index resolve to the current device, so two pools made the
+    same way compare equal.
     """
     if type(device) is torch.device:  # (the most common, first: no abstract-class check)
         dev = device
@@ -111,28 +102,24 @@ def resolve_device(device: DeviceLike) -> torch.device:
     else:
         raise InvalidTypeError(
             f"device must be a str, torch.device or int (an accelerator index), got "
-            f"{type(device).__name__}: {device!r}"
-        )
+            f"{type(device).__name__}: {device!r}")
 
     if dev.type == "cpu":
         return dev if dev.index is None else torch.device("cpu")
     if dev.type == "meta":
         raise DeviceError(
             "a pool cannot live on the meta device: give the device its storage will live on "
-            "and plan slices from meta tensors with pool.allocate_like()/pool.allocate()"
-        )
+            "and plan slices from meta tensors with pool.allocate_like()/pool.allocate()")
     if dev.type not in ("cuda", "npu"):
         raise DeviceError(
-            f"device type {dev.type!r} is not supported: expected one of {', '.join(_SUPPORTED)}"
-        )
+            f"device type {dev.type!r} is not supported: expected one of {', '.join(_SUPPORTED)}")
     count = _accelerator_count(dev.type)
     if count == 0:
         raise DeviceError(f"device {str(dev)!r} was asked for but no {dev.type} device is available")
     index = _current_index(dev.type) if dev.index is None else dev.index
     if not 0 <= index < count:
         raise DeviceError(
-            f"device {str(dev)!r} does not exist: this machine has {count} {dev.type} device(s)"
-        )
+            f"device {str(dev)!r} does not exist: this machine has {count} {dev.type} device(s)")
     return torch.device(dev.type, index)
 
 

@@ -11,9 +11,8 @@ from attrs import define
 class Holder:
     """A place that references a tensor: ``getattr(owner, key)`` or ``owner[key]`` (``item``).
 
-    Adoption *replaces* the tensor held there by a fresh pool-backed tensor of the same
-    geometry. Use it for views with an autograd ``_base``: ``set_`` moves a view's storage but
-    its base keeps the original alive, so such a view must be swapped where it is held.
+    Adoption *replaces* the tensor held there: for a view whose autograd ``_base`` would keep
+    the original alive after ``set_``.
     """
 
     owner: Any
@@ -30,10 +29,8 @@ class Holder:
             setattr(self.owner, self.key, value)
 
     def unassignable(self) -> str | None:
-        """Why nothing can be written to this place, or ``None`` when it can be: decided from
-        the owner's type alone, without writing. (Writing the value back would run whatever
-        the place's setter does: on a ``torch.nn.utils.parametrize`` module, ``right_inverse``,
-        which replaces the parameter's storage and values.)"""
+        """Why nothing can be written to this place, or ``None``: from the owner's type alone,
+        as a trial write would run the setter (parametrize's ``right_inverse`` replaces values)."""
         owner, cls = self.owner, type(self.owner)
         if self.item:
             if isinstance(owner, (tuple, str, bytes, frozenset)) or not hasattr(cls, "__setitem__"):

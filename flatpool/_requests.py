@@ -46,28 +46,20 @@ def check_shape(shape: ShapeLike) -> tuple[int, ...]:
 
 
 def check_dtype(dtype: object, what: object = None) -> torch.dtype:
-    """A dtype a plain byte storage can hold and torch can copy.
-
-    The one dtype rule of flatpool: ``allocate``, ``allocate_like``, ``flat``, ``adopt``,
-    ``materialize_into`` and (through the slice it keeps) ``readopt`` all refuse the same ones.
-    Quantized dtypes need quantizer parameters a storage cannot carry; the sub-byte shell dtypes
-    (``torch.int1``..``torch.uint7``) have no kernels at all, not even ``copy_``.
-    """
+    """A dtype a plain byte storage can hold and torch can copy: the one dtype rule of every
+    entry point (quantized dtypes need quantizer parameters; sub-byte shells have no kernels)."""
     if not isinstance(dtype, torch.dtype):
         raise InvalidTypeError(
             f"dtype must be a torch.dtype such as torch.float32, got {type(dtype).__name__}: "
-            f"{dtype!r}"
-        )
+            f"{dtype!r}")
     if dtype in _QUANTIZED:
         raise InvalidTypeError(
             f"{f'{what}: ' if what else ''}quantized dtype {dtype} needs quantizer parameters a "
-            "plain storage cannot carry; store its integer representation (int_repr()) instead"
-        )
+            "plain storage cannot carry; store its integer representation (int_repr()) instead")
     if dtype in _SHELL:
         raise InvalidTypeError(
             f"{f'{what}: ' if what else ''}{dtype} is a sub-byte shell dtype torch has no kernels "
-            "for (not even copy_); store the packed values as torch.uint8 instead"
-        )
+            "for (not even copy_); store the packed values as torch.uint8 instead")
     return dtype
 
 

@@ -1,9 +1,7 @@
-"""Originals an adoption left alive, as the pool remembers them.
+"""Originals an adoption left alive (``on_pinned="warn"``/``"force"``), as the pool remembers them.
 
-Under ``on_pinned="warn"``/``"force"`` an adoption may leave an original alive: others still
-hold it (the pool keeps a weak reference, for reports and memory attribution), or only a holder
-outside Python does (a DLPack consumer), in which case the pool itself keeps it alive until that
-holder lets go of the moved tensor's TensorImpl.
+Held weakly when others hold them; held by the pool when only a holder outside Python (a
+DLPack consumer) does, until that holder lets go of the moved tensor's TensorImpl.
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ class UnreleasedOriginal:
     """Data pointer of the original storage (for attributing allocator snapshots)."""
     device: str
     kept_by_pool: bool
-    """True when the pool itself keeps it: something outside Python (DLPack, C++) may read it,
-    so it is not freed until ``pool.release_kept()`` finds those holders gone."""
+    """The pool keeps it for a holder outside Python, until ``pool.release_kept()``."""
 
 
 class Trace:
-    """An unreleased original: a weak reference, or a strong one the pool keeps (with the
-    tensor whose C++ holders must go before it may die)."""
+    """An unreleased original: a weak reference, or a strong one the pool keeps."""
 
     __slots__ = ("info", "weak", "storage", "tensor_ref")
 
@@ -50,8 +46,7 @@ class Trace:
         tc.weak_free(self.weak)
 
     def release_if_free(self) -> bool:
-        """Let go of a kept original once its moved tensor has no owner besides its Python
-        object (or died); True when it was let go now."""
+        """Let go of a kept original once its moved tensor has no other owner; True if now."""
         if self.storage is None:
             return False
         tensor = self.tensor_ref() if self.tensor_ref is not None else None

@@ -1,38 +1,19 @@
 """Checkpoints of pooled tensors: pickle and deep-copy them as if they were ordinary tensors.
 
-torch serializes a tensor together with its *whole* storage. For a tensor that lives in a pool
-that storage is the pool: ``torch.save`` of one 4 KB bias writes the whole pool, and refuses
-outright once the pool holds two dtypes (a BatchNorm's int64 counter next to its fp32 weights,
-bf16 next to fp32): torch cannot save one storage viewed as two types. ``copy.deepcopy`` of a
-plain tensor copies its whole storage too. ``Module.state_dict()`` returns fresh ``detach()``-ed
-tensors on the pool's storage, so neither module hooks nor attributes set on adopted tensors
-reach what gets saved; and ``pool.adopt`` sees tensors, not modules. What every save and copy
-does reach is the tensor itself, so the fix sits there, narrowly:
+torch serializes a tensor with its whole storage: for a pooled tensor that is the pool, and
+``torch.save`` refuses once the pool holds two dtypes; ``copy.deepcopy`` copies the whole pool
+too. ``state_dict()`` returns fresh tensors, so the fix sits on the tensor itself:
 
-* **pickling** (``torch.save``, ``pickle``): a reducer for plain ``torch.Tensor`` registered
-  with :mod:`copyreg` (the standard extension point; torch registers none). ``nn.Parameter``
-  pickles its ``.data``, a plain tensor, so parameters are covered too.
-  ``torch.multiprocessing``'s ``ForkingPickler`` puts torch's own shared-memory reducer above
-  the copyreg table, so tensors sent to other processes still share memory, never copied.
+* **pickling**: a :mod:`copyreg` reducer for plain ``torch.Tensor`` (``nn.Parameter`` pickles
+  its ``.data``). ``ForkingPickler`` puts torch's shared-memory reducer above the copyreg
+  table, so tensors sent to other processes still share memory.
 * **deep copies**: ``torch.Tensor.__deepcopy__`` is wrapped (there is no registry for it).
-  ``nn.Parameter.__deepcopy__`` already clones only the parameter's own bytes.
 
-Both act only on a plain, strided, leaf ``torch.Tensor`` whose storage is the storage of a live
-materialized pool and is larger than the tensor's own bytes. Such a tensor is replaced by a
-*compact twin*: a copy of the bytes it can reach (its strided extent), same shape, stride,
-dtype, ``requires_grad``, conj/neg bits and Python attributes, on the same device. Everything
-else goes to torch's code untouched. The twin is what gets written, so a checkpoint holds the
-tensor's own bytes and loads anywhere, with or without flatpool, ``weights_only=True`` included.
-
-Sharing: tensors covering exactly the same bytes of a pool as the same dtype (tied weights,
-``w`` and ``w.t()``) share one twin within one ``torch.save`` and one ``deepcopy``, so they stay
-tied after loading, as they would without a pool. Views that overlap only partly are written
-separately (each its own bytes) and load as independent tensors.
-
-Costs: a transient copy of each saved pooled tensor's own bytes, held until the save finishes
-(torch writes storages after pickling), so bounded by what is written. Tensor subclasses
-(DTensor, HyperParallel's DTensor, user subclasses) are delegated to torch as they are; torch's
-DTensor pickles its ``_local_tensor``, a plain tensor, which is compacted.
+Both act only on a plain, strided, leaf tensor on a live pool's storage larger than its own
+bytes; it is replaced by a *compact twin* (its own bytes, same geometry, dtype, bits and
+attributes), which loads anywhere, ``weights_only=True`` included. Tensors covering exactly the
+same bytes as the same dtype share one twin per save or deepcopy, so tied weights stay tied.
+Subclasses go to torch untouched (torch's DTensor pickles its plain ``_local_tensor``).
 """
 
 from __future__ import annotations
@@ -62,13 +43,9 @@ _prior_deepcopy: DeepCopy | None = None
 """``torch.Tensor.__deepcopy__`` as it was before :func:`install`."""
 
 _twins: weakref.WeakValueDictionary[tuple[int, int, int, torch.dtype], torch.UntypedStorage] = (
-    weakref.WeakValueDictionary()
-)
-"""Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype).
-
-torch.save keeps every storage it pickled alive until it has written them, so an entry lives
-exactly as long as some save (or pickle) still holds its twin; a hit is reused only if its bytes
-still equal the pool's, so an entry kept alive by something else can never serve stale data."""
+    weakref.WeakValueDictionary())
+"""Twin storages of the saves in progress, by (pool storage, byte start, byte end, dtype):
+alive while a save holds them; a hit is reused only if its bytes still equal the pool's."""
 _twins_lock = threading.Lock()
 
 
@@ -80,12 +57,7 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _viewed_storage_key(t: torch.Tensor) -> int | None:
-    """The key of ``t``'s storage if ``t`` is a plain strided tensor viewing only part of it.
-
-    Cheap for ordinary tensors: a tensor that reaches its whole storage is never looked up
-    (saving or copying its storage costs nothing extra), so the storage lookup runs only for
-    views into larger storages.
-    """
+    """The key of ``t``'s storage if ``t`` is a plain strided tensor viewing only part of it."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return None
     if t.is_quantized or t.is_nested:
@@ -104,17 +76,14 @@ def _viewed_storage_key(t: torch.Tensor) -> int | None:
 
 
 def pool_of(t: torch.Tensor) -> FlatPool | None:
-    """The live, materialized pool whose storage ``t`` (a plain tensor) views part of, else
-    ``None``."""
+    """The live, materialized pool whose storage ``t`` views part of, else ``None``."""
     key = _viewed_storage_key(t)
     state = None if key is None else pool_of_storage(key)
     return None if state is None else state.public
 
 
 def pooled(t: torch.Tensor) -> bool:
-    """``t`` (a plain tensor) views part of a pool's storage, whether or not the pool object
-    still lives: after ``del pool`` the storage lives on in the tensors that view it, and is
-    still the pool's whole buffer (16 MiB behind an 80-byte bias, or several dtypes)."""
+    """``t`` views part of a pool's storage, even after ``del pool`` (the storage lives on)."""
     key = _viewed_storage_key(t)
     return key is not None and was_pool_storage(key)
 
@@ -167,12 +136,8 @@ def _twin_storage(t: torch.Tensor, memo: dict[Any, Any] | None) -> torch.Untyped
 
 
 def compact_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` holding only the bytes ``t`` can reach, with its shape and strides.
-
-    Unlike ``clone()`` it keeps the strides (a transposed view stays transposed), and unlike
-    torch's pickling and ``deepcopy`` it never copies the rest of ``t``'s storage. Keeps
-    ``requires_grad``, the conj/neg bits and the Python attributes; the result is a leaf.
-    """
+    """A leaf copy of ``t`` holding only the bytes ``t`` can reach, strides, flags and
+    attributes kept (``clone()`` loses strides; pickling copies the whole storage)."""
     with torch.no_grad():
         out = _twin_on(t, tc.clone(_span(t)).untyped_storage())
     return _finish(t, out, None)
@@ -230,14 +195,11 @@ def is_installed() -> bool:
     """True while both the reducer and the ``__deepcopy__`` wrapper are in place."""
     return (
         copyreg.dispatch_table.get(torch.Tensor) is _reduce
-        and getattr(torch.Tensor, "__deepcopy__", None) is _deepcopy
-    )
+        and getattr(torch.Tensor, "__deepcopy__", None) is _deepcopy)
 
 
 def install() -> None:
-    """Make pickling and deep copies of pooled tensors compact. Idempotent; ``import flatpool``
-    calls it, because a pooled tensor can only exist once flatpool is imported and a save may
-    happen anywhere after that."""
+    """Make pickling and deep copies of pooled tensors compact (idempotent; on import)."""
     global _prior_reducer, _prior_deepcopy
     with _lock:
         if copyreg.dispatch_table.get(torch.Tensor) is not _reduce:

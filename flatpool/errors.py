@@ -1,9 +1,7 @@
 """The one exception hierarchy of flatpool.
 
-Every failing public call raises a subclass of :class:`FlatPoolError` and leaves every pool,
-tensor and parameter it touched exactly as it was before the call. Children that describe bad
-arguments also derive from the matching builtin (``ValueError``/``TypeError``) so callers that
-already catch those keep working.
+Every failing public call raises a :class:`FlatPoolError` and leaves what it touched as it
+was; bad-argument errors also derive from ``ValueError``/``TypeError`` so existing handlers work.
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ class DeviceError(FlatPoolError, RuntimeError):
 
 
 class NpuFormatError(FlatPoolError, ValueError):
-    """An NPU tensor (or a pool's NPU storage) is in one of torch_npu's private storage formats
-    (FRACTAL_NZ, NC1HWC0, ...), whose bytes are not the tensor's elements in torch's order.
-    ``npu_format`` names it (``"FRACTAL_NZ (29)"``); convert to ND first
-    (``torch_npu.npu_format_cast(t, 2)``)."""
+    """An NPU tensor or storage is in a private torch_npu format (named by ``npu_format``)
+    whose bytes are not its elements in torch's order; convert to ND first."""
 
     def __init__(self, message: str, *, npu_format: str) -> None:
         super().__init__(message)
@@ -69,16 +65,12 @@ class AliasingError(FlatPoolError, ValueError):
 
 
 class AdoptionError(FlatPoolError, RuntimeError):
-    """An adoption could not be carried out; everything was rolled back. (A ``RuntimeError``
-    too: what torch raises for an operation its inputs' state forbids.)"""
+    """An adoption could not be carried out; everything was rolled back."""
 
 
 class PinnedStorageError(AdoptionError):
-    """An original storage is still referenced by something the caller did not name.
-
-    ``holders`` maps a description of each pinned original to the holders a gc scan found.
-    The adoption was rolled back.
-    """
+    """An original storage is still referenced by something the caller did not name;
+    ``holders`` maps each pinned original to what a gc scan found. Rolled back."""
 
     def __init__(self, message: str, holders: dict[str, tuple[str, ...]]) -> None:
         super().__init__(message)
@@ -86,8 +78,7 @@ class PinnedStorageError(AdoptionError):
 
 
 class PoolInvariantError(FlatPoolError, RuntimeError):
-    """An operation would leave a pool inconsistent (its storage grown past its capacity, a
-    tensor outside its slice): a bug or a tensor that lied about itself. It was rolled back."""
+    """An operation would leave a pool inconsistent (a bug, or a tensor that lied); rolled back."""
 
 
 class FlatPoolWarning(UserWarning):
@@ -95,13 +86,11 @@ class FlatPoolWarning(UserWarning):
 
 
 class OriginalKeptAliveWarning(FlatPoolWarning):
-    """An adoption went ahead but an original storage stayed alive (a reference the caller
-    holds pinned it); its bytes are kept until that reference is dropped."""
+    """An adoption went ahead but a reference the caller holds kept an original alive."""
 
 
 class ExternalMemoryWarning(FlatPoolWarning):
-    """An adopted original's memory belongs to another owner (numpy, DLPack, shared memory):
-    flatpool copied it but cannot free it."""
+    """An adopted original's memory belongs to another owner (numpy, DLPack): not freed."""
 
 
 class UntestedTorchWarning(FlatPoolWarning):
@@ -109,21 +98,16 @@ class UntestedTorchWarning(FlatPoolWarning):
 
 
 class FlatStepWarning(FlatPoolWarning):
-    """A flat optimizer step (:mod:`flatpool.optim`) could not run flat for some parameters and
-    stepped them per parameter instead, or ran other math than the optimizer asked for (the
-    foreach math for ``fused=True``); the message says which and why."""
+    """A flat optimizer step stepped some parameters per parameter, or ran other math than asked."""
 
 
 class UnfusedGroupWarning(FlatPoolWarning):
-    """A fusion hook inside a framework's forward could not fuse a group (the reason is in the
-    message): the step went on with that group unfused, as without flatpool."""
+    """A fusion hook could not fuse a group; the step went on with it unfused."""
 
 
 class OrphanedSliceWarning(FlatPoolWarning):
-    """Every parameter adopted into a slice is gone (its module replaced it): nothing trains on
-    those bytes, and the pool cannot see the replacement."""
+    """Every parameter adopted into a slice is gone (replaced): nothing trains on those bytes."""
 
 
 class FlatPoolDeprecationWarning(FlatPoolWarning, DeprecationWarning):
-    """A flatpool name or argument that goes in a later release; hidden by default, like every
-    ``DeprecationWarning``, except where the caller's own script (``__main__``) uses it."""
+    """A flatpool name or argument that goes in a later release."""

@@ -18,10 +18,8 @@ import flatpool  # for ``pool``'s annotation only: the package, whose FlatPool e
 class Slice:
     """A typed region ``[offset, offset + nbytes)`` of a pool's storage.
 
-    A slice holds no tensor: :meth:`tensor` derives a fresh view from the pool's *current*
-    storage each time, so a handle stays correct across `FlatPool.grow`/``compact``
-    (which hand out new handles) and never keeps an old storage alive. ``slice_id`` is unique
-    per pool for the pool's lifetime, so a stale handle to a freed and reused range is caught.
+    It holds no tensor (:meth:`tensor` views the *current* storage, so no old storage is kept
+    alive); ``slice_id`` is never reused in a pool, so a stale handle is caught.
     """
 
     pool: flatpool.FlatPool = field(repr=lambda p: repr(p.name))
@@ -62,8 +60,7 @@ class Slice:
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Slice:
-        """The same handle, like ``copy.copy``: a deep copy cannot duplicate the pool's memory
-        (and copying the pool is refused), so the handle keeps naming the original slice."""
+        """The same handle: a deep copy cannot duplicate the pool's memory."""
         return self
 
     def __reduce__(self) -> Any:
@@ -72,8 +69,7 @@ class Slice:
         raise InvalidTypeError(
             f"slice {self.slice_id} of pool {self.pool.name!r} cannot be pickled: it is a handle "
             "on a live pool's memory, which another process cannot see. Save its values "
-            "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead"
-        )
+            "(slice.tensor().clone()) or its layout (offset, shape, dtype) instead")
 
 
 _new = object.__new__
@@ -85,10 +81,8 @@ def slice_run(
     pool: flatpool.FlatPool, ids: Sequence[int], offsets: Sequence[int],
     shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
 ) -> list[Slice]:
-    """``[Slice(pool, i, o, s, d) ...]`` for a batch, each field set by its slot descriptor
-    in one C-level pass (the frozen ``__init__`` costs several times more a handle, and a batch
-    makes thousands at once). The fields are those ``__init__`` would set; nothing runs
-    after them (no validators, converters or post-init), so the handles are the same values."""
+    """``[Slice(pool, i, o, s, d) ...]`` for a batch, fields set through the slot descriptors
+    (the frozen ``__init__`` costs several times more; it runs nothing else, so equal values)."""
     out = [_new(Slice) for _ in ids]
     for setter, column in zip(_setters, (repeat(pool), ids, offsets, shapes, dtypes)):
         for _ in map(setter, out, column):

@@ -1,8 +1,7 @@
 """Test hooks for code that builds on flatpool: inject failures inside its operations.
 
-``set_fault_hook(FailAt(k))`` makes the k-th checkpoint (allocate, copy, rebind, release, ...)
-of the operations that run while it is installed raise, so an integration can prove that its
-own calls into flatpool roll back cleanly. Always clear it again with ``set_fault_hook(None)``.
+``set_fault_hook(FailAt(k))`` makes the k-th checkpoint raise, so an integration can prove its
+own calls roll back; clear it with ``set_fault_hook(None)``.
 """
 
 from __future__ import annotations
@@ -11,9 +10,7 @@ from .ownership._faults import set_fault_hook
 
 
 class FailAt:
-    """A fault hook raising ``exc_type`` at checkpoint number ``k`` (0-based) of the operations
-    run while it is installed. ``steps`` records every checkpoint reached, so a sweep can raise
-    at each step in turn until an operation completes without the hook firing."""
+    """A fault hook raising ``exc_type`` at checkpoint ``k`` (0-based); ``steps`` lists them."""
 
     def __init__(self, k: int, exc_type: type[BaseException] = RuntimeError) -> None:
         self.k = k

@@ -1,11 +1,7 @@
 """``python -m flatpool.memory SNAPSHOT.pickle [--manifest M.json] [--png OUT.png]``.
 
-Attributes a pickled allocator snapshot (``torch.cuda.memory._dump_snapshot()``) on any
-machine, with the manifest the training process wrote (``Manifest.write`` or
-``capture(manifest_out=...)``). Without a manifest every active block is unattributed, which
-still gives the totals (a note on stderr says so). Prints the table to stdout; progress for
-large snapshots, notes and errors to stderr. Exit status: 0, or 2 for a bad input (the message
-names the field) or a picture that cannot be written (checked before any work).
+Prints the attribution table; without a manifest every active block is unattributed. Exit
+status 0, or 2 for a bad input or a picture that cannot be written (checked before any work).
 """
 
 from __future__ import annotations
@@ -31,13 +27,11 @@ LARGE = 10_000
 NO_MANIFEST = (
     "note: no --manifest given, so every active block is unattributed (the totals still hold). "
     "Pass the manifest the training process wrote (flatpool.memory.Manifest.write() or "
-    "capture(manifest_out=...)) to name pools, slices, tensors and stale originals."
-)
+    "capture(manifest_out=...)) to name pools, slices, tensors and stale originals.")
 
 
 def _check_picture_path(path: str) -> None:
-    """Fail before any work if ``path``'s folder does not exist (the picture is written
-    atomically through a temporary file beside it, whose name would otherwise be the error's)."""
+    """Fail before any work if ``path``'s folder does not exist."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise PictureError(f"--png {path!r} is a folder; give a file name, e.g. "

@@ -1,22 +1,9 @@
 """Attribute every active block of an allocator snapshot to the objects a manifest names.
 
-Address mapping (the rule that keeps totals exact):
-
-1. Every manifest object is a byte range ``[address, address + nbytes)``: a pool's or flat
-   buffer's whole storage, a reachable storage, a stale original. Where ranges overlap, the
-   higher class wins each byte: ``stale`` over ``pool`` over ``tensor`` (a watched original
-   that a parameter still references is stale; the parameter's path becomes a referrer).
-2. An active block is cut at the boundaries of the ranges that intersect it; each piece goes
-   to its object. So a storage spanning several blocks collects a piece of each, and a block
-   holding several storages is split between them.
-3. Bytes of a block that no range covers are the allocator's rounding slack (a block is
-   rounded up from the requested size) and go to the object holding most of that block.
-4. A block no range touches is ``unattributed``, one item per block, named by the first
-   non-torch frame of its allocation when the snapshot recorded stacks.
-
-Inactive blocks are free memory and attributed to nothing. Objects are matched only against
-segments they can live in: CPU objects only against a CPU census record, device objects only
-against device snapshots, and, when both sides say, only against the same device index.
+Rules that keep totals exact: where object ranges overlap the higher class wins each byte
+(``stale`` over ``pool`` over ``tensor``); a block is cut at range boundaries, each piece to its
+object; uncovered bytes of a block (rounding slack) go to the object holding most of it; a
+block no range touches is ``unattributed``. Objects match only segments of their own device.
 """
 
 from __future__ import annotations
@@ -31,18 +18,10 @@ from attrs import define
 from .. import FlatPool, InvalidRequestError
 from ._collect import Watches, build_manifest
 from ._manifest import Manifest, PoolEntry
-from ._result import (
-    KINDS,
-    BlockView,
-    ClassTotal,
-    Item,
-    Kind,
-    MemoryAttribution,
-    Piece,
-    SegmentView,
-)
+from ._result import KINDS, BlockView, ClassTotal, Item, Kind, MemoryAttribution, Piece
+from ._result import SegmentView
 from ._snapshot import Snapshot, SnapshotSource, load_snapshot
-from ._units import fmt_bytes
+from ._table import fmt_bytes
 
 Progress = Callable[[int, int], None]
 """Called with (blocks done, blocks in all) during attribution."""
@@ -79,13 +58,7 @@ def attribute(
     watch: Watches | None = None,
     progress: Progress | None = None,
 ) -> MemoryAttribution:
-    """Classify every active block of ``snapshot`` (a dict, a segment list, a pickle path or a
-    :class:`Snapshot`) as pool / tensor / stale / unattributed.
-
-    Name the objects either live (``roots``, ``pools``, ``flats``, ``watch``: see
-    :func:`build_manifest`; every live pool when ``pools`` is not given) or with a
-    ``manifest`` written earlier, not both.
-    """
+    """Classify every active block of ``snapshot``, naming objects live or by a ``manifest``."""
     snap = load_snapshot(snapshot)
     if manifest is None:
         manifest = build_manifest(roots, pools=pools, flats=flats or (), watch=watch or ())
@@ -270,8 +243,7 @@ def attribute_manifest(
     totals = [ClassTotal(k, kind_blocks.get(k, 0), kind_bytes.get(k, 0)) for k in KINDS]
     return MemoryAttribution(
         snapshot.source, tuple(segments), tuple(blocks), tuple(items), tuple(totals),
-        snapshot.active_bytes, snapshot.reserved_bytes, manifest, tuple(notes),
-    )
+        snapshot.active_bytes, snapshot.reserved_bytes, manifest, tuple(notes))
 
 
 __all__ = ["Progress", "attribute", "attribute_manifest"]

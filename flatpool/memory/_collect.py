@@ -1,13 +1,7 @@
 """Build a :class:`Manifest` from live objects: pools, roots, flat buffers and watch lists.
 
-Every address comes from a storage (``storage.data_ptr()``, ``storage.nbytes()``), never from a
-tensor's ``data_ptr()``: a view starts inside its storage, and wrappers such as HyperParallel's
-DTensor override ``data_ptr()``. Tensors on a pool's storage are recorded in the slice they lie
-in (that is what makes a slice *adopted* in the picture), every other storage once, with all
-the paths that reach it.
-
-Stale copies (a storage outside every pool whose bytes equal a live slice) are found by calling
-:func:`flatpool.census` on those storages' tensors, so the rule is census's own.
+Addresses come from storages, never a tensor's ``data_ptr()`` (views start inside, wrappers
+override it). Stale copies are found by :func:`flatpool.census`, so the rule is census's own.
 """
 
 from __future__ import annotations
@@ -26,28 +20,17 @@ from ._watch import StorageWatch, WatchedStorages
 Watches = Union[StorageWatch, Iterable[StorageWatch]]
 
 
-def build_manifest(
-    roots: object = None,
-    *,
-    pools: Iterable[FlatPool] | None = None,
-    flats: Sequence[torch.Tensor] = (),
-    watch: Watches = (),
-    max_depth: int = 6,
-) -> Manifest:
+def build_manifest(roots: object = None, *, pools: Iterable[FlatPool] | None = None,
+                   flats: Sequence[torch.Tensor] = (), watch: Watches = (),
+                   max_depth: int = 6) -> Manifest:
     """What flatpool can name in this process's memory, as a :class:`Manifest`.
 
     Args:
-        roots: modules, optimizers, FSDP2/HSDP groups, pools, containers or objects holding
-            them (see :func:`flatpool.memory.walk_roots` for the naming); every pool
-            found on the way is included.
-        pools: the pools to include besides those found from the roots; ``None`` (the
-            default) includes every live pool of the process, as :func:`flatpool.census` does.
-        flats: flat buffers built by hand (not pools): shown as fused buffers.
-        watch: one or several :class:`StorageWatch` (e.g. :class:`WatchedStorages` taken
-            before a fusion step); their surviving storages are recorded as stale originals.
-            Every named pool also contributes the originals its adoptions left alive
-            (:meth:`FlatPool.unreleased_originals`: pinned under ``on_pinned="warn"``/
-            ``"force"``, or kept by the pool for a holder outside Python; ``source="pool"``).
+        roots: objects to walk for named tensors and pools (:func:`walk_roots`).
+        pools: pools besides those found; ``None``: every live pool, as :func:`census` does.
+        flats: flat buffers built by hand (not pools).
+        watch: :class:`StorageWatch` lists whose survivors are stale originals (each pool
+            adds the originals its adoptions left alive).
     """
     walked = walk_roots(roots, max_depth=max_depth)
     pool_list: list[FlatPool] = []
@@ -100,8 +83,7 @@ def build_manifest(
         pools=tuple(_pool_entry(p, slice_names) for p in pool_list),
         flats=tuple(flat_entries),
         tensors=tuple(tensors),
-        originals=tuple(_originals(watch, pool_list)),
-    )
+        originals=tuple(_originals(watch, pool_list)))
 
 
 class _Group:
@@ -150,8 +132,7 @@ def _pool_entry(p: FlatPool, names: dict[tuple[int, int], list[str]]) -> PoolEnt
             SliceEntry(s.slice_id, s.offset, s.nbytes, str(s.dtype).replace("torch.", ""),
                        tuple(s.shape), p.slice_alignment(s.dtype),
                        tuple(names.get((id(p), s.slice_id), ())))
-            for s in p.slices()
-        )
+            for s in p.slices())
         storage = p.storage
         result = PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
                            p.alignment, slices)

@@ -1,8 +1,4 @@
-"""Errors of :mod:`flatpool.memory`: bad snapshots, bad manifests, a missing optional extra.
-
-They join flatpool's one hierarchy (:class:`flatpool.errors.FlatPoolError`), so a caller that
-catches flatpool errors catches these too; the bad-input ones are also ``ValueError``.
-"""
+"""Errors of :mod:`flatpool.memory`, in flatpool's one hierarchy (bad inputs: ``ValueError``)."""
 
 from __future__ import annotations
 
@@ -15,12 +11,8 @@ _short.maxlevel, _short.maxstring, _short.maxother = 2, 40, 40
 
 
 def shown(value: object, limit: int = 60) -> str:
-    """A short ``repr`` of a bad input for an error message, which never raises itself.
-
-    ``repr`` of what a hostile file holds can fail: nesting deeper than the recursion limit
-    (``RecursionError``) or an int of more than 4,300 digits (``ValueError``); both become a
-    description of the value instead.
-    """
+    """A short ``repr`` of a bad input for an error message, which never raises itself (a
+    hostile file's deep nesting or huge int makes ``repr`` fail)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"<an int of {value.bit_length()} bits>"
     try:
@@ -30,26 +22,24 @@ def shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class SnapshotError(InvalidRequestError):
-    """An allocator snapshot is malformed. ``field`` is the path of the offending entry,
-    e.g. ``segments[2].blocks[0].size`` (``""`` for the file or object as a whole)."""
+class _InputError(InvalidRequestError):
+    """A malformed input file; ``field`` is the offending entry's path."""
 
     def __init__(self, message: str, field: str = "") -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
 
 
-class ManifestError(InvalidRequestError):
-    """A memory manifest (JSON) is malformed; ``field`` names the offending entry."""
+class SnapshotError(_InputError):
+    """An allocator snapshot is malformed."""
 
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
+
+class ManifestError(_InputError):
+    """A memory manifest (JSON) is malformed."""
 
 
 class PictureError(FlatPoolError, OSError):
-    """A picture cannot be written where asked (its folder is missing, or the path is a
-    folder); raised before any work is done."""
+    """A picture cannot be written where asked; raised before any work is done."""
 
 
 class MissingExtraError(FlatPoolError, ImportError):

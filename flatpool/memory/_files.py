@@ -7,12 +7,8 @@ import secrets
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
-
-    The rename is atomic on POSIX and Windows; on failure the temporary file is removed and
-    ``path`` is left as it was. The new file gets the permissions a plain ``open()`` would
-    give it (the umask applies), or keeps those of the file it replaces.
-    """
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path`` (on
+    failure ``path`` is as it was; permissions as ``open()`` gives, or the replaced file's)."""
     target = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(target))
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")

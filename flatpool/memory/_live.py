@@ -1,9 +1,4 @@
-"""One call per rank: name this process's memory, snapshot it, attribute it, draw it.
-
-This is what a training script (or the HSDP demo's ``--png``) calls after a fusion step:
-everything it needs is what the script already holds: the model or its parameters, the flat
-buffers, the pools, and the watch list of originals taken before the step.
-"""
+"""One call per rank: name this process's memory, snapshot it, attribute it, draw it."""
 
 from __future__ import annotations
 
@@ -47,12 +42,9 @@ def capture(
     """Attribute ``device``'s memory now and, with ``out``, write its picture (PNG).
 
     Args:
-        out: PNG path, or ``None`` for no picture. matplotlib is checked *before* any work,
-            so a missing ``viz`` extra fails fast with :class:`MissingExtraError`.
-        roots, pools, flats, watch: what to name (see :func:`build_manifest`; by default
-            every live pool of the process is named).
-        device: whose memory; default: the first accelerator a pool, flat buffer or tensor
-            lives on, else ``"cpu"`` (the census record of :func:`cpu_snapshot`).
+        out: PNG path, or ``None``; a missing ``viz`` extra fails before any work.
+        roots, pools, flats, watch: what to name (:func:`build_manifest`).
+        device: whose memory; default: the first accelerator the manifest names, else CPU.
         scan: on CPU, also list every other live CPU storage (shown as unattributed).
         title, pool: the picture's title and the pool laid out under it (default: largest).
         manifest_out: also write the manifest as JSON there (for ``python -m flatpool.memory``).

@@ -1,13 +1,7 @@
 """The manifest: what a process knows about its memory, as plain data that outlives it.
 
-A manifest lists the address ranges flatpool can name: every pool's storage and its slices
-(with the names of the tensors lying in each), flat buffers the caller declared, the storages
-reachable from the caller's roots, and originals that should be dead. It is built in the
-training process (:func:`flatpool.memory.build_manifest`), written to JSON, and read back
-anywhere to attribute a snapshot taken at the same moment (``python -m flatpool.memory``).
-
-Addresses are device addresses (``data_ptr()`` of each storage), valid only together with a
-snapshot of the same process at the same time.
+Built in the training process, written to JSON, read anywhere to attribute a snapshot of the
+same process at the same moment (its addresses mean nothing otherwise).
 """
 
 from __future__ import annotations
@@ -85,9 +79,8 @@ class PoolEntry:
         return sum(s.nbytes for s in self.slices if s.tensors)
 
     def gaps(self) -> tuple[Gap, ...]:
-        """Every byte range outside the slices, in order. A gap is ``padding`` when no slice
-        can start in it (the next multiple of the pool's alignment is at or past its end):
-        memory lost to alignment. Otherwise it is ``free``: room for more slices."""
+        """Every byte range outside the slices, in order: ``padding`` when no slice can start
+        in it (lost to alignment), else ``free``."""
         out: list[Gap] = []
         pos = 0
         for s in sorted(self.slices, key=lambda s: s.offset):
@@ -126,9 +119,7 @@ OriginalSource = Literal["watch", "pool"]
 
 @define(frozen=True)
 class OriginalEntry:
-    """A storage that should be dead but is alive: a watched original that outlived a fusion
-    step (``source="watch"``), or one a pool's adoption kept alive under
-    ``on_pinned="warn"``/``"force"`` (``source="pool"``, ``pool`` set)."""
+    """A storage that should be dead but is alive (watched, or kept alive by a pool)."""
 
     label: str
     address: int
@@ -290,8 +281,7 @@ def _pool(value: object, field: str) -> PoolEntry:
             raise ManifestError(f"expected a list of ints >= 0, got {shown(shape)}", f"{sf}.shape")
         slices.append(SliceEntry(
             _int(s, "id", sf), _int(s, "offset", sf), _int(s, "nbytes", sf), _str(s, "dtype", sf),
-            tuple(shape), max(1, _int(s, "alignment", sf)), _strs(s, "tensors", sf),
-        ))
+            tuple(shape), max(1, _int(s, "alignment", sf)), _strs(s, "tensors", sf)))
     entry = PoolEntry(_str(d, "name", field), _str(d, "device", field), _int(d, "address", field),
                       _int(d, "capacity", field), max(1, _int(d, "alignment", field)),
                       tuple(slices))
@@ -307,8 +297,7 @@ def _storage(value: object, field: str) -> StorageEntry:
     return StorageEntry(
         _str(d, "label", field), _str(d, "device", field), _int(d, "address", field),
         _int(d, "nbytes", field), _strs(d, "names", field), _strs(d, "roles", field),
-        _str(d, "stale_of", field, optional=True),
-    )
+        _str(d, "stale_of", field, optional=True))
 
 
 def _original(value: object, field: str) -> OriginalEntry:
@@ -319,17 +308,10 @@ def _original(value: object, field: str) -> OriginalEntry:
     return OriginalEntry(
         _str(d, "label", field), _int(d, "address", field), _int(d, "nbytes", field),
         _str(d, "pool", field, optional=True), source,
-        _str(d, "device", field, optional=True),
-    )
+        _str(d, "device", field, optional=True))
 
 
 __all__ = [
-    "FORMAT",
-    "Gap",
-    "Manifest",
-    "OriginalEntry",
-    "PoolEntry",
-    "SliceEntry",
-    "StorageEntry",
+    "FORMAT", "Gap", "Manifest", "OriginalEntry", "PoolEntry", "SliceEntry", "StorageEntry",
     "VERSION",
 ]

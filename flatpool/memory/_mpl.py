@@ -1,10 +1,7 @@
 """The typed boundary to matplotlib (the optional ``viz`` extra).
 
-matplotlib is imported here only, on first use, never when flatpool is imported. Drawing uses
-an explicit ``Figure`` with the non-interactive Agg canvas: no pyplot, no global backend
-switch, nothing that could open a window or disturb a caller's own plots. The protocols below
-name the few calls the pictures make, so ``mypy --strict`` checks this package whether or not
-matplotlib (and its type information) is installed.
+Imported on first use only; an explicit ``Figure`` on the Agg canvas (no pyplot, no global
+backend switch). The protocols let ``mypy --strict`` check this package without matplotlib.
 """
 
 from __future__ import annotations
@@ -42,11 +39,7 @@ class Axes(Protocol):
 
     def set_title(self, label: str, **style: Any) -> object: ...
 
-    def set_xlabel(self, label: str, **style: Any) -> object: ...
-
     def legend(self, *, handles: Sequence[object], **style: Any) -> object: ...
-
-    def tick_params(self, **style: Any) -> object: ...
 
 
 class Figure(Protocol):
@@ -95,9 +88,8 @@ def load() -> Matplotlib:
 
 @contextmanager
 def plain_text() -> Iterator[None]:
-    """Text drawn in the block is shown as written: a pool or tensor named ``$x$`` or
-    ``a$b`` would otherwise be parsed as mathtext (garbled, or a parse error that aborts the
-    picture). Only matplotlib's settings for this block change (``rc_context``)."""
+    """Text drawn in the block is shown as written: a name like ``a$b`` would otherwise be
+    parsed as mathtext (garbled, or an error that aborts the picture)."""
     matplotlib = importlib.import_module("matplotlib")
     with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
         yield

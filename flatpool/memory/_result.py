@@ -1,16 +1,7 @@
 """The typed result of attributing a snapshot: blocks, the items they belong to, totals.
 
-Classes (:data:`KINDS`), in the order tables list them:
-
-* ``pool``: a flatpool pool's storage, or a flat buffer the caller declared;
-* ``tensor``: any other storage reachable from the roots (named by path);
-* ``stale``: a storage that should be dead: a watched original still alive, an original a
-  pool's adoption kept alive, or a copy of a live slice (census's stale check);
-* ``unattributed``: an active block no known object touches.
-
-Every byte of every active block belongs to exactly one item, so the per-class bytes add up
-to :attr:`MemoryAttribution.active_bytes` exactly (see :mod:`flatpool.memory._attribution` for how
-partial overlaps are split).
+Every byte of every active block belongs to exactly one item, so the per-class bytes
+(:data:`KINDS`) add up to :attr:`MemoryAttribution.active_bytes` exactly.
 """
 
 from __future__ import annotations
@@ -27,14 +18,12 @@ KINDS: tuple[Kind, ...] = ("pool", "tensor", "stale", "unattributed")
 
 @define(frozen=True)
 class Item:
-    """One thing memory is attributed to: a pool, a flat buffer, a storage, a stale original,
-    or (``unattributed``) one block nothing known touches."""
+    """One thing memory is attributed to (``unattributed``: one block nothing known touches)."""
 
     kind: Kind
     label: str
     reason: str
-    """Why it has this class: ``flatpool pool``, ``parameter``, ``watched original``,
-    ``copy of bucket:0``, or for an unknown block where it was allocated."""
+    """Why it has this class (for an unknown block: where it was allocated)."""
     address: int
     nbytes: int
     """The object's own size (its storage's ``nbytes``; a block's size when unattributed)."""
@@ -48,8 +37,7 @@ class Item:
 
 @define(frozen=True)
 class Piece:
-    """Bytes ``[address, address + nbytes)`` of a block and the item they belong to.
-    ``slack`` marks bytes no object covers, given to the block's main item (rounding)."""
+    """Bytes of a block and their item (``slack``: uncovered, given to the main item)."""
 
     address: int
     nbytes: int

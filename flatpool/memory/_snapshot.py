@@ -1,16 +1,7 @@
 """Read a caching-allocator snapshot into checked, typed segments and blocks.
 
-The format is the one ``torch.cuda.memory._snapshot()`` returns and ``_dump_snapshot`` pickles
-(``torch_npu.npu.memory._snapshot()`` has the same shape): a dict whose ``segments`` each have an
-``address``, a ``total_size`` and ``blocks`` with ``size``, ``state`` and usually ``address``,
-``requested_size`` and ``frames``. Older snapshots (and some backends) omit a block's
-``address``: blocks tile their segment in order, so it is recomputed. A bare list is taken as
-the segment list (what ``torch.cuda.memory_snapshot()`` returns).
-
-Every malformed entry raises :class:`SnapshotError` naming its path, so a truncated file or a
-pickle of something else is reported as such instead of failing somewhere downstream. Pickles
-are read with an unpickler that refuses every class: snapshots hold only builtin containers,
-strings and numbers, and a pickle that asks for anything else could run code.
+Every malformed entry raises :class:`SnapshotError` naming its path. Pickles are read with an
+unpickler that refuses every class: snapshots hold only builtins, and anything else could run code.
 """
 
 from __future__ import annotations
@@ -27,13 +18,11 @@ from attrs import define
 from ._errors import SnapshotError, shown
 
 ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
-"""States of a block that holds memory: in use, or freed but still used by a stream
-(``active_pending_free``; torch's docstring calls it ``active_awaiting_free``)."""
+"""States of a block that holds memory (in use, or freed but still used by a stream)."""
 STATES = ACTIVE_STATES + ("inactive",)
 
 MAX_BLOCKS = 2_000_000
-"""Blocks a snapshot may list (about 0.7 GB parsed; real snapshots list thousands to a few
-hundred thousand). ``parse_snapshot(..., max_blocks=)`` and the CLI's ``--max-blocks`` raise it."""
+"""Blocks a snapshot may list (about 0.7 GB parsed); ``max_blocks=``/``--max-blocks`` raise it."""
 
 
 @define(frozen=True)
@@ -103,8 +92,7 @@ class _DataOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise SnapshotError(
             f"the pickle refers to {module}.{name}; an allocator snapshot holds only dicts, "
-            "lists, strings and numbers, so this is not one (nothing was executed)"
-        )
+            "lists, strings and numbers, so this is not one (nothing was executed)")
 
 
 def read_pickle(path: str | os.PathLike[str]) -> Any:
@@ -126,8 +114,7 @@ def read_pickle(path: str | os.PathLike[str]) -> Any:
 
 
 def load_snapshot(source: SnapshotSource, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
-    """A checked :class:`Snapshot` from a snapshot dict, a segment list, a pickle path, or a
-    :class:`Snapshot` (returned as is)."""
+    """A checked :class:`Snapshot` from a snapshot dict, a segment list or a pickle path."""
     if isinstance(source, Snapshot):
         return source
     if isinstance(source, (str, os.PathLike)):
@@ -136,13 +123,8 @@ def load_snapshot(source: SnapshotSource, *, max_blocks: int = MAX_BLOCKS) -> Sn
 
 
 def _check_size(raw: Sequence[Any], max_blocks: int) -> None:
-    """Refuse, before anything is built, a snapshot that lists more than ``max_blocks`` blocks
-    or lists one segment or block entry more than once.
-
-    A pickle's memo lets a 2 MB file name one block dict a million times (a million blocks,
-    ~360 MB parsed); an allocator writes every segment and block as an entry of its own, so a
-    repeated *object* is never a real snapshot.
-    """
+    """Refuse more than ``max_blocks`` blocks, or one entry listed twice, before building:
+    a pickle's memo lets a small file name one block a million times."""
     seen_segments: set[int] = set()
     seen_blocks: set[int] = set()
     total = 0
@@ -172,16 +154,14 @@ def _check_size(raw: Sequence[Any], max_blocks: int) -> None:
 
 
 def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
-    """Check ``data`` (a snapshot dict or a list of segments) and type it; more than
-    ``max_blocks`` blocks, or one entry listed twice, is a :class:`SnapshotError`."""
+    """Check ``data`` (a snapshot dict or a list of segments) and type it."""
     source = "allocator"
     if isinstance(data, Mapping):
         if "segments" not in data:
             keys = ", ".join(sorted(k if isinstance(k, str) else shown(k, 30) for k in data)[:8])
             keys = keys or "none"
             raise SnapshotError(
-                f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments"
-            )
+                f"missing; a snapshot dict has a 'segments' list (keys found: {keys})", "segments")
         raw = data["segments"]
         tag = data.get("flatpool_source")
         if isinstance(tag, str):
@@ -191,8 +171,7 @@ def parse_snapshot(data: object, *, max_blocks: int = MAX_BLOCKS) -> Snapshot:
     else:
         raise SnapshotError(
             f"expected a snapshot dict with 'segments' (or a list of segments), got "
-            f"{type(data).__name__}"
-        )
+            f"{type(data).__name__}")
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise SnapshotError(f"expected a list, got {type(raw).__name__}", "segments")
     _check_size(raw, max_blocks)
@@ -255,8 +234,7 @@ def _segment(value: object, field: str, named: dict[int, str | None]) -> Segment
         if nxt.address < prev.end:
             raise SnapshotError(
                 f"blocks at {prev.address:#x} ({prev.size} B) and {nxt.address:#x} overlap",
-                f"{field}.blocks",
-            )
+                f"{field}.blocks")
     return Segment(address, total, tuple(blocks), dev, kind if isinstance(kind, str) else None)
 
 
@@ -277,13 +255,11 @@ def _block(value: object, field: str, cursor: int, named: dict[int, str | None])
 
 
 MAX_FRAMES = 256
-"""Frames of one block looked at for its first frame outside torch (then the first frame is
-named): a frames list shared by every block of a pickle must not cost its length per block."""
+"""Frames of one block searched for one outside torch (a shared list must not cost its length)."""
 
 
 def _frame_field(frame: Mapping[str, Any], key: str, kind: type, field: str) -> str:
-    """``frame[key]`` as text; a value of another type (a hostile file's deep nesting or huge
-    int, which ``str()`` itself cannot show) is a :class:`SnapshotError`."""
+    """``frame[key]`` as text; a value of another type is a :class:`SnapshotError`."""
     value = frame.get(key)
     if value is None:
         return "?"
@@ -316,14 +292,6 @@ def _where(frames: object, field: str) -> str | None:
 
 
 __all__ = [
-    "ACTIVE_STATES",
-    "Block",
-    "MAX_BLOCKS",
-    "STATES",
-    "Segment",
-    "Snapshot",
-    "SnapshotSource",
-    "load_snapshot",
-    "parse_snapshot",
-    "read_pickle",
+    "ACTIVE_STATES", "Block", "MAX_BLOCKS", "STATES", "Segment", "Snapshot", "SnapshotSource",
+    "load_snapshot", "parse_snapshot", "read_pickle",
 ]

@@ -1,14 +1,24 @@
-"""The plain-text report of an attribution: per-class totals, the largest items, the pools."""
+"""The plain-text report of an attribution (per-class totals, largest items, pools) and the
+byte counts of every table and picture, as people read them (``8 MiB``, ``1.50 KiB``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .._table import table
-from ._units import fmt_bytes
 
 if TYPE_CHECKING:
     from ._result import MemoryAttribution
+
+_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def fmt_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches (``4 MiB``, not ``4.00 MiB``)."""
+    for size, name in _UNITS:
+        if abs(n) >= size:
+            return f"{n // size} {name}" if n % size == 0 else f"{n / size:.2f} {name}"
+    return f"{n} B"
 
 
 def _bytes(n: int) -> str:
@@ -63,4 +73,4 @@ def render(a: MemoryAttribution, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["render"]
+__all__ = ["fmt_bytes", "render"]

@@ -1,21 +1,8 @@
 """Pictures of an attribution: device memory by class, and the layout of its pools.
 
-Bar lengths are bytes. Every column of one picture (e.g. the naive rebase beside flatpool's
-fusion) shares one linear byte scale, so twice the memory is twice the length: the top row of
-a column stacks its active bytes by class, each row below is one segment with its blocks
-coloured by class: pool, adopted (pool slices that named tensors live in), stale, tensor
-(outside the pools), unattributed, free (inactive). A bar too short to see is drawn
-:data:`MIN_FRACTION` of the axis long and its label gives its true size; every item is named,
-inside its bar when the name fits, else after the row. With many segments, those holding pool
-or stale blocks are shown first, then the fullest, up to ``max_segments``.
-
-Under them, one layout per column that has a pool (the largest unless named), spread over the
-picture's width: slices coloured by dtype (a palette no class uses), each labelled with the
-tensor that lives there and its size (small slices above the bar, on a leader line),
-alignment padding hatched, free ranges pale. A column without a pool gets no empty box.
-
-Needs the ``viz`` extra (matplotlib); without it :class:`MissingExtraError` says so. Files are
-written atomically.
+Bar lengths are bytes on one linear scale shared by every column; a bar too short to see is
+drawn :data:`MIN_FRACTION` of the axis long and labelled with its true size. Needs the ``viz``
+extra (matplotlib).
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from ._files import write_atomic
 from ._manifest import PoolEntry
 from ._mpl import Axes, Figure, Matplotlib, load, plain_text
 from ._result import MemoryAttribution
-from ._units import fmt_bytes
+from ._table import fmt_bytes
 
 COLOURS = {
     "pool": "#4C72B0",
@@ -47,14 +34,12 @@ LEGEND = (
     ("stale", "STALE original"),
     ("tensor", "tensor outside pools"),
     ("unattributed", "unattributed"),
-    ("free", "free (inactive)"),
-)
+    ("free", "free (inactive)"))
 DTYPE_COLOURS = ("#DD8452", "#64B5CD", "#DA8BC3", "#CCB974", "#937860", "#2A9D8F", "#E9C46A",
                  "#6D597A", "#B5838D")
-"""Slice colours by dtype: none of them is a class colour (:data:`COLOURS`)."""
 PADDING = "#BDBDBD"
 MIN_FRACTION = 0.005
-"""The shortest bar drawn, as a fraction of its axis (half a percent: a few pixels)."""
+"""The shortest bar drawn, as a fraction of its axis."""
 ROW_INCHES = 0.34
 POOL_INCHES = 2.5
 COLUMN_INCHES = 9.0
@@ -64,37 +49,21 @@ _CHAR_INCHES = 0.55 / 72  # average DejaVu Sans advance per point of font size
 _SMALL_LABELS = 24  # small slices named above a pool's bar; the rest are counted
 
 
-def draw(
-    attribution: MemoryAttribution,
-    out: str | os.PathLike[str],
-    *,
-    title: str | None = None,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> None:
+def draw(attribution: MemoryAttribution, out: str | os.PathLike[str], *, title: str | None = None,
+         pool: str | None = None, max_segments: int = 24) -> None:
     """Write the picture of ``attribution`` to ``out`` (PNG)."""
     draw_comparison(out, [(title or "device memory", attribution)], pool=pool,
                     max_segments=max_segments)
 
 
-def draw_comparison(
-    out: str | os.PathLike[str],
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> None:
-    """Several attributions side by side (e.g. ``[("naive rebase", a), ("flatpool", b)]``),
-    one column each on one byte scale, in one PNG."""
+def draw_comparison(out: str | os.PathLike[str], panels: Sequence[tuple[str, MemoryAttribution]],
+                    *, pool: str | None = None, max_segments: int = 24) -> None:
+    """Several attributions side by side, one column each on one byte scale, in one PNG."""
     write_atomic(out, render_png(panels, pool=pool, max_segments=max_segments))
 
 
-def render_png(
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-) -> bytes:
+def render_png(panels: Sequence[tuple[str, MemoryAttribution]], *, pool: str | None = None,
+               max_segments: int = 24) -> bytes:
     """The PNG bytes :func:`draw_comparison` writes."""
     mpl = load()
     with plain_text():  # names are shown as written, never parsed as mathtext
@@ -104,13 +73,8 @@ def render_png(
     return buf.getvalue()
 
 
-def figure(
-    panels: Sequence[tuple[str, MemoryAttribution]],
-    *,
-    pool: str | None = None,
-    max_segments: int = 24,
-    mpl: Matplotlib | None = None,
-) -> Figure:
+def figure(panels: Sequence[tuple[str, MemoryAttribution]], *, pool: str | None = None,
+           max_segments: int = 24, mpl: Matplotlib | None = None) -> Figure:
     """The matplotlib ``Figure`` :func:`render_png` prints (bars carry ``gid`` s naming what
     they draw: ``total:<class>``, ``segment:<address>:<class>``, ``slice:<id>``)."""
     if not panels:
@@ -125,8 +89,7 @@ def figure(
     rows = 1 + max(2, max(len(c) for c in chosen))  # the total row, then the segments
     span = max(max([a.active_bytes] + [a.segments[i].total_size for i in c])
                for (_, a), c in zip(panels, chosen))
-    # Fixed margins in inches (a layout engine costs a third of the drawing time): titles
-    # above each view, tick labels and the legend below, segment labels on the left.
+    # Fixed margins in inches: a layout engine costs a third of the drawing time.
     pool_part = POOL_INCHES if layouts else 0.0
     width = COLUMN_INCHES * len(panels)
     height = 0.75 + ROW_INCHES * rows + 0.9 + pool_part
@@ -228,8 +191,7 @@ def _bar(ax: Axes, spans: Sequence[tuple[float, float]], y: float, colour: str, 
 
 @define(frozen=True)
 class _Row:
-    """One row of bars, planned before drawing: its runs by colour, the names drawn inside
-    their bars, the names written after the row, and where the row ends (in bytes)."""
+    """One row of bars, planned before drawing (names inside bars, names after, its end)."""
 
     label: str
     bars: tuple[tuple[str, str, tuple[tuple[float, float], ...]], ...]  # colour, gid, runs
@@ -246,8 +208,7 @@ class _Row:
 
 
 def _plan_total(a: MemoryAttribution, scale: _Scale) -> _Row:
-    """The column's active bytes stacked by class (adopted apart from the rest of the pools),
-    on the shared scale: every segment counts, shown in a row or not."""
+    """The column's active bytes of every segment, stacked by class."""
     by_colour: dict[str, int] = {}
     for si in range(len(a.segments)):
         for colour, xs in _segment_spans(a, si)[0].items():
@@ -315,8 +276,7 @@ Spans = dict[str, list[tuple[float, float]]]
 
 
 def _segment_spans(a: MemoryAttribution, si: int) -> tuple[Spans, dict[int, tuple[int, int]]]:
-    """Segment ``si``'s runs by colour (offsets and lengths in bytes) and, per item, the
-    address range of its largest piece there (where its name goes)."""
+    """Segment ``si``'s runs by colour, and per item the range of its largest piece there."""
     seg = a.segments[si]
     spans: Spans = {}
     named: dict[int, tuple[int, int]] = {}
@@ -423,9 +383,7 @@ def _pool_view(ax: Axes, p: PoolEntry, column: str | None, scale: _Scale,
 
 
 def _label_above(ax: Axes, labels: Sequence[tuple[float, str]], scale: _Scale) -> int:
-    """Name small slices above the bar on two staggered levels, each on a leader line to its
-    slice, moved right (or, at the end, left) until it clears its neighbours; how many found
-    no room."""
+    """Name small slices above the bar on two staggered levels; returns how many found no room."""
     level_end = [0.0, 0.0]
     levels = (1.1, 1.4)
     placed = 0

@@ -1,16 +1,8 @@
 """Name the tensors and pools reachable from a program's live roots.
 
-A snapshot only has addresses; a person needs names: ``layers.3.mlp.w1``,
-``optimizer.state[layers.3.mlp.w1]['exp_avg']``, ``fused.buffers.0.buckets.0.pool``. This walker
-goes from the roots a caller hands over (modules, optimizers, FSDP2/HSDP groups, pools, dicts,
-lists, any object holding those) to every tensor and :class:`~flatpool.FlatPool` they hold,
-with a dotted path for each.
-
-Modules are walked through ``named_parameters``/``named_buffers`` (and each parameter's
-``.grad``), optimizers through their parameters and state, containers by key or index, and any
-other object through its instance attributes (``__dict__`` and ``__slots__``), up to
-``max_depth`` objects deep and each object once: that is how framework objects such as an
-FSDP2 param group (``fsdp_params[i]._sharded_param_data``) are seen without knowing them.
+Any object is walked through its instance attributes (``__dict__``, ``__slots__``), up to
+``max_depth`` deep and each object once: that is how framework objects (an FSDP2 param group)
+are seen without knowing them.
 """
 
 from __future__ import annotations
@@ -109,8 +101,7 @@ class _Walker:
 
 
 def _key(k: object, index: int) -> str:
-    """A mapping key as a path part; keys that are objects (a tensor keying optimizer state)
-    are named by type and position, never by their (possibly huge) repr."""
+    """A mapping key as a path part; objects by type and position, never their repr."""
     if isinstance(k, str):
         return k
     if isinstance(k, (int, float, bool, type(None), torch.dtype, torch.device)):
@@ -135,12 +126,7 @@ def _attributes(obj: object) -> Iterator[tuple[str, Any]]:
 
 
 def walk_roots(roots: object, *, max_depth: int = 6) -> Walked:
-    """Every tensor (with its path and role) and every pool reachable from ``roots``.
-
-    ``roots`` is a mapping ``{name: root}`` (paths start with the name), a list or tuple of
-    roots (module paths unprefixed when there is one module, optimizers under
-    ``optimizer.``, others under ``root{i}.``), or one root.
-    """
+    """Every tensor (with its path and role) and every pool reachable from ``roots``."""
     w = _Walker(max_depth)
     items: list[tuple[Any, str]]
     if isinstance(roots, Mapping):

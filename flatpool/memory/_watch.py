@@ -1,11 +1,7 @@
 """Watch lists: storages that should be dead, checked without keeping them alive.
 
-A fusion step (HSDP comm fusion, FSDP2 flattening, ``pool.adopt``) is correct only if the
-storages its tensors had before are gone afterwards. Record them *before* the step with a
-watch list; afterwards ``alive_storages()`` names the survivors with their address, so a
-snapshot can show them as STALE. Anything with that one method is a watch list
-(:class:`StorageWatch`): the HSDP layer's ``OriginalStorages`` and the pool's record of
-originals that adoption kept alive can both serve, without this package importing either.
+Anything with ``alive_storages()`` is a watch list (:class:`StorageWatch`), so this package
+imports neither the HSDP layer nor the pool's record of kept originals.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from .. import InvalidTypeError, local_tensor, own_storage
 
 @runtime_checkable
 class StorageWatch(Protocol):
-    """A source of storages that should be dead: ``(label, address, nbytes)`` of each one
-    that is still alive, where ``address`` is the storage's ``data_ptr()``."""
+    """A source of storages that should be dead: ``(label, address, nbytes)`` of survivors."""
 
     def alive_storages(self) -> Iterable[tuple[str, int, int]]: ...
 
@@ -43,13 +38,8 @@ WatchInput = Union[Mapping[str, Union[torch.Tensor, Iterable[torch.Tensor]]],
 
 
 class WatchedStorages:
-    """Weak references to the storages behind tensors, taken before a step that should free
-    them. Implements :class:`StorageWatch`.
-
-    Each distinct storage is watched once, under the first label given for it. DTensors and
-    storage-sharing wrappers are seen through to their local shard's storage; meta tensors
-    and storage-less wrappers have nothing to watch and are skipped.
-    """
+    """Weak references to the storages behind tensors (a :class:`StorageWatch`), each once,
+    taken before a step that should free them; wrappers are seen through to their shard."""
 
     def __init__(self, tensors: WatchInput = ()) -> None:
         self._watched: list[_Watched] = []
@@ -85,9 +75,7 @@ class WatchedStorages:
         return len(self._watched)
 
     def alive_storages(self) -> list[tuple[str, int, int]]:
-        """``(label, address, nbytes)`` of every watched storage still alive (C++ references
-        count too). The address is read now, so a storage resized since is reported where it
-        is, and one shrunk to nothing is left out (it holds no memory)."""
+        """``(label, address, nbytes)`` of every watched storage still holding memory, read now."""
         return [(label, address, nbytes) for label, address, nbytes, _ in self.alive_records()]
 
     def alive_records(self) -> list[tuple[str, int, int, str]]:

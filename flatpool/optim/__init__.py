@@ -1,12 +1,5 @@
-"""torch's optimizer, stepped flat: gradients and optimizer state in pools, one kernel per run
-of adjacent parameters, bit-identical to torch's own step.
-
-``FlatOptimizer(optimizer, pools, module=model)`` makes ``optimizer.step()`` step each run of
-pooled parameters of a param group with torch's own functional kernel over one flat tensor
-(float32/float64), and everything a flat step cannot do exactly (other dtypes, sparse
-gradients, odd state, capturable groups, parameters outside the pools) with torch's own step,
-per parameter. torch's ``optimizer.state``, ``param_groups`` and ``.grad`` decide every step.
-See docs/optim.md.
+"""torch's optimizer, stepped flat: one kernel per run of adjacent pooled parameters,
+bit-identical to torch's own step. See docs/optim.md.
 """
 
 from __future__ import annotations

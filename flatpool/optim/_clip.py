@@ -1,14 +1,7 @@
 """``clip_grad_norm_`` as torch computes it, with pooled gradients scaled once per run.
 
-The total norm is torch's own (``torch.nn.utils.get_total_norm(..., foreach=True)``). For torch
-DTensor gradients sharing one mesh and placements it is computed as DTensor computes it, with
-one DTensor operation instead of list operations over every gradient (DTensor's first sharding
-propagation of a list op grows with the square of its length: 11 s for 1,000 gradients on 2
-ranks, and again for every new list): each shard's norms by the same local kernel
-(``_foreach_norm`` per device and dtype, in torch's grouping order), stacked, made a DTensor with
-the placements DTensor gives those norms, and reduced by torch's own ``vector_norm``. The
-clipping coefficient is torch's arithmetic on that norm; every gradient (a pooled run, or one
-gradient) is multiplied by its local value, as DTensor's ``mul`` does shard by shard.
+For DTensor gradients on one mesh the norm is one DTensor operation over stacked local norms:
+DTensor's sharding propagation of a list op grows with the square of its length.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` by (device, dtype), groups in order of first appearance (torch's
-    ``_group_tensors_by_device_and_dtype`` order)."""
+    """``tensors`` by (device, dtype), in order of first appearance, as torch groups them."""
     dtypes, devices = set(map(_dtype_of, tensors)), set(map(_device_of, tensors))
     if len(dtypes) == 1 and len(devices) == 1:
         return [tensors] if tensors else []
@@ -49,8 +41,7 @@ def _grouped(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
-    """Every gradient a torch DTensor of one mesh (the same object, as FSDP2's are) and equal
-    placements (C-level passes)."""
+    """Every gradient a torch DTensor of one mesh object with equal placements."""
     if not grads or not is_dtensor(grads[0]):
         return False
     first: Any = grads[0]
@@ -62,8 +53,7 @@ def _one_spec(grads: Sequence[torch.Tensor]) -> bool:
 
 
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach=True)``,
-    bit for bit (module doc)."""
+    """``torch.nn.utils.get_total_norm(grads, ..., foreach=True)``, bit for bit."""
     if not _one_spec(grads):
         return torch.nn.utils.get_total_norm(
             [g if is_dtensor(g) else local_tensor(g) for g in grads], norm_type,

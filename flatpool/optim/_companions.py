@@ -1,16 +1,8 @@
 """Companion pools: a parameter pool's optimizer state, at the same byte offsets.
 
-For each parameter pool and state kind (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
-``momentum_buffer``) one pool of the same capacity, named ``<pool>/<kind>``: a member's state
-is a view at the member's own offset, so a segment's range of the parameter pool and the same
-range of each companion are what one flat kernel call reads. Companions hold no slices: nothing
-else is ever allocated in them, and a pool without slices has no reference cycle, so it dies,
-storage and all, the moment its last reference goes. Bytes outside the members' elements stay
-zero, a fixed point of every flat rule.
-
-``step`` counts are one element per member, in storage order, in ``<pool>/step``: each parameter
-keeps a step tensor of its own (a 0-d view of its element) and a segment's counts are one range
-(checked equal, and incremented, with one operation).
+One pool per state kind (``<pool>/<kind>``), so a segment's range is one flat kernel call.
+Companions hold no slices, so they have no reference cycle and die with their last reference;
+bytes outside members stay zero, a fixed point of every flat rule.
 """
 
 from __future__ import annotations
@@ -33,15 +25,9 @@ def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
     return pool
 
 
-def view(pool: FlatPool, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A base-less view (its own version counter) at byte ``offset`` of ``pool``."""
-    return pool.view_at(offset, tuple(shape), dtype)
-
-
 def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]],
           dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-    """:func:`view` for many places of one pool: the storage read once, one grad-mode switch
-    (a few microseconds a view instead of ``view_at``'s tens)."""
+    """Base-less views (each its own version counter) at byte ``offsets`` of ``pool``."""
     storage = pool.storage
     device = pool.device
     out = []
@@ -54,8 +40,7 @@ def views(pool: FlatPool, offsets: Sequence[int], shapes: Sequence[Sequence[int]
 
 
 class Companions:
-    """One companion per (parameter pool, kind), made zeroed on first use and kept while the
-    parameter pool keeps its storage and capacity (a relocation moves members: new ones)."""
+    """One companion per (parameter pool, kind), made anew when the pool's storage changes."""
 
     def __init__(self) -> None:
         self._made: dict[tuple[int, str], tuple[tuple[object, ...], FlatPool]] = {}
@@ -69,19 +54,13 @@ class Companions:
         self._made[(id(pool), kind)] = (sig, made)
         return made
 
-    def keep_only(self, pools: Sequence[FlatPool]) -> None:
-        """Forget the companions of parameter pools no longer planned (their views, where still
-        installed, keep them alive until re-adopted)."""
-        ids = {id(p) for p in pools}
-        for key in [k for k in self._made if k[0] not in ids]:
-            del self._made[key]
-
     def pools(self) -> list[FlatPool]:
         return [m for _, m in self._made.values()]
 
 
 class StepSlots:
-    """``<pool>/step``: one element per member, in storage order (:mod:`._companions` doc)."""
+    """``<pool>/step``: one element per member in storage order, so a segment's counts are one
+    range (checked equal and incremented with one operation)."""
 
     def __init__(self, pool: FlatPool, members: Sequence[Member], dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -99,4 +78,4 @@ class StepSlots:
         return self.all[a:b]
 
 
-__all__ = ["Companions", "StepSlots", "new_pool", "view", "views"]
+__all__ = ["Companions", "StepSlots", "new_pool", "views"]

@@ -1,21 +1,8 @@
-"""Make ``optimizer.step()`` and ``optimizer.zero_grad()`` the flat ones, on the optimizer
-instance, and take them away again exactly.
+"""Make ``optimizer.step()`` and ``zero_grad()`` the flat ones on the instance, and undo it exactly.
 
-``optimizer.step`` becomes an instance attribute: a method whose function is torch's own hook
-wrapper (``Optimizer.profile_hook_step``) around the flat step. So whatever calls
-``optimizer.step()`` runs the flat step: a training loop, ``step(closure)``,
-``torch.amp.GradScaler.step(optimizer)`` (after its unscale and inf check), torchtitan-style
-containers; the step hooks (global and the optimizer's) and the profiler's record run once, as
-torch runs them. An LR scheduler made afterwards wraps it as it wraps torch's step (it rebinds
-the function to the optimizer). One made before had wrapped torch's step: the flat step carries
-its mark (``_wrapped_by_lr_sched``) and sets ``optimizer._opt_called`` as its wrapper would, so
-the scheduler's order check holds and it warns about nothing.
-
-``optimizer.zero_grad`` settles pre-installed gradients first (:mod:`._grads`) and, after
-``set_to_none=True``, releases the gradient pools.
-
-Removal restores the instance's own attributes as they were (none, usually). A scheduler made
-after setup keeps a reference to the flat function; after removal that function is torch's step.
+``step`` is torch's own hook wrapper around the flat step, so every caller (GradScaler, LR
+schedulers, containers) runs it with hooks and profiler as torch does; it keeps the scheduler's
+marks (``_wrapped_by_lr_sched``, ``_opt_called``) so its order check holds.
 """
 
 from __future__ import annotations

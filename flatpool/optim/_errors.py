@@ -10,20 +10,16 @@ class FlatStepError(FlatPoolError):
 
 
 class UnsupportedOptimizerError(FlatStepError, TypeError):
-    """The optimizer's math is not elementwise (or flatpool has no flat rule for it), so one
-    step over a flat buffer would not be the optimizer's step."""
+    """flatpool has no flat rule for the optimizer (its math must be elementwise)."""
 
 
 class NotPooledError(FlatStepError, ValueError):
-    """A parameter is not where a flat step needs it: outside every given pool, or not one
-    contiguous run of its slice."""
+    """A parameter is outside every given pool, or not one contiguous run of its slice."""
 
 
 class LostPlaceError(FlatStepError, RuntimeError):
-    """Kept for code that catches it: no longer raised. Since issue 30 a member that left its
-    pooled place (``to_empty``, ``load_state_dict(assign=True)``, a framework's own
-    re-materialization) is stepped by torch's own step, with a ``FlatStepWarning``, until it is
-    back in its pool."""
+    """Kept for code that catches it, no longer raised: a member that left its pooled place is
+    stepped by torch's own step, with a ``FlatStepWarning``."""
 
 
 __all__ = ["FlatStepError", "LostPlaceError", "NotPooledError", "UnsupportedOptimizerError"]

@@ -1,12 +1,4 @@
-"""``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step.
-
-Set up once over a torch optimizer whose parameters were adopted into pools. From then on
-``optimizer.step()`` itself is the flat step (:mod:`._dropin`): before every step the plan is
-checked against the optimizer and its pools (:mod:`._plan`), and each group is stepped flat, or
-by torch's own step per parameter, as torch's state decides (:mod:`._stepper`). Gradients are
-pooled with torch's ``.grad`` semantics and memory (:mod:`._grads`), optimizer state per
-parameter in companion pools (:mod:`._state`).
-"""
+"""``FlatOptimizer``: torch's optimizer, stepped flat where that is exactly torch's step."""
 
 from __future__ import annotations
 
@@ -80,10 +72,7 @@ class FlatOptimizer:
         pools: the pools holding the parameters, or a function returning them now (the HSDP
             layer's pools can appear later: :func:`flatpool.integrations.hsdp.flat_optimizer`).
         module: when given, a hook on its outputs installs zeroed pooled gradients when a
-            backward pass reaches them (for parameters that require grad and have none), so the
-            backward writes into the pool; those nothing wrote to are given back as ``None`` when
-            the backward ends. Its forward pre-hook checks the plan (members put back into their
-            pools).
+            backward reaches them, so it writes into the pool; a forward pre-hook checks the plan.
         fused: for groups created with ``fused=True``: ``"foreach"`` (default) runs the foreach
             math, bit-identical to ``foreach=True``; ``"fused"`` runs torch's fused kernel over
             the flat tensors (not bit-identical to fused per parameter; see docs/optim.md).
@@ -123,8 +112,7 @@ class FlatOptimizer:
         self.verify = verify
         self.module = module
         self.replans = 0
-        """How many times the plan was made again after setup (its pools, groups, state object
-        or a member's place changed)."""
+        """How many times the plan was made again after setup."""
         self.reasons: dict[int, str] = {}
         """Why (part of) a param group is stepped by torch's own step, per group."""
         self._said: set[tuple[int, str]] = set()
@@ -136,9 +124,7 @@ class FlatOptimizer:
         guarded_call(lambda: self._setup(first_pools), gc_paused())
 
     def _setup(self, pools: list[FlatPool]) -> None:
-        """Plan, pool what the members hold, install: everything others see changes in one
-        journaled commit (:mod:`._journal`). The gc is paused: setup makes tens of thousands of
-        small objects, and each automatic collection would walk all of them."""
+        """Plan, pool what the members hold, install, in one journaled commit (:mod:`._journal`)."""
         self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
         with committed() as journal:
             self._absorb_existing(journal.set_attr, journal.set_item)
@@ -175,8 +161,7 @@ class FlatOptimizer:
         return pools
 
     def _adopt_plan(self, plan: Plan) -> None:
-        """Make ``plan`` current: new companion pools (old state is copied over from the entries
-        that still hold it), new gradient bookkeeping, warnings for what is not flat."""
+        """Make ``plan`` current, with new companions and gradients; warn about what is not flat."""
         companions = Companions()
         sparse = self._sparse_params()
         grads = Grads(plan.members)
@@ -207,8 +192,7 @@ class FlatOptimizer:
                  FlatStepWarning, past_torch=True)
 
     def _sparse_params(self) -> set[int]:
-        """Parameters that get sparse gradients: the weights of the module's sparse embeddings,
-        and those seen with one."""
+        """Parameters of the module's sparse embeddings, and those seen with a sparse gradient."""
         now: _Current | None = getattr(self, "_now", None)
         found = {id(now.grads.params[i]) for i in now.grads.sparse} if now is not None else set()
         if self.module is not None:
@@ -227,8 +211,7 @@ class FlatOptimizer:
 
     def _absorb_existing(self, set_attr: Callable[[Any, str, Any], None] = setattr,
                          set_item: Callable[[dict[Any, Any], str, Any], None] = plain_assign) -> None:
-        """Copy every gradient and every state entry the members already have into the pools
-        and rebind them (setup, and after a re-plan)."""
+        """Copy the members' existing gradients and state entries into the pools and rebind them."""
         plan, grads, state = self._plan, self.grads, self.state
         absorb = [i for i, m in enumerate(plan.members) if m.param.grad is not None
                   and unpoolable(m.param.grad, m) is None]
@@ -254,8 +237,7 @@ class FlatOptimizer:
         self._absorb_existing()
 
     def readopt(self) -> None:
-        """Plan again now and copy current gradients and state into the pooled places (the
-        step does this by itself whenever something it relies on changed)."""
+        """Plan again now (the step does this by itself when something it relies on changed)."""
         self.grads.settle()
         guarded_call(lambda: self._replan(self._current_pools()), gc_paused())
         self.replans += 1
@@ -279,8 +261,7 @@ class FlatOptimizer:
         return [g for g, gp in enumerate(self._plan.groups) if gp.lo == gp.hi]
 
     def buffers(self) -> dict[str, list[FlatPool]]:
-        """The companion pools: ``{"grad": [...], "state": [...]}`` (state includes the step
-        pools; gradient pools exist from a backward (or a step) to ``zero_grad()``)."""
+        """The companion pools: ``{"grad": [...], "state": [...]}`` (state includes the steps)."""
         return {"grad": self.grads.pools(), "state": self.state.pools()}
 
     # -- hooks ------------------------------------------------------------------------------
@@ -301,9 +282,7 @@ class FlatOptimizer:
                 t.register_hook(self._backward_started)  # type: ignore[no-untyped-call]
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        """The backward reached the module's output: before any gradient of its parameters is
-        made, install the pooled views (so nothing but a running backward ever sees one that
-        nothing wrote to), and settle them when the backward ends."""
+        """Install the pooled views before any gradient is made; settle them when it ends."""
         if not self._backward_queued and not self._closed:
             self._backward_queued = True
             self.grads.install_missing()
@@ -337,9 +316,7 @@ class FlatOptimizer:
             self.grads.release()
 
     def close(self) -> None:
-        """Give the optimizer its own ``step`` and ``zero_grad`` back and remove the hooks.
-        Each parameter keeps its own state tensors (views of the pools), which torch's step
-        updates in place."""
+        """Give the optimizer its own ``step`` and ``zero_grad`` back and remove the hooks."""
         if self._closed:
             return
         self.grads.settle()
@@ -352,13 +329,9 @@ class FlatOptimizer:
     # -- gradient norm ----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False, exact: bool = True) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)`` over the
-        optimizer's parameters (in param_groups order): the same norm and the same scaled
-        gradients bit for bit, the pooled ones scaled once per run (:mod:`._clip`).
+        """``torch.nn.utils.clip_grad_norm_(params, ..., foreach=True)``, bit for bit.
 
-        ``exact=False``: the norm is taken over the flat gradient ranges (one norm a run), equal
-        up to rounding (docs/optim.md gives the measured difference); single-process plain
-        tensors only.
+        ``exact=False`` takes one norm a flat run (equal up to rounding; plain tensors only).
         """
         with torch.no_grad():
             self.grads.settle()
@@ -383,9 +356,7 @@ class FlatOptimizer:
         return total
 
     def _grad_runs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The gradients to scale: pooled ones of float32/float64 members as flat ranges (runs of
-        adjacent members that all have one; gradients installed elsewhere are absorbed first),
-        every other gradient as it is."""
+        """The gradients to scale: pooled ones as flat ranges, every other one as it is."""
         if self._closed:
             return [], [g for p in self.optimizer.param_groups for g in map(_grad_of, p["params"])
                         if g is not None]

@@ -1,28 +1,10 @@
 """Pooled gradients with torch's ``.grad`` semantics and torch's memory.
 
-Every member's ``.grad`` is a view of one gradient pool per parameter pool (``<pool>/grad``, the
-member at its own offset), so the flat step and the flat clip read one range per segment.
-Autograd and FSDP2 add into an existing ``.grad`` in place (FSDP2: ``grad._local_tensor +=
-reduce-scatter output``), so a zeroed view installed when a backward pass starts (a hook on the
-module's output fires before any parameter's gradient is made) makes the backward write
-straight into the pool. Three rules keep this torch's ``.grad``:
-
-* **Written or not.** A pre-installed view that nothing wrote to would make a parameter that
-  took no part in the backward (unused, frozen) look like one with a zero gradient, which torch
-  steps (weight decay, momentum) where it skips ``None``. Each view is a base-less tensor with a
-  version counter of its own, bumped by every in-place write (autograd's accumulation, FSDP2's
-  ``+=``); :meth:`Grads.settle` gives the views still at their install-time version back as
-  ``None``. It runs when a backward pass ends (an autograd final callback, after FSDP2's), and
-  before anything else reads gradients through the flat optimizer (step, clip, ``zero_grad``).
-* **Only for parameters that require grad**: a frozen parameter gets no view.
-* **Memory like torch.** The gradient pool holds no slices and nothing but the installed views
-  refers to its storage, so when ``zero_grad(set_to_none=True)`` drops every ``.grad``,
-  :meth:`Grads.release` drops the pool and the storage is freed (one block); the next forward
-  makes one block again. With ``set_to_none=False`` torch zeroes the views in place.
-
-A gradient installed elsewhere (autograd made one, the user assigned one, ``.grad.data = x``)
-is copied into its place at the next step (:meth:`Grads.absorb`) and its own storage dies with
-its last reference.
+Each ``.grad`` is a view of ``<pool>/grad`` installed zeroed when a backward starts, so autograd
+and FSDP2 (which add in place) write straight into the pool. Views nothing wrote to (their own
+version counter unchanged) go back to ``None`` (:meth:`Grads.settle`), as torch skips ``None``;
+frozen parameters get none; the pool dies with ``zero_grad(set_to_none=True)``. A gradient
+installed elsewhere is copied in at the next step (:meth:`Grads.absorb`).
 """
 
 from __future__ import annotations
@@ -69,8 +51,7 @@ class Grads:
         self._all_placed = False
         """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
-        """Pre-installed views not known to be written: member indices, install-time versions
-        (one attribute, replaced whole: an interrupt never leaves the two lists apart)."""
+        """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -90,9 +71,7 @@ class Grads:
         return made, True
 
     def range(self, seg: Segment, start: int, n: int) -> torch.Tensor:
-        """``n`` elements of a segment's gradients from byte ``start`` (its members there have
-        pooled gradients, so the gradient pool exists): a slice of the segment's range, made
-        once per gradient pool."""
+        """``n`` elements of a segment's gradients from byte ``start`` (members there pooled)."""
         key = id(seg)
         flat = self._flat.get(key)
         if flat is None:
@@ -103,8 +82,7 @@ class Grads:
 
     # -- views -----------------------------------------------------------------------------
     def _place(self, indices: Iterable[int]) -> list[int]:
-        """Give each member a new view at its place; returns the indices whose place was not
-        known to be zero (their pool already existed)."""
+        """Give each member a new view; returns those whose place was not known to be zero."""
         dirty = []
         by_pool: dict[int, list[int]] = {}
         for i in indices:
@@ -124,9 +102,8 @@ class Grads:
         return dirty
 
     def install_missing(self) -> None:
-        """When a backward starts: a zeroed view for every member that requires grad and has none
-        (not for those that get sparse gradients: accumulating one into a dense view would
-        make it dense)."""
+        """A zeroed view for every member that requires grad and has none (not sparse ones:
+        accumulating into a dense view would make them dense)."""
         sparse = self.sparse
         todo = [i for i, (g, rg) in enumerate(zip(map(_grad_of, self.params),
                                                   map(_requires_grad_of, self.params)))
@@ -144,8 +121,7 @@ class Grads:
             self.params[i].grad = self.objs[i]
 
     def settle(self) -> None:
-        """Give every pre-installed view nothing wrote to back as ``None`` (torch's state: no
-        gradient reached the parameter). C-level passes; a loop only over those given back."""
+        """Give every pre-installed view nothing wrote to back as ``None``, as torch has it."""
         at, versions = self.unwritten
         if not at:
             return
@@ -169,9 +145,8 @@ class Grads:
 
     def absorb(self, indices: Sequence[int],
                assign: Callable[[Any, str, Any], None] = setattr) -> None:
-        """Copy each member's gradient (installed elsewhere) into its place and install the
-        pooled view instead; values first, then the rebinding (an interrupt between leaves the
-        old gradient installed, copied again next time)."""
+        """Copy each member's foreign gradient into its place, then install the pooled view
+        (values first: an interrupt between leaves the old gradient, copied again next time)."""
         if not indices:
             return
         src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
@@ -185,8 +160,7 @@ class Grads:
             assign(self.params[i], "grad", self.objs[i])
 
     def pooled(self, lo: int, hi: int) -> list[bool]:
-        """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, at its place (not moved
-        by ``.grad.data = x`` or a rebound DTensor local). C-level passes when all are."""
+        """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, still at its place."""
         objs = self.objs[lo:hi]
         same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
@@ -208,8 +182,7 @@ class Grads:
         return _data_ptr(local) == self.addrs[i]
 
     def release(self) -> bool:
-        """Drop the gradient pools and the views when no member has a gradient: their memory is
-        freed unless someone else still holds a gradient (as with torch's own gradients)."""
+        """Drop the gradient pools and views when no member has a gradient (freed as torch's)."""
         if not all(map(_is_none, map(_grad_of, self.params))):
             return False
         self._all_placed = False
@@ -224,8 +197,7 @@ class Grads:
 
 
 def unpoolable(grad: torch.Tensor, m: Member) -> str | None:
-    """Why a gradient installed elsewhere cannot be copied into ``m``'s place (torch's own step
-    then handles the group: Adam refuses a sparse gradient, SGD steps it), or ``None``."""
+    """Why a foreign gradient cannot be copied into ``m``'s place (torch steps it), or ``None``."""
     local = local_tensor(grad)
     if local.layout != torch.strided:
         return f"a {local.layout} gradient"

@@ -1,12 +1,8 @@
-"""All-or-nothing changes to objects others can see (the optimizer, its state, ``.grad``s, a
-module's hooks): every change is recorded *before* it is made, so :meth:`Journal.rollback`
-puts back exactly what was there, wherever an exception (a Ctrl-C included) landed; each undo
-is absolute (it sets the old value), so running it twice is harmless.
+"""All-or-nothing changes to objects others can see (optimizer, state, ``.grad``s, hooks).
 
-:func:`committed` runs a commit with signals deferred (the engine's
-:func:`flatpool.ownership._interrupts.signals_guarded`, never opened): a real Ctrl-C arrives
-after the commit or after its rollback, never half-way; an exception raised inside it anyway
-(a failing setter, a tracer) rolls everything back.
+Each change is recorded before it is made and each undo sets the old value, so rollback is
+exact wherever an exception (Ctrl-C included) landed, and harmless twice. :func:`committed`
+runs with signals deferred, so a Ctrl-C lands after the commit or after its rollback.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ class Journal:
         setattr(obj, name, value)
 
     def add_hook(self, hooks: dict[Any, Any], fn: object, register: Callable[[], object]) -> None:
-        """``register()`` adds ``fn`` to ``hooks`` (a module's hook dict); undo removes every
-        entry holding ``fn``."""
+        """``register()`` adds ``fn`` to ``hooks``; undo removes every entry holding ``fn``."""
 
         def undo() -> None:
             for k in [k for k, v in hooks.items() if v is fn]:
@@ -60,10 +55,7 @@ class Journal:
 
 @contextmanager
 def committed() -> Iterator[Journal]:
-    """A journal whose changes stand only if the block finishes (module doc). A signal deferred
-    during the block is delivered when it ends; if that raises, the changes are rolled back too
-    (the caller sees the interrupt and an unchanged world). The journal, and the old values it
-    holds, go when the block's context manager does."""
+    """A journal whose changes stand only if the block finishes, a deferred signal included."""
     journal = Journal()
     try:
         with signals_guarded():  # never opened: signals wait until the block or rollback ends

@@ -5,15 +5,9 @@ Glossary (the other modules cite these names):
 * A **member** is a parameter of a param group whose data (its local tensor, for a DTensor) is
   one contiguous run of elements inside a live slice of one of the given pools.
 * A **segment** is a maximal sequence of members of one param group, pool and dtype, in storage
-  order, where each next member's slice follows the previous one's with no byte between them
-  that any slice could ever occupy: only *alignment padding*, the bytes before the next multiple
-  of the pool's alignment, where no slice can start (every slice starts at a multiple of it).
-  A flat kernel steps a segment's byte range: its members' elements, the padding inside their
-  own slices (FSDP2's uneven shards) and that alignment padding. A free gap or another slice
-  ends a segment: its bytes belong to someone else, or may later.
-
-Places are looked up by storage identity (one dictionary of the pools' storages), so planning is
-linear in the number of parameters whatever the number of pools.
+  order, with nothing between consecutive slices but *alignment padding* (bytes where no slice
+  can ever start). A flat kernel steps its whole byte range; a free gap or another slice ends
+  it, as those bytes belong, or may later, to someone else.
 """
 
 from __future__ import annotations
@@ -31,10 +25,8 @@ from ..pool import FlatPool
 from ..slices import Slice
 
 FLAT_DTYPES = (torch.float32, torch.float64)
-"""Dtypes whose flat step is bit-identical to the per-parameter one. torch's CPU kernels compute
-a float16/bfloat16 ``add(x, y, alpha=a)`` differently in the vectorized body (32 elements a
-vector) and in the scalar tail, so an element's result depends on its position in its tensor
-(see docs/optim.md); members of other dtypes are stepped per parameter by torch's own step."""
+"""Dtypes whose flat step is bit-identical to the per-parameter one: torch's CPU half-precision
+kernels round differently in the vectorized body and the scalar tail (docs/optim.md)."""
 
 
 @define(frozen=True, eq=False)
@@ -81,8 +73,7 @@ class Segment:
 
 
 class Places:
-    """The given pools, found by the identity of their storages; a slice by bisecting the
-    pool's slice starts (read once per plan)."""
+    """The given pools by storage identity (planning stays linear); a slice by bisection."""
 
     def __init__(self, pools: Sequence[FlatPool]) -> None:
         self.pools = list(pools)
@@ -128,10 +119,8 @@ class Places:
 
 def plan_group(g: int, group: dict[str, Any], places: Places,
                taken: dict[tuple[int, int], Member]) -> tuple[list[Member], dict[int, str]]:
-    """The members of ``param_groups[g]``, and ``{index in the group: reason}`` for its
-    parameters that have no flat place (they are stepped per parameter). ``taken`` maps
-    ``(id(pool), slice_id)`` to the member holding it, across groups: a second parameter on
-    one slice is not a member."""
+    """The members of ``param_groups[g]``, and why each other parameter has no flat place.
+    ``taken``: ``(id(pool), slice_id)`` to its member, across groups (one member a slice)."""
     members: list[Member] = []
     others: dict[int, str] = {}
     for i, p in enumerate(group["params"]):
@@ -172,8 +161,7 @@ def segments_of(members: Sequence[Member]) -> list[Segment]:
 
 
 def _adjacent(a: Member, b: Member) -> bool:
-    """No slice can ever start between ``a``'s slice and ``b``'s: no multiple of the pool's
-    alignment lies in ``[a.slice.end, b.slice.offset)``."""
+    """No multiple of the pool's alignment lies in ``[a.slice.end, b.slice.offset)``."""
     align = a.pool.alignment
     if b.slice.offset < a.slice.end:
         return False

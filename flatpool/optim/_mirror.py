@@ -1,12 +1,7 @@
 """``mirror``: a zeroed pool with another pool's byte layout, for gradients and optimizer state.
 
-A flat step is one kernel over a byte range of the parameter pool and the *same* byte range of
-each companion buffer (gradient, ``exp_avg``, ...). That holds when every companion pool puts
-each slice at exactly the parameter pool's offset. The allocator offers no "allocate at", so the
-mirror is planned with ``alignment=1`` in offset order, free gaps filled with ``uint8`` filler
-slices: each request then starts where the previous one ended, which is the original offset.
-Filler bytes stay zero, and zeros are a fixed point of every elementwise rule flatpool steps
-(zero gradient, zero state, zero parameter stay zero), so gaps inside a flat range are inert.
+The allocator has no "allocate at", so requests are made with ``alignment=1`` in offset order
+with ``uint8`` fillers in the gaps; fillers stay zero, a fixed point of every flat rule.
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from ..slices import Slice
 
 
 def mirror(pool: FlatPool, name: str) -> tuple[FlatPool, dict[int, Slice]]:
-    """A materialized, zeroed pool of ``pool.capacity`` bytes with ``pool``'s slices at the same
-    offsets; returns it and ``{slice_id of pool: slice of the mirror}``."""
+    """A zeroed pool with ``pool``'s slices at the same offsets, and ``{slice_id: its slice}``."""
     slices = sorted(pool.slices(), key=lambda s: s.offset)
     requests: list[tuple[tuple[int, ...], torch.dtype]] = []
     owners: list[int | None] = []

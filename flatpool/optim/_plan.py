@@ -1,10 +1,7 @@
 """The plan of a flat optimizer, and whether it still describes the optimizer and its pools.
 
-A plan records what planning read: the pools (their storages, capacities and layouts), the
-optimizer's ``state`` object, its param groups (each group dict, its params, its options that
-decide flat-ability and which state exists) and where each member's data lies. :func:`stale`
-compares all of it with the present in C-level passes and says what changed; the flat optimizer
-then plans again (``replans``). Nothing here changes the optimizer or a tensor.
+:func:`stale` compares what planning read with the present and says what changed; nothing here
+changes the optimizer or a tensor.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ _data_ptr = torch.Tensor.data_ptr
 _local_of = operator.attrgetter("_local_tensor")
 
 PLACE_REASONS = ("in none of the given pools", "in pool ", "a meta tensor")
-"""Non-member reasons that change when a framework puts the tensor (back) into a pool: such
-parameters are looked up again at every step (torchtitan builds the optimizer before the first
-forward puts the shards back)."""
+"""Reasons that change when a framework puts the tensor (back) into a pool: looked up again at
+every step (torchtitan builds the optimizer before the first forward)."""
 
 
 @define
@@ -63,8 +59,7 @@ class Plan:
     members: list[Member]
     segments: list[Segment]
     by_pool: dict[int, tuple[list[int], list[Any]]]
-    """Per pool: its members' slice ids and slices (checked live when the pool's
-    ``live_version`` moved)."""
+    """Per pool: its members' slice ids and slices (checked when ``live_version`` moved)."""
     all_params: list[torch.Tensor] = field(factory=list)
     """Every group's params, one list (one identity pass checks them all)."""
     member_params: list[torch.Tensor] = field(factory=list)

@@ -1,12 +1,7 @@
-"""The flat rule of each supported optimizer: which state it keeps, when torch makes it, and one
-call of torch's own functional kernel over lists of tensors (one flat tensor each for a flat
-step).
+"""The flat rule of each supported optimizer: its state, and one call of torch's functional kernel.
 
-Only elementwise optimizers have a rule: their step over a concatenation equals the
-concatenation of their steps, so torch's kernel over one flat float32/float64 tensor computes,
-element for element, what it computes over the parameters one by one (measured bit-identical;
-the tests hold it to ``torch.equal``). The kernel runs in the form torch itself picks for the
-group (foreach or the for-loop, :func:`flatpool.optim._torch.foreach_choice`).
+Only elementwise optimizers have one: their step over a concatenation is the concatenation of
+their steps (the tests hold it to ``torch.equal``).
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class Rule(Protocol):
     """The state has a per-parameter ``step`` count."""
 
     made_by_kernel: bool
-    """New state is made by the kernel from the gradient (SGD's momentum buffer is a clone of
-    the first gradient), not as zeros before it (Adam)."""
+    """New state is made by the kernel (SGD's momentum), not as zeros before it (Adam)."""
 
     def kinds(self, group: dict[str, Any]) -> tuple[str, ...]:
         """State tensors shaped like the parameter, for this param group, in torch's order."""
@@ -49,15 +43,13 @@ class Rule(Protocol):
         ...
 
     def arguments(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """The group options :meth:`run` passes to the kernel (groups with equal ones can share
-        one kernel call)."""
+        """The group options :meth:`run` passes to the kernel (equal ones share a call)."""
         ...
 
     def run(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
             state: State, steps: list[Tensor], *, foreach: bool, fused: bool,
             grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        """One step of ``group``'s math over these lists (torch's functional kernel); a ``None``
-        state entry is made by the kernel and left in ``state``."""
+        """One step of torch's functional kernel; a ``None`` state entry is made by it."""
         ...
 
 
@@ -152,8 +144,7 @@ def rule_for(opt: torch.optim.Optimizer) -> Rule:
 
 
 def group_refusal(group: dict[str, Any]) -> str | None:
-    """Why a param group's options make every flat step other than torch's, or ``None``: such a
-    group is stepped by torch's own step, per parameter."""
+    """Why a param group's options make a flat step differ from torch's, or ``None``."""
     for key in ("capturable", "differentiable"):
         if group.get(key):
             return f"{key}=True: the flat step runs the non-capturable, non-differentiable kernel"

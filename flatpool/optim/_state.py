@@ -1,20 +1,8 @@
 """Pooled optimizer state: each member's state entries are views of its companion pools.
 
-``optimizer.state`` stays what torch reads and writes: keyed per parameter, one dict per
-parameter, each entry a tensor of its own (a view of the member's place in
-``<pool>/<kind>``, a DTensor for a DTensor parameter; ``step`` a 0-d view of the member's
-element of ``<pool>/step``). So ``state_dict()``, ``load_state_dict``, ``deepcopy``,
-``torch.save`` and DCP see per-parameter state, and torch's own step (for the parameters the
-flat step leaves to it) updates the pooled views in place.
-
-Before every flat step :meth:`State.all_pooled` compares each entry with the view it expects
-(identity, C-level passes); on a mismatch :meth:`State.classify` looks at the member. An entry
-torch or the user replaced (a ``load_state_dict``, ``opt.state[p]["exp_avg"] = t``, state torch
-made on its own step) is *adopted*: its values are copied into the member's place and the entry
-rebound to the pooled view, values first (an interrupt in between leaves the user's tensor,
-adopted again next time). A parameter without state gets it as torch would make it at this
-step (:meth:`State.make_fresh`). Anything else (a missing key, a tensor of another shape or
-dtype) is torch's to handle: the group is stepped by torch's own step.
+``optimizer.state`` stays per parameter, so ``state_dict``, ``deepcopy`` and DCP see torch's
+shape. An entry torch or the user replaced is adopted (values copied in, then the entry rebound,
+so an interrupt between leaves the user's tensor); anything else is torch's to step.
 """
 
 from __future__ import annotations
@@ -48,8 +36,7 @@ Entry = tuple[int, str, torch.Tensor]
 
 
 class State:
-    """The pooled state of ``members`` (every member of every group, in plan order);
-    ``groups[i]`` is member ``i``'s param group."""
+    """The pooled state of ``members`` (plan order); ``groups[i]`` is member ``i``'s group."""
 
     def __init__(self, opt: torch.optim.Optimizer, rule: Rule, members: Sequence[Member],
                  groups: Sequence[dict[str, Any]], companions: Companions) -> None:
@@ -72,8 +59,7 @@ class State:
             self._plan_steps(groups)
 
     def _plan_steps(self, groups: Sequence[dict[str, Any]]) -> None:
-        """Each member's element of its pool's step companion, of the dtype and device torch
-        gives its group's step tensors (CPU, its scalar dtype; the device for ``fused``)."""
+        """Each member's element of a step companion of torch's step dtype and device."""
         by_pool: dict[int, list[int]] = {}
         for i, m in enumerate(self.members):
             by_pool.setdefault(id(m.pool), []).append(i)
@@ -104,8 +90,7 @@ class State:
         return got
 
     def ensure(self, kind: str, indices: Sequence[int]) -> None:
-        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet (a few
-        calls per pool: :func:`flatpool.optim._companions.views`)."""
+        """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet."""
         entries, locals_ = self._kind(kind)
         todo = [i for i in indices if entries[i] is None]
         if not todo:
@@ -169,15 +154,11 @@ class State:
         return True
 
     def begin(self) -> None:
-        """Before a step's checks: whether ``optimizer.state`` still maps every member to the dict
-        recorded for it (one look for all groups; updates made while preparing the step keep
-        it true, as they record the dict ``optimizer.state`` holds)."""
+        """Before a step's checks: one look for all groups at whether the state dicts changed."""
         self._unchanged = self._dicts_unchanged()
 
     def _dicts_unchanged(self) -> bool:
-        """``optimizer.state`` maps the same parameters to the same dict objects as when last
-        seen (C-level identity passes over its keys and values: no tensor is hashed), so each
-        member's dict is the one recorded in :attr:`dicts`."""
+        """``optimizer.state`` maps each member to its dict in :attr:`dicts` (no tensor hashed)."""
         state = self.opt.state
         keys, values = list(state.keys()), list(state.values())
         seen = self._seen
@@ -193,8 +174,7 @@ class State:
         return False
 
     def pooled_groups(self, spans: Sequence[tuple[int, int, dict[str, Any]]]) -> list[bool]:
-        """:meth:`all_pooled` of each ``(lo, hi, group)``, with one pass per state key over
-        every member when the groups keep the same keys."""
+        """:meth:`all_pooled` of each ``(lo, hi, group)``, one pass per key when keys agree."""
         keys = {self.keys(g) for _, _, g in spans}
         if self._unchanged and len(keys) == 1:
             ok = [True] * len(self.members)
@@ -212,9 +192,8 @@ class State:
         return [self.all_pooled(lo, hi, g) for lo, hi, g in spans]
 
     def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
-        """Member ``i`` (which has a gradient this step): :data:`POOLED` (entries to adopt added
-        to ``adopt``), :data:`FRESH` (torch makes its state now), or why torch's own step must
-        handle it."""
+        """Member ``i``: :data:`POOLED` (entries to adopt added to ``adopt``), :data:`FRESH`, or
+        why torch's own step must handle it."""
         st = self.opt.state.get(self.params[i])
         if self.rule.fresh(st, group):
             return FRESH
@@ -240,8 +219,7 @@ class State:
         return POOLED
 
     def existing(self, indices: Sequence[int], group: dict[str, Any]) -> list[Entry]:
-        """The adoptable entries members ``indices`` hold now (setup, and after a re-plan; a
-        member whose state torch must handle keeps it as it is)."""
+        """The adoptable entries members ``indices`` hold now."""
         state = self.opt.state
         keys = self.keys(group)
         sts: list[tuple[int, dict[str, Any]]] = [
@@ -303,8 +281,7 @@ class State:
             self.dicts[i] = state[self.params[i]]
 
     def make_fresh(self, indices: Sequence[int], group: dict[str, Any]) -> None:
-        """Adam's state as torch makes it at a parameter's first step (step 0, zeros), in the
-        members' places; each member's entries appear at once (one ``dict.update``)."""
+        """State as torch makes it at a first step (zeros), each member's entries at once."""
         keys = self.keys(group)
         for k in keys:
             self.ensure(k, indices)

@@ -1,21 +1,9 @@
 """One optimizer step, decided by torch's own state, group by group.
 
-:meth:`Stepper.prepare` reads what torch reads (each member's ``.grad``, its
-``optimizer.state`` entries) and decides, per param group:
-
-* **flat**: the group's members with a gradient, in runs of adjacent members whose state is
-  pooled (or made now, as torch would make it) and whose ``step`` counts agree, each run one
-  call of torch's functional kernel over one flat tensor per list;
-* **torch's own step** for the rest of the group, per parameter (a sub-group of the same
-  options): parameters outside the pools, members whose dtype has no exact flat form
-  (:data:`flatpool.optim._layout.FLAT_DTYPES`); and for the *whole* group when its options, a
-  gradient (sparse, another shape) or its state (a missing key, a tensor of another dtype) are
-  torch's to handle, so torch's own step raises or handles it exactly as without flatpool.
-
-Gradients and state installed elsewhere are adopted on the way (copied into the pooled places).
-Members without a gradient are skipped, as torch skips them. Nothing is stepped until every
-group is prepared; :meth:`Stepper.run` then steps the groups in order, torch's part of a group
-first (if it raises, nothing of that group was stepped).
+Each group is stepped flat in runs of adjacent pooled members, and by torch's own step for the
+rest; a whole group goes to torch when its options, a gradient or its state are torch's to
+handle, so torch raises or handles it exactly as without flatpool. Nothing is stepped until
+every group is prepared.
 """
 
 from __future__ import annotations
@@ -115,8 +103,7 @@ class Stepper:
 
     def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
                ) -> GroupWork | str:
-        """``on``: per member, its gradient is pooled; ``state_pooled``: every member's state
-        entries are its pooled views."""
+        """``on``: per member, its gradient is pooled; ``state_pooled``: all state is."""
         group, lo, hi = gp.group, gp.lo, gp.hi
         grads, members = self.grads, self.plan.members
         everyone = all(on)
@@ -191,10 +178,7 @@ class Stepper:
 
     # -- stepping ---------------------------------------------------------------------------
     def run(self, works: list[GroupWork]) -> None:
-        """Step every group in order: torch's part of a group (after the flat runs of the groups
-        before it), then its runs. Runs of groups whose kernel arguments are equal go to torch's
-        kernel together, as lists of flat tensors (one Python call of the kernel for many runs;
-        each tensor is stepped on its own, with its own step count)."""
+        """Step every group in order, torch's part first; equal kernel arguments share a call."""
         batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
         try:
             for w in works:
@@ -230,9 +214,8 @@ class Stepper:
                 opt.param_groups = saved
 
     def _range(self, r: Run, kind: str) -> torch.Tensor:
-        """The run's range of a state companion (a slice of the segment's, made once per plan)
-        or of the parameter pool (a slice of its byte buffer, held for this step only: a view
-        kept past it would pin the storage a relocation of the pool must prove dead)."""
+        """The run's range of a companion, or of the parameter pool (held for this step only: a
+        view kept past it would pin the storage a relocation must prove dead)."""
         seg = r.seg
         if kind == "param":
             buf = self._param_bufs.get(id(seg.pool))
@@ -249,10 +232,8 @@ class Stepper:
         return flat if n == seg.numel else flat[a:a + n]
 
     def _written(self, runs: list[Run]) -> list[torch.Tensor]:
-        """The tensors torch's own step would have written in place: each run's parameters and
-        a wrapper's local tensor. The flat kernel wrote the pool instead, so their version
-        counters are bumped as torch's in-place writes would: a graph that saved one then
-        refuses to run backward, as with torch, instead of using the new values silently."""
+        """What torch's step would have written in place: their version counters are bumped, so
+        a graph that saved one refuses backward as with torch instead of using new values."""
         members = self.plan.members
         params = [members[i].param for r in runs for i in r.members]
         return params + [t for p, t in zip(params, map(local_tensor, params)) if t is not p]

@@ -1,12 +1,7 @@
 """The private torch APIs the flat optimizer reads, each behind one named function.
 
-torch's optimizer is the flat optimizer's source of truth, so it follows torch's own decisions
-rather than re-deriving them: which kernel a group runs (``_default_to_fused_or_foreach``), the
-dtype of a new ``step`` (``_get_scalar_dtype``), the step without its hook wrapper (to run a
-group per parameter inside a step whose hooks already ran). DTensor views of pooled memory are
-made with DTensor's own constructor from the parameter's spec (``from_local`` costs about 150 us
-a tensor; the constructor 3 us), and the end of a backward pass is found with the autograd
-engine's final callbacks, as FSDP2 finds it.
+The flat optimizer follows torch's own decisions (kernel choice, ``step`` dtype) rather than
+re-deriving them.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ StepFn = Callable[..., Any]
 
 
 def raw_step(opt: torch.optim.Optimizer) -> StepFn:
-    """``type(opt).step`` without torch's hook wrapper (``Optimizer.profile_hook_step``), called
-    as ``raw_step(opt)(opt, closure)``: the group-per-parameter part of a step whose hooks ran."""
+    """``type(opt).step`` without torch's hook wrapper, for a step whose hooks already ran."""
     step = type(opt).step
     if getattr(step, "hooked", False):
         return cast(StepFn, getattr(step, "__wrapped__", step))
@@ -36,15 +30,12 @@ def raw_step(opt: torch.optim.Optimizer) -> StepFn:
 
 
 def with_step_hooks(body: StepFn) -> StepFn:
-    """``body(opt, *args, **kwargs)`` wrapped as torch wraps every optimizer's ``step``: the
-    global and the optimizer's pre-hooks (which may replace the arguments), the profiler's
-    record, ``_optimizer_step_code`` and the post-hooks, each exactly once."""
+    """``body`` wrapped as torch wraps every optimizer's ``step`` (hooks, profiler record)."""
     return Optimizer.profile_hook_step(body)
 
 
 def foreach_choice(params: list[torch.Tensor], group: dict[str, Any]) -> bool:
-    """Whether torch's functional kernel runs its foreach form for ``group``'s step over
-    ``params`` (its own resolution of ``foreach=None``)."""
+    """Whether torch's kernel runs its foreach form for ``group`` (torch's own resolution)."""
     if group.get("foreach") is not None:
         return bool(group["foreach"])
     if group.get("fused"):
@@ -64,8 +55,7 @@ def step_dtype(fused: bool) -> torch.dtype:
 
 
 def after_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward pass has finished (after every final
-    callback queued so far, FSDP2's last reduce-scatter included)."""
+    """Run ``callback`` after the running backward's final callbacks queued so far (FSDP2's)."""
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(callback)
 

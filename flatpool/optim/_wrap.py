@@ -1,12 +1,7 @@
 """Give a pooled local view the parameter's own tensor type (a DTensor for a DTensor).
 
-A HyperParallel-style DTensor (a ``_make_subclass`` wrapper sharing its local tensor's storage,
-rebuilt by ``type(p).from_local(local, p._layout)``, as the shipped simulation's) is wrapped the
-same way.
-
-Gradients and optimizer state of a DTensor parameter are DTensors with its mesh and placements;
-DCP, ``get_optimizer_state_dict`` and FSDP2's gradient accumulation (it adds into
-``grad._local_tensor``) rely on it, so the pooled views are wrapped the same way.
+DCP, ``get_optimizer_state_dict`` and FSDP2's gradient accumulation rely on gradients and state
+being DTensors like their parameter.
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from ._errors import NotPooledError
 
 
 def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as ``param``'s kind of tensor: itself for a plain tensor, a DTensor with
-    ``param``'s mesh, placements, global shape and stride for a DTensor."""
+    """``local`` as ``param``'s kind of tensor (a DTensor with its spec for a DTensor)."""
     if is_dtensor(param):
         return dtensor_like(param, local)
     if local_tensor(param) is not param:

@@ -1,13 +1,7 @@
 """All-gather a whole bucket in one collective and cut the result into full parameters.
 
-With a group's shards adopted into one flat buffer per dtype, the all-gather input is that
-buffer as it stands: no copy-in of N shards. Each rank's contribution to the output is then a
-row of ``numel`` elements in the flat buffer's layout; a member's full parameter is its column
-range from every row, concatenated along the shard dimension and cut back to the original size
-(FSDP pads only the trailing ranks, so the padding is always at the end).
-
-:func:`per_param_all_gather` is the reference: one collective per member, the way a group
-without fusion gathers. Tests assert both give identical tensors.
+:func:`per_param_all_gather` is the reference, one collective per member; tests assert both
+give identical tensors.
 """
 
 from __future__ import annotations

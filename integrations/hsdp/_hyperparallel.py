@@ -1,21 +1,10 @@
 """HyperParallel's comm-fusion flat buffer, backed by flatpool: what the drop-in lines call.
 
-HyperParallel's ``HSDPParamGroup`` builds its flat buffer in one of three shapes (see
-docs/integration.md): a group method pair ``_init_flat_param_buffer`` /
-``_is_flat_buffer_valid`` (V1, and the same pair gated by ``enable_zero_copy``), or, newest, an
-``AllGatherBucket.init_flat_param_buffer(device)`` / ``is_flat_buffer_valid()`` pair per
-(shard group, dtype) bucket. Each init may run many times (after ``lazy_init``,
-``load_state_dict``, ``to_empty``): the first call that finds materialized shards adopts them;
-later ones re-adopt the members that moved. Validity runs before every all-gather (twice per
-bucket in the newest shape), so it is the cheap per-step check of
-:func:`flatpool.integrations.hsdp.validity.is_valid`.
-
-The state lives in one attribute the drop-in lines read with ``getattr(..., None)``: V1's
-``__init__`` calls ``_init_flat_param_buffer()`` before any attribute a patch could add is set.
-
-:class:`V1Lines` and :class:`BucketLines` hold the drop-in lines of docs/integration.md as
-typed mixins (their method bodies are the documented lines, a test compares them): the demo
-plugs them into the simulation, and HyperParallel may inherit them instead of pasting.
+Each init may run many times (``lazy_init``, ``load_state_dict``, ``to_empty``): the first that
+finds materialized shards adopts them, later ones re-adopt what moved. The state lives in one
+attribute read with ``getattr(..., None)``: V1's ``__init__`` calls the init before any patched
+attribute is set. :class:`V1Lines`/:class:`BucketLines` hold docs/integration.md's drop-in lines
+as typed mixins (a test compares them).
 """
 
 from __future__ import annotations
@@ -35,31 +24,14 @@ from ._protocol import ShardedParam
 from .validity import is_valid
 
 
-def fuse(
-    params: Sequence[ShardedParam],
-    previous: GroupBuffers | None,
-    *,
-    device: DeviceLike | None,
-    world_size: int | None,
-    name: str = "hsdp",
-    on_pinned: OnPinned = "warn",
-) -> GroupBuffers:
+def fuse(params: Sequence[ShardedParam], previous: GroupBuffers | None, *,
+         device: DeviceLike | None, world_size: int | None, name: str = "hsdp",
+         on_pinned: OnPinned = "warn") -> GroupBuffers:
     """Build the group's (or bucket's) flat buffer the first time, repair it every later time.
 
-    ``previous`` is what the last call returned (``None`` the first time). Adopted buffers are
-    kept and the members that moved are re-adopted into their slices (values copied, the
-    storages they had moved to proven dead); buffers that were skipped (meta shards at
-    construction, before ``lazy_init``) are tried again, and a group whose shards changed
-    dtype or device is planned anew. HyperParallel's buffer is one tensor of one dtype, so a
-    group whose shards have several dtypes is skipped (reason in ``skipped``), as HyperParallel
-    skips it; it then all-gathers without the flat buffer.
-
-    Runs inside HyperParallel's forward, so it is fail-safe by default
-    (:mod:`flatpool.integrations.hsdp.failsafe`): a reference the user holds to an original
-    shard is kept alive and reported once (``GroupBuffers.kept``) and the buffer is built
-    anyway, on every rank alike; any other :class:`flatpool.FlatPoolError` leaves the buffer
-    ``None`` (HyperParallel's per-parameter all-gather, the same collective) with a warning.
-    ``on_pinned="raise"`` makes both raise instead.
+    ``previous`` is what the last call returned. A group of several dtypes is skipped, as
+    HyperParallel skips it (its buffer has one dtype). Runs inside HyperParallel's forward, so
+    it is fail-safe (:mod:`flatpool.integrations.hsdp.failsafe`) unless ``on_pinned="raise"``.
     """
     def build(policy: OnPinned, kept: KeptAlive) -> GroupBuffers:
         dtypes = list(bucket_members(params))
@@ -85,12 +57,7 @@ def flat_buffer(buffers: GroupBuffers | None) -> torch.Tensor | None:
 def cast_buffer(
     params: Sequence[ShardedParam], flat: torch.Tensor | None, current: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """V1's ``_flat_cast_buffer``: ``flat``'s size in the first member's ``param_dtype``.
-
-    HyperParallel copies the flat buffer into it before each all-gather (the all-gather output
-    has the communication dtype). ``None`` without a flat buffer or a ``param_dtype`` that
-    differs from the flat buffer's; ``current`` is reused when it already fits.
-    """
+    """V1's ``_flat_cast_buffer``: ``flat`` in the members' ``param_dtype``, or ``None``."""
     if flat is None:
         return None
     dtype = next((d for d in (getattr(p, "param_dtype", None) for p in params) if d is not None),
@@ -104,10 +71,7 @@ def cast_buffer(
 
 
 def is_fused(buffers: GroupBuffers | None, params: Sequence[ShardedParam]) -> bool:
-    """The per-step validity: adopted, and every member (data, local tensor, wrapper) in place.
-
-    Also lets go of kept originals that died (only when some were kept: a list length
-    otherwise), so a pool-kept original is released at the first step its holder is gone."""
+    """The per-step validity; also lets go of kept originals that died."""
     if buffers is None:
         return False
     if len(buffers.kept):

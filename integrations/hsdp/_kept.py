@@ -1,13 +1,7 @@
 """Originals a fail-safe fusion left alive: which member, how many bytes, held by what.
 
-Inside a framework's forward (FSDP2's keep-valid hooks, HyperParallel's flat-buffer lines) a
-reference the user holds to an original shard (a ``to_local()`` handle, a ``state_dict()``
-taken earlier, a ``detach()`` alias, a checkpoint tensor the shard is a view of) is not an
-error: the group is fused anyway under ``on_pinned="warn"`` and the original lives on, held by
-that reference. :class:`KeptAlive` remembers each such original once (for the one warning and
-log line that name it) and forgets it when it dies, which happens by itself the moment the user
-drops the reference; :meth:`KeptAlive.refresh` also lets go of originals a pool kept for a
-holder outside Python that has gone since (``FlatPool.release_kept``).
+A user's reference to an original shard inside a framework's forward is not an error; each
+such original is remembered once (for one warning) and forgotten when it dies.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ class KeptOriginal:
 
 
 def _when_freed(by_pool: bool) -> str:
-    """When the memory of a kept original comes back (measured: tests/integrations/
-    test_failsafe.py)."""
+    """When the memory of a kept original comes back."""
     if not by_pool:  # only the holders named keep it: it dies by reference count
         return ("The memory comes back the moment the last of those references is dropped "
                 "(nothing else keeps the original).")
@@ -50,8 +43,7 @@ def _when_freed(by_pool: bool) -> str:
 
 
 class KeptAlive:
-    """The originals of one group still kept alive (a mutable cache beside the frozen
-    :class:`~flatpool.integrations.hsdp.group.GroupBuffers`)."""
+    """The originals of one group still kept alive (mutable, beside the frozen GroupBuffers)."""
 
     __slots__ = ("_items", "_unreported", "logged")
 
@@ -62,10 +54,7 @@ class KeptAlive:
         """Reasons the group's hooks already logged (skips, failures): each is logged once."""
 
     def note(self, pool: FlatPool, report: AdoptionReport, names: Sequence[str]) -> None:
-        """Record what ``report``'s adoption into ``pool`` left alive (:meth:`report` tells).
-
-        ``names[i]`` names the member of the batch's spec ``i`` (the report has an item per
-        spec unless specs shared an original; then the engine's own labels are used)."""
+        """Record what ``report``'s adoption left alive; ``names[i]`` names spec ``i``'s member."""
         if report.all_released:  # nothing kept alive: no item to look at
             return
         items = list(report.items)
@@ -87,8 +76,7 @@ class KeptAlive:
             self._unreported.append((kept, u.kept_by_pool))
 
     def report(self) -> None:
-        """One warning (:class:`flatpool.OriginalKeptAliveWarning`) and one ``flatpool`` log
-        record for each original noted since the last call."""
+        """One warning and one log record for each original noted since the last call."""
         todo, self._unreported = self._unreported, []
         for kept, by_pool in todo:
             logger.info("kept alive: %s", kept.describe())  # the warning is the alert
@@ -96,8 +84,7 @@ class KeptAlive:
                  OriginalKeptAliveWarning, past_torch=True)
 
     def refresh(self) -> int:
-        """Forget the originals that died (and let a pool release the ones it kept for a holder
-        that has gone); returns how many are still alive."""
+        """Forget the originals that died; returns how many are still alive."""
         if not self._items:
             return 0
         alive: list[tuple[FlatPool, KeptOriginal]] = []

@@ -1,13 +1,8 @@
 """Zero-copy materialization: give meta shards their storage directly in the pool.
 
-The usual deferred-init flow (build under ``torch.device("meta")``, ``fully_shard``,
-``to_empty``) allocates one storage per shard and a fusion step then copies them into a flat
-buffer: twice the memory at the peak, and a storage per shard to prove dead. Here the pool is
-planned from the meta shapes and allocated once, and each member's Parameter is *swapped*
-(``torch.utils.swap_tensors``, identity kept) for a DTensor whose local tensor already is its
-slice. Initialization (``reset_parameters()``, ``load_state_dict``) then writes in place; no
-other shard storage ever exists. FSDP2's lazy ``reset_sharded_param`` sees the padded data and
-the local tensor on one storage and leaves them alone.
+The usual ``to_empty`` flow allocates one storage per shard and fusion copies them: twice the
+memory at the peak. Here each Parameter is swapped (identity kept) for a DTensor whose local
+tensor already is its slice, so no other shard storage ever exists.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ def materialize_group(
 ) -> GroupBuffers:
     """Allocate every meta member of a group straight into one pool per dtype.
 
-    Every member must still be on meta (torch DTensor parameters). The pools' memory is left
-    uninitialized, like ``to_empty``: initialize the module afterwards. Returns the same
-    :class:`GroupBuffers` as :func:`adopt_group`. Nothing is changed when a member is refused.
+    Every member must be a meta torch DTensor. The memory is left uninitialized, like
+    ``to_empty``. Nothing is changed when a member is refused.
     """
     params = list(params)
     if not params:
@@ -47,15 +41,13 @@ def materialize_group(
     not_meta = [i for i, p in enumerate(params) if not is_meta(data_of(p, i))]
     if not_meta:
         raise InvalidRequestError(
-            f"members {not_meta} are not on meta; use adopt_group() for materialized shards"
-        )
+            f"members {not_meta} are not on meta; use adopt_group() for materialized shards")
     not_dtensor = [i for i, p in enumerate(params) if not isinstance(p.sharded_param, DTensor)]
     if not_dtensor:
         raise InvalidTypeError(
             f"members {not_dtensor}: zero-copy materialization needs torch DTensor parameters "
             "(FSDP2); materialize other wrappers (HyperParallel's) with to_empty() or lazy init "
-            "and fuse them with adopt_group()"
-        )
+            "and fuse them with adopt_group()")
     plans = plan_buckets(params, resolve_device(device), alignment, name)
     for _, pool, _ in plans:
         pool.materialize()

@@ -1,9 +1,7 @@
 """The shape of a sharded parameter that a fusion group manages.
 
-HyperParallel's ``TorchHSDPParamV2`` was adapted from PyTorch FSDP2's ``FSDPParam``; both keep,
-per parameter, the same few attributes. The layer is written against this protocol only, so
-it serves both (and the simulation in ``examples/hyperparallel_sim``)
-without importing either.
+HyperParallel's ``TorchHSDPParamV2`` and FSDP2's ``FSDPParam`` share these attributes, so the
+layer serves both without importing either.
 """
 
 from __future__ import annotations
@@ -17,24 +15,10 @@ from torch import nn
 class ShardedParam(Protocol):
     """What :func:`flatpool.integrations.hsdp.adopt_group` reads and rebinds on each group member.
 
-    Attributes:
-        _sharded_param_data: 1-D tensor over the *padded* local shard; the all-gather input.
-            On FSDP2 an autograd view (``_base`` set) of the padded tensor.
-        sharded_param: the ``nn.Parameter``-wrapped DTensor installed on the module and held
-            by the optimizer. Its identity survives adoption. ``sharded_param._local_tensor``
-            is a ``narrow`` of the padded data shaped ``sharded_size``.
-        sharded_size: shape of the unpadded local shard.
-        offload_to_cpu: CPU offload keeps shards on the host; fusion is skipped then.
-
-    Read when present (the layer never requires them):
-
-    * ``padded_sharded_param_size``: shape of the padded local shard. HyperParallel's even-only
-      ``TorchHSDPParamV2`` has no such attribute; ``sharded_size`` stands in for it when the
-      data holds exactly ``sharded_size`` elements (even sharding), otherwise adoption refuses
-      the member with :class:`flatpool.InvalidRequestError`.
-    * ``fsdp_placement`` (FSDP2) / ``hsdp_placement`` (HyperParallel): ``Shard(dim)``, default 0.
-    * ``_orig_size``: the unsharded shape, for cutting a fused all-gather's output.
-    * ``param_dtype``: the communication dtype (HyperParallel's cast buffer).
+    ``_sharded_param_data`` is the padded 1-D local shard (the all-gather input);
+    ``sharded_param`` the DTensor parameter whose identity survives adoption. Read when present:
+    ``padded_sharded_param_size`` (else ``sharded_size`` when the sharding is even),
+    ``fsdp_placement``/``hsdp_placement``, ``_orig_size``, ``param_dtype``.
     """
 
     _sharded_param_data: torch.Tensor

@@ -1,17 +1,8 @@
 """What the per-step validity check remembers between steps (a cache per group).
 
-The rows it walks (each member's slice, element offset and shapes, flattened once from the
-layout), and which parameter wrappers have no memory of their own.
-
-A torch DTensor wrapper sits on a placeholder storage that is never the pool's; telling it
-apart from a storage-sharing wrapper that left the pool takes a Python storage object and a
-raised error, several times the rest of a member's check. The verdict depends only on the wrapper's TensorImpl, so it is
-remembered per member for the wrapper object *and* its storage at the time: a different object
-(``load_state_dict(assign=True)``) or a new impl (``swap_tensors``, ``to_empty``) is judged
-again. Only "storage-less" verdicts are remembered; a wrapper with memory off the pool is a
-failure, which the caller reports without needing the cache. The wrapper is held strongly with
-its impl address, never by a weak reference (``nn.Module._apply``'s ``swap_tensors`` refuses a
-parameter with a Python or C++ weak reference); the group holds its parameters anyway.
+Telling a storage-less DTensor wrapper from one that left the pool is several times a member's
+check, so "storage-less" is remembered per wrapper object and impl. The wrapper is held
+strongly: ``swap_tensors`` refuses a parameter with a weak reference.
 """
 
 from __future__ import annotations
@@ -29,8 +20,7 @@ Row = tuple[int, Slice, int, int, tuple[int], torch.Size]
 
 
 class WrapperKinds:
-    """Per member index: the wrapper last found storage-less, and its storage key then; per
-    bucket, the rows to check."""
+    """Per member: the wrapper last found storage-less; per bucket: the rows to check."""
 
     __slots__ = ("_known", "_rows")
 

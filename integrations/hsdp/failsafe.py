@@ -1,23 +1,10 @@
 """Keep a group fused from inside a framework's forward, without ever breaking the step.
 
-A training loop that runs without flatpool must run with it. So where the fusion layer acts on
-its own, inside FSDP2's forward (:class:`~flatpool.integrations.hsdp.fsdp2.FusedModule`'s hooks
-and ``revalidate``) or HyperParallel's flat-buffer lines (:func:`~flatpool.integrations.hsdp.fuse`),
-:func:`keep_fused` applies a fail-safe policy instead of raising:
-
-* a reference the user holds to an original shard is not an error: the group is fused with that
-  original kept alive (``on_pinned="warn"``), reported once per original (warning and log, with
-  the holder and the bytes) and counted in ``GroupBuffers.kept`` until it dies;
-* a group whose members changed dtype, device or size (``module.double()``, ``.to(...)``) is
-  planned anew instead of re-adopted into slices that no longer fit;
-* any other :class:`flatpool.FlatPoolError` leaves that group unfused for this step
-  (:class:`flatpool.errors.UnfusedGroupWarning`, once per reason) and it is tried again next step.
-
-What a group does depends only on its structure (dtypes, sizes, world size, where members
-sit), which is the same on every rank, and never on a held reference, which may be on one rank
-only: so every rank takes the same path and no rank-local problem turns into a hang in the
-next collective. ``on_pinned="raise"`` turns the policy off (errors propagate, for tests and
-strict users).
+Inside a forward, a user's reference to an original is kept alive and reported once
+(``on_pinned="warn"``); a group whose dtype, device or size changed is planned anew; any other
+:class:`flatpool.FlatPoolError` leaves the group unfused this step. The path depends only on
+structure, the same on every rank, so no rank-local problem hangs the next collective.
+``on_pinned="raise"`` turns the policy off.
 """
 
 from __future__ import annotations
@@ -56,11 +43,7 @@ def keep_fused(
     on_pinned: OnPinned = "warn",
     where: str = "group",
 ) -> tuple[GroupBuffers, int]:
-    """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``.
-
-    ``previous`` is the group's current state; a valid one is returned as it is (after letting
-    go of kept originals that died). Each skip or failure reason is logged once per group.
-    """
+    """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``."""
     told = previous.kept.logged
     if previous.adopted and is_valid(previous, params):
         previous.kept.refresh()
@@ -94,19 +77,15 @@ def keep_fused(
 
 
 BuildAll = Callable[[OnPinned], list[GroupBuffers]]
-"""Adopt several groups anew in one transaction (``adopt_groups`` with the caller's
-arguments, each group's tracker among them), all or nothing."""
+"""Adopt several groups anew in one transaction, all or nothing."""
 
 
 def keep_all_fused(
     fresh: Sequence[GroupBuffers], build: BuildAll, *, on_pinned: OnPinned = "warn",
     where: Sequence[str],
 ) -> list[GroupBuffers] | None:
-    """:func:`keep_fused` for groups never adopted yet (``fresh``: their current state), all in
-    one transaction; ``None`` when that fails, with every member as it was: the caller then
-    takes each group through :func:`keep_fused`, where a group that cannot fuse stays unfused
-    with its warning and the others fuse. So a failure changes what it costs, never what a
-    group ends up as."""
+    """:func:`keep_fused` for groups never adopted, in one transaction; ``None`` when that fails
+    (nothing changed), and the caller goes group by group: a failure changes only the cost."""
     try:
         with _Quiet() if on_pinned != "raise" else warnings.catch_warnings():
             built = build(on_pinned)
@@ -120,8 +99,7 @@ def keep_all_fused(
 
 
 def _built(out: GroupBuffers, kept: KeptAlive, where: str) -> GroupBuffers:
-    """A group built anew, keeping the tracker it had (a group keeps one for good); logged
-    (a skip once per reason)."""
+    """A group built anew, keeping its tracker; logged (a skip once per reason)."""
     if out.kept is not kept:
         out = evolve(out, kept=kept)
     if out.adopted:

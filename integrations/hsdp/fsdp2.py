@@ -1,32 +1,10 @@
 """Apply the fusion layer to every param group of a ``fully_shard``-ed module and keep it valid.
 
-FSDP2 rebinds a member's storage in two places, both through ``FSDPParam.reset_sharded_param``:
-``nn.Module._apply`` (``to_empty``, ``.to``) and a ``load_state_dict`` post-hook. An in-place
-``load_state_dict`` leaves the member in place (``reset_sharded_param`` sees the same storage
-and does nothing); ``to_empty`` and ``load_state_dict(assign=True)`` install new storages. So the
-layer re-validates (and re-adopts what moved) at the two points that matter:
-
-* after ``load_state_dict`` (a post-hook on the root, which runs after FSDP2's own; with
-  ``assign=True`` the caller's state dict pins the new storages until the call returns, so
-  that case is left to the next point), and
-* before the first all-gather of every forward (a forward pre-hook on the root, prepended so it
-  runs before FSDP2's own pre-forward; it runs FSDP2's lazy init first, which on torch 2.7
-  re-pads uneven shards into fresh memory), which also catches ``to_empty``, ``nn.Module._apply``
-  (``.to``, ``.cpu()``, ``.double()``: a new dtype or device plans the group's pools anew) and
-  groups that were still on meta when :func:`fuse_fully_sharded` was called.
-
-Both run under the fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe` (default
-``on_pinned="warn"``): a reference the user holds to an original shard never makes a forward
-raise; the original is kept alive, reported once and counted in
-:attr:`FusedModule.kept_alive`. Its memory comes back the moment the user drops the reference
-(it dies by reference count; the next check forgets it), or, when something outside Python
-holds the moved shard (a DLPack consumer) and the pool keeps the original for it, at the first
-check (the next forward, or reading ``kept_alive``) after that holder let go. Events (adopted, re-adopted,
-planned anew, kept alive, skipped) go to the ``flatpool`` logger.
-
-FSDP2's public names (``torch.distributed.fsdp.FSDPModule``) are used where they exist; its
-private state (``FSDPState``, lazy init, param groups) is read through
-:mod:`flatpool._torch_compat`.
+FSDP2 installs new storages in ``nn.Module._apply`` and a ``load_state_dict`` post-hook, so the
+layer re-validates after ``load_state_dict`` (a post-hook after FSDP2's) and before every
+forward (a pre-hook prepended before FSDP2's, which runs its lazy init first), under the
+fail-safe policy of :mod:`flatpool.integrations.hsdp.failsafe`. FSDP2's private state is read
+through :mod:`flatpool._torch_compat`.
 """
 
 from __future__ import annotations
@@ -39,10 +17,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from flatpool import FlatPoolError, OnPinned
+from flatpool import FlatPool, FlatPoolError, OnPinned
 from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
+from flatpool.optim import FlatOptimizer
 from flatpool.ownership._spec import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
@@ -68,22 +47,16 @@ def fsdp_param_groups(module: nn.Module) -> Iterator[FSDPParamGroup]:
 
 
 def lazy_init(module: nn.Module) -> None:
-    """Run FSDP2's lazy initialization now (it otherwise runs at the first forward).
-
-    FSDP2 pads and re-saves every member there (``reset_sharded_param``); HyperParallel builds
-    its flat buffer at that point too. Uses FSDP2's private ``FSDPState._lazy_init``.
-    """
+    """Run FSDP2's lazy initialization now, where it pads and re-saves every member."""
     if not isinstance(module, FSDPModule):
         raise InvalidTypeError(
             f"{type(module).__name__} is not a fully_shard-ed module: call "
-            "torch.distributed.fsdp.fully_shard(module) first"
-        )
+            "torch.distributed.fsdp.fully_shard(module) first")
     tc.fsdp_lazy_init(module)
 
 
 def _user_class(module: nn.Module) -> type:
-    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass it makes
-    (``FSDPTransformer``, subclassing ``FSDPModule`` and ``Transformer``)."""
+    """The class the user wrote (``fully_shard`` swaps in a subclass it makes)."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
@@ -92,11 +65,9 @@ def _world_size(group: FSDPParamGroup) -> int:
 
 
 class FusedModule:
-    """The layer applied to one ``fully_shard``-ed module: one :class:`GroupBuffers` per group.
+    """The layer applied to one ``fully_shard``-ed module: ``buffers[i]`` for ``groups[i]``.
 
-    Build it with :func:`fuse_fully_sharded`. ``buffers[i]`` belongs to ``groups[i]``.
-    ``on_pinned`` is the policy inside the hooks and :meth:`revalidate`: ``"warn"`` (the
-    default, fail-safe: see :mod:`flatpool.integrations.hsdp.failsafe`) or ``"raise"``.
+    Build it with :func:`fuse_fully_sharded`; ``on_pinned`` is the hooks' policy.
     """
 
     def __init__(self, module: nn.Module, alignment: int = 1, on_pinned: OnPinned = "warn") -> None:
@@ -118,17 +89,10 @@ class FusedModule:
         def build(on_pinned: OnPinned, kept: KeptAlive) -> GroupBuffers:
             if materialize and self._all_meta(i):
                 return materialize_group(
-                    g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}"
-                )
-            return adopt_group(
-                g.fsdp_params,
-                device=g.device,
-                world_size=_world_size(g),
-                alignment=self.alignment,
-                name=f"fsdp{i}",
-                on_pinned=on_pinned,
-                kept=kept,
-            )
+                    g.fsdp_params, device=g.device, alignment=self.alignment, name=f"fsdp{i}")
+            return adopt_group(g.fsdp_params, device=g.device, world_size=_world_size(g),
+                               alignment=self.alignment, name=f"fsdp{i}", on_pinned=on_pinned,
+                               kept=kept)
 
         return build
 
@@ -145,9 +109,7 @@ class FusedModule:
             where=f"fsdp{i}")
 
     def _adopt_all(self, materialize: bool) -> None:
-        """Fuse every group: the ones to adopt all in one transaction (what a group costs once
-        per call is paid once), and only where that fails, group by group (:func:`keep_fused`:
-        a group that cannot fuse stays unfused with its warning, the others fuse)."""
+        """Fuse every group in one transaction; only where that fails, group by group."""
         todo = [i for i in range(len(self.groups)) if not (materialize and self._all_meta(i))]
         for i in sorted(set(range(len(self.groups))) - set(todo)):
             self._adopt(i, materialize=True)
@@ -169,14 +131,8 @@ class FusedModule:
             self.buffers[i] = b
 
     def revalidate(self, on_pinned: OnPinned | None = None) -> None:
-        """Bring every group back into its pools: adopt late groups, re-adopt moved members,
-        plan anew a group whose members changed dtype or device.
-
-        On a healthy rank this is :func:`is_valid` per group: a few TensorImpl reads a member
-        (storage keys and offsets, so an empty shard on a trailing rank reads as in place); the
-        diagnosis and re-adoption run only when a member did move. Under the fail-safe policy
-        (``on_pinned="warn"``, the default) nothing here raises a
-        :class:`flatpool.FlatPoolError`."""
+        """Bring every group back into its pools (adopt late groups, re-adopt moved members,
+        plan anew on a dtype or device change); a healthy rank pays :func:`is_valid` only."""
         policy = self.on_pinned if on_pinned is None else on_pinned
         for i, g in enumerate(self.groups):
             self.buffers[i], moved = keep_fused(
@@ -187,13 +143,11 @@ class FusedModule:
     def is_valid(self) -> bool:
         """Every adoptable group adopted, and every member in place."""
         return all(
-            b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers)
-        )
+            b.adopted and is_valid(b, g.fsdp_params) for g, b in zip(self.groups, self.buffers))
 
     @property
     def kept_alive(self) -> list[KeptOriginal]:
-        """The original shard storages kept alive now (a held reference pinned each one at a
-        fail-safe fusion); empty once the holders dropped them."""
+        """The original shard storages a held reference keeps alive now."""
         for b in self.buffers:
             b.kept.refresh()
         return [k for b in self.buffers for k in b.kept.originals]
@@ -215,17 +169,15 @@ class FusedModule:
 
     def install_hooks(self) -> None:
         def pre_forward(*_: Any) -> None:
-            # FSDP2's lazy init (first thing in this forward otherwise; idempotent) can move
-            # shards: torch 2.7's reset_sharded_param re-pads every uneven shard into fresh
-            # memory. Run it first, so the check sees where the all-gather will read.
+            # FSDP2's lazy init can move shards (torch 2.7 re-pads uneven ones into fresh
+            # memory): run it first, so the check sees where the all-gather will read.
             lazy_init(self.module)
             with torch.no_grad():
                 self.revalidate()
 
         def post_load(*_: Any) -> None:
-            # With ``assign=True`` the caller's state dict still holds the tensors FSDP2 just
-            # installed until ``load_state_dict`` returns: re-adoption would find them pinned.
-            # flatpool rolls back cleanly, and the pre-forward hook re-adopts once they are gone.
+            # With ``assign=True`` the caller's state dict pins the new tensors until
+            # ``load_state_dict`` returns: the pre-forward hook re-adopts them then.
             with torch.no_grad():
                 try:
                     self.revalidate(on_pinned="raise")
@@ -253,14 +205,10 @@ def fuse_fully_sharded(
 ) -> FusedModule:
     """Adopt the shards of every param group of ``module`` (after ``fully_shard``).
 
-    Groups whose shards are all on meta are materialized zero-copy into their pools
-    (:func:`flatpool.integrations.hsdp.materialize_group`; initialize the module afterwards with
+    Groups all on meta are materialized zero-copy into their pools (initialize them with
     ``reset_parameters()`` or ``load_state_dict``, *not* ``to_empty``) unless ``materialize`` is
-    false, in which case they are adopted at the first forward after ``to_empty``. With
-    ``keep_valid`` the hooks described in this module's docstring are installed. ``on_pinned``
-    is the policy here and in the hooks: ``"warn"`` (default) fuses past a reference the caller
-    holds to an original, keeping it alive until dropped; ``"raise"`` raises
-    :class:`flatpool.PinnedStorageError` (nothing changed) instead.
+    false. ``keep_valid`` installs the hooks. ``on_pinned="warn"`` (default) fuses past a held
+    reference to an original, keeping it alive; ``"raise"`` raises ``PinnedStorageError``.
     """
     fused = FusedModule(module, alignment, on_pinned)
     with torch.no_grad():
@@ -270,4 +218,16 @@ def fuse_fully_sharded(
     return fused
 
 
-__all__ = ["FusedModule", "fsdp_param_groups", "fuse_fully_sharded", "lazy_init"]
+def fused_pools(fused: FusedModule) -> list[FlatPool]:
+    """Every pool of every adopted group of ``fused``, in group and bucket order."""
+    return [b.pool for buf in fused.buffers if buf.adopted for b in buf.buckets]
+
+
+def flat_optimizer(fused: FusedModule, optimizer: torch.optim.Optimizer, **kwargs: Any) -> FlatOptimizer:
+    """A :class:`FlatOptimizer` over ``fused``'s pools, hooked on the root module: FSDP2 adds
+    reduce-scatter results into the existing ``.grad``, so the pooled gradients receive them."""
+    return FlatOptimizer(optimizer, lambda: fused_pools(fused), module=fused.module, **kwargs)
+
+
+__all__ = ["FusedModule", "flat_optimizer", "fsdp_param_groups", "fuse_fully_sharded",
+           "fused_pools", "lazy_init"]

@@ -1,15 +1,9 @@
 """``adopt_group``: the hook a fusion group calls to move its shards into one pool per dtype.
 
-HyperParallel's ``HSDPParamGroup._init_flat_param_buffer`` (comm fusion) copies every member's
-``_sharded_param_data`` into one flat buffer and rebases the member onto it. Done by hand, the
-old per-parameter storages survive whenever a holder is missed (the DTensor's local tensor, a
-storage-sharing wrapper, an autograd ``_base``) and the optimizer then updates memory the
-all-gather no longer reads. This module hands the move to :meth:`flatpool.FlatPool.adopt`, which
-rebinds every named holder, *proves* each original storage died, and rolls back otherwise.
-
-Layout: members are bucketed by the dtype of their padded data, in group order (the order the
-group's all-gather concatenates them), one pool per bucket, packed without gaps by default
-(``alignment=1``) so the flat buffer *is* the concatenation a group's split sizes describe.
+Done by hand, original storages survive whenever a holder is missed; :meth:`FlatPool.adopt`
+rebinds every named holder and proves each original died. Members are bucketed by dtype in
+group order and packed without gaps (``alignment=1``), so the flat buffer is the
+concatenation the group's split sizes describe.
 """
 
 from __future__ import annotations
@@ -37,18 +31,14 @@ from ._wrappers import WrapperKinds
 
 @define(frozen=True)
 class GroupBuffers:
-    """What :func:`adopt_group` did for one group.
-
-    ``skipped`` is ``None`` when the group's shards now live in ``buckets``' pools; otherwise it
-    says why nothing was touched (the same cases in which HyperParallel skips its flat buffer).
-    """
+    """What :func:`adopt_group` did for one group (``skipped``: why nothing was touched)."""
 
     buckets: tuple[Bucket, ...] = ()
     skipped: str | None = None
     freed_bytes: int = 0
     """Bytes of original shard storages proven released by the adoption."""
     wrapper_kinds: WrapperKinds = field(factory=WrapperKinds, eq=False, repr=False)
-    """What the per-step check learned about each member's parameter wrapper (a cache)."""
+    """The per-step check's cache of member wrappers."""
     kept: KeptAlive = field(factory=KeptAlive, eq=False, repr=False)
     """Originals a fail-safe (``on_pinned="warn"``) fusion left alive, until they die."""
 
@@ -88,8 +78,7 @@ def skip_reason(
     params: Sequence[ShardedParam], world_size: int | None,
     data: Sequence[torch.Tensor] | None = None,
 ) -> str | None:
-    """Why a group must not be fused now, or ``None``: HyperParallel's three skip cases.
-    ``data``: the members' :func:`data_all`, when the caller has it."""
+    """Why a group must not be fused now (HyperParallel's skip cases), or ``None``."""
     if not params:
         return "empty group: nothing to fuse"
     if world_size is not None and world_size <= 1:
@@ -103,14 +92,12 @@ def skip_reason(
     if meta:
         return (
             f"{len(meta)} member(s) have meta shards (deferred init): use materialize_group() "
-            "to allocate them in the pool, or call adopt_group()/readopt_group() after to_empty()"
-        )
+            "to allocate them in the pool, or call adopt_group()/readopt_group() after to_empty()")
     return None
 
 
 def _size(shape: object) -> torch.Size:
-    """``shape`` as a ``torch.Size``: the member's own when it is one already (immutable, so
-    shared; a model of 10,000 members would otherwise make 30,000 copies per fusion)."""
+    """``shape`` as a ``torch.Size``, shared when it is one already (immutable)."""
     return shape if type(shape) is torch.Size else torch.Size(shape)  # type: ignore[arg-type]
 
 
@@ -118,9 +105,7 @@ def layout_of(
     p: ShardedParam, index: int, offset: int, slc: Slice | None = None,
     padded: torch.Size | None = None, size: torch.Size | None = None,
 ) -> MemberLayout:
-    """Where member ``p`` goes, checking that its padded data is what the protocol says
-    (``padded``: its :func:`padded_size`, ``size`` its data's TensorImpl size, when the caller
-    has them already)."""
+    """Where member ``p`` goes, checking its padded data is what the protocol says."""
     if size is None:
         size = impl_size(data_of(p, index))
     if padded is None:
@@ -129,45 +114,26 @@ def layout_of(
     if len(size) != 1 or size[0] != numel:
         raise InvalidRequestError(
             f"member {index}: _sharded_param_data must be 1-D with {numel} elements "
-            f"(padded size {tuple(padded)}), got shape {tuple(size)}"
-        )
+            f"(padded size {tuple(padded)}), got shape {tuple(size)}")
     orig = getattr(p, "_orig_size", None)
     # The *global* shape is wanted here, which is what a DTensor's Python ``shape`` answers.
     orig_size = _size(orig) if orig is not None else torch.Size(p.sharded_param.shape)
-    return MemberLayout(
-        index=index,
-        offset=offset,
-        numel=size[0],
-        padded_size=padded,
-        sharded_size=_size(p.sharded_size),
-        orig_size=orig_size,
-        shard_dim=shard_dim(p),
-        slice=slc,
-    )
+    return MemberLayout(index=index, offset=offset, numel=size[0], padded_size=padded,
+                        sharded_size=_size(p.sharded_size), orig_size=orig_size,
+                        shard_dim=shard_dim(p), slice=slc)
 
 
 def adopt_spec(p: ShardedParam, slc: Slice | None = None) -> AdoptSpec:
-    """How one member moves: the padded data is the primary; every other holder follows.
-
-    The parameter is named as a view: flatpool moves its local tensor (in place, or by a
-    TensorImpl swap when it is an autograd view whose base stays behind) and a wrapper sharing
-    the storage (moved in place with the *local* geometry; a meta wrapper gets the local's
-    place), keeping the Parameter object the module and optimizer hold. The member's
-    ``_sharded_param_data`` attribute is remembered as the data's holder for re-adoption.
-    """
-    return AdoptSpec(
-        p._sharded_param_data,
-        views=(p.sharded_param,),
-        holders=(Holder(p, "_sharded_param_data"),),
-        slice=slc,
-    )
+    """How one member moves: the padded data is the primary and the parameter a view (its
+    object kept); ``_sharded_param_data`` is remembered as a holder for re-adoption."""
+    return AdoptSpec(p._sharded_param_data, views=(p.sharded_param,),
+                     holders=(Holder(p, "_sharded_param_data"),), slice=slc)
 
 
 def bucket_members(
     params: Sequence[ShardedParam], data: Sequence[torch.Tensor] | None = None,
 ) -> dict[torch.dtype, list[int]]:
-    """Member indices per dtype of the padded data, first-seen dtype first, group order kept
-    (``data``: the members' :func:`data_all`, when the caller has it)."""
+    """Member indices per dtype of the padded data, first-seen dtype first, in group order."""
     data = data_all(params) if data is None else data
     with tc.no_torch_function():
         dtypes = list(map(tc.impl_dtype_of, data))
@@ -201,24 +167,11 @@ def adopt_group(
     on_pinned: OnPinned = "raise",
     kept: KeptAlive | None = None,
 ) -> GroupBuffers:
-    """Move a group's shards into one pool per dtype; return the flat buffers.
+    """Move a group's shards (in all-gather order) into one pool per dtype, all or nothing.
 
-    Returns without touching anything (``skipped`` set) for an empty group, ``world_size <= 1``,
-    CPU offload or meta shards. Otherwise all-or-nothing: if any member cannot be adopted (an
-    original is pinned by something not named here, a shard is on another device), every member
-    is left as it was and the error (a :class:`flatpool.FlatPoolError`) propagates.
-
-    Args:
-        params: the group's members, in all-gather order.
-        device: the pools' device; default the device of the first member's data.
-        world_size: the shard group's size, when known, to skip trivial groups.
-        alignment: byte alignment of slice starts; 1 (default) packs members without gaps so
-            the flat buffer matches the group's existing all-gather split sizes.
-        name: prefix of the pools' names (shown in errors and ``describe()``).
-        on_pinned: passed to :meth:`FlatPool.adopt`. Under ``"warn"`` a pinned original is
-            kept alive, recorded in the result's ``kept`` (reported once, by a warning and the
-            ``flatpool`` logger) until it dies.
-        kept: the tracker to record into (a re-planned group keeps its old one).
+    Skips (``skipped`` set, nothing touched) an empty group, ``world_size <= 1``, CPU offload
+    or meta shards. ``alignment=1`` packs members so the flat buffer matches the group's
+    split sizes; under ``on_pinned="warn"`` a pinned original is kept alive in ``kept``.
     """
     request = GroupRequest(list(params), device, world_size, name, kept)
     return adopt_groups([request], alignment=alignment, on_pinned=on_pinned)[0]
@@ -226,14 +179,9 @@ def adopt_group(
 
 def adopt_groups(groups: Sequence[GroupRequest], *, alignment: int = 1,
                  on_pinned: OnPinned = "raise") -> list[GroupBuffers]:
-    """:func:`adopt_group` for several groups in one transaction over all their pools: every
-    group that is not skipped ends adopted, or every member of every group is as it was and
-    the error propagates. One :class:`GroupBuffers` per group, in order.
-
-    What a model's groups cost once per call (the signal guards, the gc pause, the
-    transaction's setup and its release proof) is paid once for all of them."""
-    # thousands of small objects: no cycle collection passes meanwhile; the pause is taken and
-    # let go with signals deferred (a Ctrl-C there would leave the process's gc paused)
+    """:func:`adopt_group` for several groups in one transaction over all their pools."""
+    # the gc pause is taken and let go with signals deferred (a Ctrl-C there would leave the
+    # process's gc paused)
     return guarded_call(lambda: _adopt_groups(groups, alignment, on_pinned), gc_paused())
 
 
@@ -285,20 +233,12 @@ def plan_buckets(
     params: Sequence[ShardedParam], device: torch.device, alignment: int, name: str,
     data: Sequence[torch.Tensor] | None = None,
 ) -> list[BucketPlan]:
-    """One planned (not yet materialized) pool per dtype, a slice per member in group order.
-
-    A member whose padded shard holds no element (a parameter with no rows) gets no slice: it
-    keeps its own empty tensors, and its place in the flat buffer has no width. The slices of a
-    bucket are planned in one step (:meth:`FlatPool.allocate_many`: the layout one ``allocate``
-    per member would give, packed in order). ``data``: the members' :func:`data_all`, when the
-    caller has it.
-    """
+    """One planned pool per dtype, a slice per member in group order (a member with no
+    element gets none: its place in the flat buffer has no width)."""
     data = data_all(params) if data is None else data
     plans: list[BucketPlan] = []
     for dtype, indices in bucket_members(params, data).items():
-        # A pool holds one dtype, whose slices start at multiples of max(alignment, itemsize):
-        # that is the pool's alignment then (the same layout), and it lets allocate_many()
-        # place the whole bucket in one step.
+        # One dtype: max(alignment, itemsize) gives the same layout, placed in one step.
         pool = FlatPool(device, alignment=max(alignment, dtype.itemsize),
                         name=f"{name}/{str(dtype).replace('torch.', '')}")
         padded = [padded_size(params[i], i) for i in indices]

@@ -10,13 +10,8 @@ from flatpool import FlatPool, Slice
 
 @define(frozen=True)
 class MemberLayout:
-    """One member's place in its bucket's flat buffer.
-
-    ``offset`` and ``numel`` count elements of the bucket's dtype. ``padded_size`` is the
-    padded local shard (what ``_sharded_param_data`` holds), ``sharded_size`` the unpadded one,
-    ``orig_size`` the full (unsharded) parameter and ``shard_dim`` the dimension it is split on:
-    together they tell a fused all-gather how to cut its output back into parameters.
-    """
+    """One member's place in its bucket's flat buffer (``offset``, ``numel`` in elements),
+    and the shapes a fused all-gather needs to cut its output back into parameters."""
 
     index: int
     """Position of the member in the list given to ``adopt_group``."""

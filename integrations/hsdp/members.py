@@ -1,18 +1,14 @@
-"""Reading a group member the way flatpool must: from TensorImpls, past every Python override.
+"""Reading a group member from its TensorImpls, past every Python override.
 
-HyperParallel's DTensor answers ``shape``/``size()`` with the *global* shape, ``data_ptr()``
-with its local tensor's address, and raises for ops without a layout rule (``data_ptr``,
-``untyped_storage``, ``TensorBase.size``) unless ``__torch_function__`` is off. Every read the
-layer makes of a member goes through the helpers here, which use
-:mod:`flatpool._torch_compat`'s TensorImpl readers under ``no_torch_function()``, so the call
-sites never see a subclass's opinion of itself.
+HyperParallel's DTensor answers ``shape`` with the global shape and raises for ops without a
+layout rule unless ``__torch_function__`` is off, so every read goes through here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,8 +26,7 @@ def data_of(p: ShardedParam, index: int) -> torch.Tensor:
         raise InvalidTypeError(
             f"member {index} ({type(p).__name__}) has no _sharded_param_data tensor (found "
             f"{type(data).__name__}): pass the group's sharded parameters (FSDPParam, "
-            "TorchHSDPParamV2)"
-        )
+            "TorchHSDPParamV2)")
     return data
 
 
@@ -52,40 +47,38 @@ def local_of(wrapper: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else wrapper
 
 
-def is_meta(t: torch.Tensor) -> bool:
+_T = TypeVar("_T")
+
+
+def _read(read: Callable[[torch.Tensor], _T], t: torch.Tensor) -> _T:
     with tc.no_torch_function():
-        result = tc.impl_is_meta(t)
+        result = read(t)
         return result  # not `return f()`: see flatpool.ownership._interrupts
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    return _read(tc.impl_is_meta, t)
 
 
 def impl_size(t: torch.Tensor) -> torch.Size:
     """The TensorImpl's (local) size, not a subclass's global ``shape``."""
-    with tc.no_torch_function():
-        result = tc.impl_size(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_size, t)
 
 
 def impl_dtype(t: torch.Tensor) -> torch.dtype:
-    with tc.no_torch_function():
-        result = tc.impl_dtype(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_dtype, t)
 
 
 def impl_device(t: torch.Tensor) -> torch.device:
-    with tc.no_torch_function():
-        result = tc.impl_device(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_device, t)
 
 
 def impl_requires_grad(t: torch.Tensor) -> bool:
-    with tc.no_torch_function():
-        result = tc.impl_requires_grad(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+    return _read(tc.impl_requires_grad, t)
 
 
 def padded_size(p: ShardedParam, index: int) -> torch.Size:
-    """``padded_sharded_param_size``, or ``sharded_size`` where the member has none and its
-    data shows the sharding is even; a typed error where the padding cannot be known."""
+    """``padded_sharded_param_size``, or ``sharded_size`` where its data shows even sharding."""
     padded = getattr(p, "padded_sharded_param_size", None)
     if padded is not None:  # a Size is immutable: the member's own is shared, not copied
         return padded if type(padded) is torch.Size else torch.Size(padded)
@@ -96,14 +89,12 @@ def padded_size(p: ShardedParam, index: int) -> torch.Size:
             f"member {index} ({type(p).__name__}) has no padded_sharded_param_size and its "
             f"_sharded_param_data holds {numel} elements, not the {math.prod(sharded)} of its "
             f"sharded_size {tuple(sharded)}: the shard is padded (uneven sharding), so the "
-            "member must say its padded shape; set padded_sharded_param_size on it"
-        )
+            "member must say its padded shape; set padded_sharded_param_size on it")
     return sharded
 
 
 def member_name(p: ShardedParam, index: int) -> str:
-    """How messages name member ``index``: its parameter's name where the framework keeps it
-    (FSDP2's ``_param_fqn``), else its position."""
+    """How messages name member ``index`` (FSDP2's ``_param_fqn`` where kept)."""
     fqn = getattr(p, "_param_fqn", None)
     return f"{fqn} (member {index})" if isinstance(fqn, str) and fqn else f"member {index}"
 
@@ -117,10 +108,8 @@ def shard_dim(p: ShardedParam) -> int:
 def has_memory(wrapper: torch.Tensor) -> bool:
     """Does a parameter wrapper need memory of its own, which must then be its slice?
 
-    HyperParallel's ``_make_subclass`` DTensor shares its local tensor's storage (traceable
-    or not); after deferred init it may be a *meta* wrapper over a real local tensor, which
-    adoption gives the local's place. torch's DTensor (``_make_wrapper_subclass``) has only a
-    placeholder storage: it has no memory, and only its local tensor matters.
+    HyperParallel's DTensor shares its local's storage (or is a meta wrapper adoption places);
+    torch's DTensor has only a placeholder storage, so only its local tensor matters.
     """
     if is_meta(wrapper):
         return True

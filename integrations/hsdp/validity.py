@@ -1,24 +1,10 @@
 """Is a fused group still fused? And bringing back the members that were moved out.
 
-A member is in place when its padded data, its local tensor and (for a wrapper with memory of
-its own, HyperParallel's DTensor) the parameter wrapper all sit on its bucket's pool storage,
-starting at the member's slice with the shapes its layout says. Autograd bases are not read: a
-view shares its base's storage unless ``set_`` moved the view alone, which only flatpool does
-(and its release proof at adoption covers it); a base left elsewhere would pin memory, which is
-a census question (:mod:`flatpool.memory`), not whether the group reads and writes its slices. HyperParallel's own check compares member 0's data
-pointer only, which misses a later member moved by ``reset_sharded_param`` and every local
-tensor or wrapper left behind.
-
-Both checks here decide by *storage identity* (the StorageImpl, read without a Python storage
-object), *element offset*, shape and element size, read from the TensorImpls under
-``no_torch_function()``; never by ``data_ptr()``, which is 0 for a zero-element tensor (an
-empty shard on a trailing rank), which HyperParallel's DTensor overrides, and which a tensor on
-another storage at the same address (``torch.from_numpy(t.numpy())``) shares. A member whose
-slice lies past the end of its pool's storage (shrunk through a member with
-``untyped_storage().resize_()``) is not in place either. :func:`is_valid` is the per-step form
-(a few reads a member, no allocation); :func:`member_problems` says in words what is wrong,
-with the same rules (a property test holds the two to agree on every member kind, under other
-threads and tracers).
+A member is in place when its padded data, local tensor and (if it has memory) its wrapper sit
+on its bucket's pool storage at its slice, with its layout's shapes, and the slice lies inside
+the storage. Decided by storage identity and element offset, never ``data_ptr()`` (0 when empty,
+overridden, shared by a ``from_numpy`` alias). :func:`is_valid` is the per-step form;
+:func:`member_problems` says what is wrong by the same rules (a property test holds them equal).
 """
 
 from __future__ import annotations
@@ -40,8 +26,7 @@ from ._protocol import ShardedParam
 
 def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
            itemsize: int | None = None) -> str | None:
-    """What is wrong with tensor ``t`` versus ``(pool key, element offset, size)`` (and, when
-    given, the bucket's element size: the offset counts elements), or None."""
+    """What is wrong with ``t`` versus ``(pool key, element offset, size[, itemsize])``, or None."""
     with tc.no_torch_function():
         if tc.impl_is_meta(t):
             return "is on the meta device"
@@ -59,8 +44,7 @@ def _place(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...],
 
 def member_problems(p: ShardedParam, m: MemberLayout, pool: FlatPool,
                     itemsize: int | None = None) -> list[str]:
-    """What of member ``p`` is not where layout ``m`` puts it (empty when it is); with
-    ``itemsize`` (the bucket's) a tensor viewing its bytes as another element size counts."""
+    """What of member ``p`` is not where layout ``m`` puts it (empty when it is)."""
     if m.slice is None:
         return []  # a member with no element has no slice and nothing to keep in place
     key = pool.storage_key
@@ -99,8 +83,7 @@ def problems(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> dict[int,
 
 
 def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
-    """True when the group was adopted and *every* member is in place (see the module): what
-    :func:`problems` says, without its words. Runs before each all-gather."""
+    """:func:`problems` without its words, run before each all-gather."""
     if not buffers.adopted:
         return False
     kinds = buffers.wrapper_kinds
@@ -134,18 +117,15 @@ def is_valid(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> bool:
 
 
 def _at(t: torch.Tensor, key: int, offset: int, size: tuple[int, ...], itemsize: int) -> bool:
-    """:func:`_place`'s rule without its words: on storage ``key`` at element ``offset`` with
-    ``size`` and elements of ``itemsize`` bytes. Call under ``no_torch_function()``."""
+    """:func:`_place`'s rule without its words (call under ``no_torch_function()``)."""
     return (not tc.impl_is_meta(t) and tc.storage_address(t) == key
             and tc.impl_element_size(t) == itemsize and tc.impl_storage_offset(t) == offset
             and tc.impl_size(t) == size)
 
 
 def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec | None:
-    """How to bring member ``p`` back: a spec when its data left the pool (the local tensor and
-    a wrapper with memory left with it, or stayed in place), ``None`` when its data is in place
-    and only a local tensor or wrapper the pool's registry knows moved (``pool.readopt()``
-    brings those back). A typed error, before anything moves, when neither applies."""
+    """A spec when member ``p``'s data left the pool; ``None`` when only a local tensor or
+    wrapper moved (``pool.readopt()`` brings those back); else a typed error, nothing moved."""
     assert m.slice is not None
     key = pool.storage_key
     if key is None or pool.live_slice(m.slice.slice_id) is not m.slice:
@@ -174,12 +154,10 @@ def _repair_spec(p: ShardedParam, m: MemberLayout, pool: FlatPool) -> AdoptSpec 
             raise AdoptionError(
                 f"member {m.index}: its _sharded_param_data and its {what} moved to two "
                 "different storages, so which values are current is unknown; point them at one "
-                "storage (as reset_sharded_param does) and call again. Nothing was changed."
-            )
+                "storage (as reset_sharded_param does) and call again. Nothing was changed.")
         along = along or where == moved_to
     spec = adopt_spec(p, m.slice)
-    # The parameter is named only when something of it moved with the data; what stayed in
-    # place stays (its bytes are the slice's, which the data's values now overwrite).
+    # The parameter is named only when something of it moved with the data.
     return spec if along else AdoptSpec(spec.tensor, holders=spec.holders, slice=spec.slice)
 
 
@@ -188,20 +166,11 @@ def readopt_group(
 ) -> int:
     """Bring members that moved back into their slices; return how many moved. Idempotent.
 
-    The member's *current* values (a freshly loaded or re-initialized shard) are copied into
-    its slice and every holder is rebound, with the same release proof as the first adoption:
-    the storage the member had moved to must die. Members whose data moved (what
-    ``reset_sharded_param`` does) are re-adopted with the holders they have *now* (FSDP2 may
-    have installed a new Parameter object), in one all-or-nothing step per bucket; a local
-    tensor or wrapper that moved alone is brought back through the pool's registry first, in a
-    step of its own (if the second step then fails, those members stay repaired).
-
-    Raises a :class:`flatpool.FlatPoolError` when a member cannot be brought back (nothing
-    changed for it), or is still not in place afterwards. ``on_pinned`` is passed to
-    :meth:`FlatPool.readopt`; what a ``"warn"`` re-adoption keeps alive goes to
-    ``buffers.kept``. A member whose dtype, device or padded size changed
-    (``module.double()``, ``.to(device)``) cannot go back into its slice: see
-    :func:`needs_replan`.
+    The current values are copied into the slice and every holder rebound, with the release
+    proof of a first adoption, one all-or-nothing step per bucket (a local tensor or wrapper
+    that moved alone comes back through the registry first). Raises a
+    :class:`flatpool.FlatPoolError` when a member cannot be brought back; a changed dtype,
+    device or size needs :func:`needs_replan` instead.
     """
     if not buffers.adopted:
         return 0
@@ -224,19 +193,13 @@ def readopt_group(
         if left:
             raise AdoptionError(
                 f"re-adoption left member(s) not in place: {left}; the pool's registry does not "
-                "know the objects they hold now. Call adopt_group() on the group anew."
-            )
+                "know the objects they hold now. Call adopt_group() on the group anew.")
         moved += len(stale)
     return moved
 
 
 def needs_replan(buffers: GroupBuffers, params: Sequence[ShardedParam]) -> str | None:
-    """Why the group's pools no longer fit its members, or ``None``.
-
-    ``nn.Module._apply`` (``.double()``, ``.half()``, ``.to(dtype/device)``) gives every member
-    new padded data of another dtype or device; re-adoption into the old slices would copy into
-    the wrong type. Such a group is planned anew (:func:`~flatpool.integrations.hsdp.group.adopt_group`).
-    """
+    """Why the group's pools no longer fit its members (``.double()``, ``.to()``), or ``None``."""
     if not buffers.adopted:
         return None
     for b in buffers.buckets:
