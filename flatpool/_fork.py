@@ -96,5 +96,3 @@ def _after_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
         before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
-
-__all__ = ["FORK_WAIT"]

@@ -57,6 +57,3 @@ class Holder:
     def describe(self) -> str:
         owner = type(self.owner).__name__
         return f"{owner}[{self.key!r}]" if self.item else f"{owner}.{self.key}"
-
-
-__all__ = ["Holder"]

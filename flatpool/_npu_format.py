@@ -99,7 +99,3 @@ def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
             "Set torch.npu.config.allow_internal_format = False and try again; if it persists, "
             "report it with the torch_npu version", npu_format=format_name(code))
     return buffer
-
-
-__all__ = ["check_plain_format", "check_pool_storage", "format_name", "formats_apply",
-           "private_format"]

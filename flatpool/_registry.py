@@ -186,7 +186,3 @@ class AdoptionRegistry:
         """Put back a :meth:`snapshot` (or install a new map: relocation)."""
         self.version += 1
         self._bindings = dict(snap)
-
-
-__all__ = ["AdoptionRegistry", "Binding", "Geometry", "ParamRef", "Ref", "TensorRef", "binding",
-           "tensor_ref"]

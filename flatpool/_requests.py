@@ -71,6 +71,3 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(d, 1)
     return tuple(reversed(strides))
-
-
-__all__ = ["ShapeLike", "check_dtype", "check_shape", "contiguous_strides"]

@@ -255,6 +255,3 @@ class SliceIndex:
         i = bisect.bisect_left(self._offsets, slc.offset)
         if i == len(self._offsets) or self._offsets[i] != slc.offset:
             self._offsets.insert(i, slc.offset)
-
-
-__all__ = ["SliceIndex", "SliceRun"]

@@ -660,9 +660,3 @@ class PoolState:
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)")
             result = "\n".join(lines)
             return result  # not `return f()`: see flatpool.ownership._interrupts
-
-
-__all__ = [
-    "DEFAULT_ALIGNMENT", "MAX_BYTES", "PoolSnapshot", "PoolState",
-    "empty_storage_tensor", "live_states", "pool_of_storage",
-]

@@ -47,6 +47,3 @@ def table(
     if head is not None and rule:
         out.insert(1, indent + "  ".join("-" * w for w in widths))
     return out
-
-
-__all__ = ["table"]

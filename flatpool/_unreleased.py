@@ -54,6 +54,3 @@ class Trace:
             self.storage = None
             return True
         return False
-
-
-__all__ = ["Trace", "UnreleasedOriginal"]

@@ -244,6 +244,3 @@ def attribute_manifest(
     return MemoryAttribution(
         snapshot.source, tuple(segments), tuple(blocks), tuple(items), tuple(totals),
         snapshot.active_bytes, snapshot.reserved_bytes, manifest, tuple(notes))
-
-
-__all__ = ["Progress", "attribute", "attribute_manifest"]

@@ -180,6 +180,3 @@ def _originals(watch: Watches, pools: list[FlatPool]) -> list[OriginalEntry]:
         out.extend(OriginalEntry(u.label, u.address, u.nbytes, p.name, "pool", u.device)
                    for u in p.unreleased_originals())
     return out
-
-
-__all__ = ["Watches", "build_manifest"]

@@ -100,6 +100,3 @@ def device_snapshot(
     out["segments"] = [s for s in snap["segments"]
                        if not isinstance(s, dict) or s.get("device", dev.index) == dev.index]
     return out
-
-
-__all__ = ["SOURCE", "cpu_snapshot", "device_snapshot"]

@@ -48,6 +48,3 @@ class MissingExtraError(FlatPoolError, ImportError):
     def __init__(self, message: str, extra: str) -> None:
         super().__init__(message)
         self.extra = extra
-
-
-__all__ = ["ManifestError", "MissingExtraError", "PictureError", "SnapshotError", "shown"]

@@ -29,6 +29,3 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         except OSError:
             pass
         raise
-
-
-__all__ = ["write_atomic"]

@@ -60,6 +60,3 @@ def capture(
     if out is not None:
         draw(result, out, title=title, pool=pool)
     return result
-
-
-__all__ = ["capture"]

@@ -309,9 +309,3 @@ def _original(value: object, field: str) -> OriginalEntry:
         _str(d, "label", field), _int(d, "address", field), _int(d, "nbytes", field),
         _str(d, "pool", field, optional=True), source,
         _str(d, "device", field, optional=True))
-
-
-__all__ = [
-    "FORMAT", "Gap", "Manifest", "OriginalEntry", "PoolEntry", "SliceEntry", "StorageEntry",
-    "VERSION",
-]

@@ -93,6 +93,3 @@ def plain_text() -> Iterator[None]:
     matplotlib = importlib.import_module("matplotlib")
     with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
         yield
-
-
-__all__ = ["Axes", "Canvas", "Figure", "Matplotlib", "PIN", "load", "plain_text"]

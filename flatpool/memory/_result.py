@@ -115,7 +115,3 @@ class MemoryAttribution:
         from ._table import render
 
         return render(self, top)
-
-
-__all__ = ["BlockView", "ClassTotal", "Item", "KINDS", "Kind", "MemoryAttribution", "Piece",
-           "SegmentView"]

@@ -289,9 +289,3 @@ def _where(frames: object, field: str) -> str | None:
         if "/torch/" not in filename and not filename.startswith("??"):
             return text
     return fallback
-
-
-__all__ = [
-    "ACTIVE_STATES", "Block", "MAX_BLOCKS", "STATES", "Segment", "Snapshot", "SnapshotSource",
-    "load_snapshot", "parse_snapshot", "read_pickle",
-]

@@ -71,6 +71,3 @@ def render(a: MemoryAttribution, top: int = 10) -> str:
     for note in a.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
-
-
-__all__ = ["fmt_bytes", "render"]

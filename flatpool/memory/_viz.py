@@ -408,7 +408,3 @@ def _label_above(ax: Axes, labels: Sequence[tuple[float, str]], scale: _Scale) -
 
 def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else "..." + text[-(limit - 3):]
-
-
-__all__ = ["COLOURS", "DTYPE_COLOURS", "MIN_FRACTION", "draw", "draw_comparison", "figure",
-           "render_png"]

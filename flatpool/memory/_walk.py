@@ -155,6 +155,3 @@ def walk_roots(roots: object, *, max_depth: int = 6) -> Walked:
     for opt, prefix in w.optimizers:
         w.optimizer(opt, prefix)
     return Walked(tuple(w.found), tuple(w.pools.values()))
-
-
-__all__ = ["Found", "LEGIT_OWN_STORAGE", "ROLES", "Walked", "walk_roots"]

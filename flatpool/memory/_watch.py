@@ -106,6 +106,3 @@ def _current(w: _Watched) -> tuple[int, int] | None:
         return int(storage.data_ptr()), int(storage.nbytes())
     finally:
         del storage
-
-
-__all__ = ["StorageWatch", "WatchInput", "WatchedStorages"]

@@ -86,6 +86,3 @@ def scale(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply each (local) tensor by ``coef``, one foreach call per device and dtype."""
     for group in _grouped(_locals(tensors)):
         torch._foreach_mul_(group, coef.to(group[0].device))
-
-
-__all__ = ["coefficient", "scale", "total_norm"]

@@ -76,6 +76,3 @@ class StepSlots:
 
     def span(self, a: int, b: int) -> torch.Tensor:
         return self.all[a:b]
-
-
-__all__ = ["Companions", "StepSlots", "new_pool", "views"]

@@ -66,6 +66,3 @@ class DropIn:
                 prev = self._previous.get(name)
                 if prev is not None:
                     d[name] = prev
-
-
-__all__ = ["DropIn"]

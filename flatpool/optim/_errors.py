@@ -20,6 +20,3 @@ class NotPooledError(FlatStepError, ValueError):
 class LostPlaceError(FlatStepError, RuntimeError):
     """Kept for code that catches it, no longer raised: a member that left its pooled place is
     stepped by torch's own step, with a ``FlatStepWarning``."""
-
-
-__all__ = ["FlatStepError", "LostPlaceError", "NotPooledError", "UnsupportedOptimizerError"]

@@ -404,6 +404,3 @@ class FlatOptimizer:
                     covered[i] = True
                 a = None
         return out
-
-
-__all__ = ["FlatOptimizer", "FusedPolicy", "Verify"]

@@ -207,6 +207,3 @@ def unpoolable(grad: torch.Tensor, m: Member) -> str | None:
         return (f"a gradient of shape {tuple(local.shape)}, {local.dtype} on {local.device} "
                 f"(the parameter: {tuple(m.shape)}, {m.dtype})")
     return None
-
-
-__all__ = ["Grads", "unpoolable"]

@@ -68,6 +68,3 @@ def committed() -> Iterator[Journal]:
         with signals_guarded():  # a signal delivered at the end: undo all (again: no-op)
             journal.rollback()
         raise
-
-
-__all__ = ["Journal", "committed"]

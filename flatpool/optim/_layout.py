@@ -171,6 +171,3 @@ def _adjacent(a: Member, b: Member) -> bool:
 def _segment(run: list[Member]) -> Segment:
     first, last = run[0], run[-1]
     return Segment(first.pool, first.dtype, first.group, tuple(run), first.offset, last.end)
-
-
-__all__ = ["FLAT_DTYPES", "Member", "Places", "Segment", "plan_group", "segments_of"]

@@ -44,6 +44,3 @@ def mirror(pool: FlatPool, name: str) -> tuple[FlatPool, dict[int, Slice]]:
     if out.capacity:
         out.view_bytes(0, out.capacity).zero_()
     return out, by_id
-
-
-__all__ = ["mirror"]

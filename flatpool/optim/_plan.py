@@ -172,6 +172,3 @@ def _which_group_changed(plan: Plan, groups: list[dict[str, Any]]) -> str:
         if len(params) != len(gp.params) or not all(map(operator.is_, params, gp.params)):
             return f"param_groups[{g}]['params'] changed"
     return "param groups changed"
-
-
-__all__ = ["GroupPlan", "PLACE_REASONS", "Plan", "make_plan", "stale"]

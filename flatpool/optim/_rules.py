@@ -153,6 +153,3 @@ def group_refusal(group: dict[str, Any]) -> str | None:
         if torch.is_tensor(value) or (isinstance(value, tuple) and any(map(torch.is_tensor, value))):
             return f"a tensor {key}: torch's kernels take it only in their capturable form"
     return None
-
-
-__all__ = ["AdamRule", "Rule", "SGDRule", "State", "group_refusal", "rule_for"]

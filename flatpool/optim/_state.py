@@ -308,6 +308,3 @@ class State:
 
     def pools(self) -> list[Any]:
         return self.companions.pools() + [s.pool for s in self.slots.values()]
-
-
-__all__ = ["FRESH", "POOLED", "State", "plain_assign"]

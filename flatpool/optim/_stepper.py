@@ -270,6 +270,3 @@ class Stepper:
                     assert made is not None
                     self._range(r, k).copy_(made)
                     state.install_made(r.members, k)
-
-
-__all__ = ["GroupWork", "Run", "Stepper"]

@@ -75,7 +75,3 @@ mesh_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.mesh")
 placements_of: Callable[[torch.Tensor], Any] = operator.attrgetter("_spec.placements")
 local_of: Callable[[torch.Tensor], torch.Tensor] = operator.attrgetter("_local_tensor")
 """A wrapper's local tensor (torch DTensor, HyperParallel-style DTensor)."""
-
-
-__all__ = ["after_backward", "dtensor_like", "foreach_choice", "is_dtensor", "local_of",
-           "mesh_of", "placements_of", "raw_step", "step_dtype", "with_step_hooks"]

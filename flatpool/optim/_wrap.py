@@ -41,6 +41,3 @@ def supported(param: torch.Tensor) -> str | None:
         return (f"{type(param).__name__} wrapper: only plain tensors, torch DTensors and "
                 "from_local(local, layout) wrappers")
     return None
-
-
-__all__ = ["is_dtensor", "supported", "wrap_like"]

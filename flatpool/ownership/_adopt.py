@@ -705,8 +705,3 @@ def _external_message(labels: list[str]) -> str:
         "writes to the array or buffer are not seen by the tensor, and that owner still holds "
         "its memory (the report counts none of it as freed)"
     )
-
-
-__all__ = ["AdoptTargets", "Original", "adopt", "adopt_in", "adopt_many",
-           "data_storage", "label", "overlap", "plan",
-           "validate"]

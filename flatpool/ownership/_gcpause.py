@@ -64,6 +64,3 @@ def after_fork_in_child() -> None:
         _by_thread[threading.get_ident()] = mine
     _depth = mine
     _restore_if_unpaused()
-
-
-__all__ = ["after_fork_in_child", "gc_paused", "paused"]

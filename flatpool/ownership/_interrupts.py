@@ -210,7 +210,3 @@ def run_undo(undo: Callable[[], None], attempts: int = 3) -> None:
             last = exc
     assert last is not None
     raise last
-
-
-__all__ = ["RollbackError", "after_fork_in_child", "guarded_call", "run_undo",
-           "signals_guarded"]

@@ -134,6 +134,3 @@ def _materialize(pool: PoolState, txn: Transaction, items: list[torch.Tensor],
         pool.registry.bind(slc.slice_id, [b])
     txn.commit()
     return tuple(planned)
-
-
-__all__ = ["MetaTargets", "materialize_into"]

@@ -306,9 +306,3 @@ def counter_group(t: torch.Tensor) -> int:
     address). Call under ``no_torch_function()``."""
     base = tc.impl_base(t)
     return tc.impl_address(t if base is None else base)
-
-
-__all__ = [
-    "COPY_CHUNK", "Dest", "Member", "Move", "Place", "Record", "SlotSet", "byte_view", "copy_all",
-    "fresh_like", "fresh_on", "member_of", "move", "set_many", "swap_many",
-]

@@ -156,6 +156,3 @@ def _readopt(
                                      released=expired[key], rebound=slice_ids.count(sid),
                                      pinned_by=pins.get(key, ())))
     return AdoptionReport(tuple(items))
-
-
-__all__ = ["readopt"]

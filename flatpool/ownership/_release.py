@@ -455,11 +455,3 @@ def pinned_message(pinned: dict[str, tuple[str, ...]], *, kept: bool = False) ->
         "Pass those tensors in AdoptSpec.views (or their places in AdoptSpec.holders), drop the "
         "references, or use on_pinned='warn'/'force'. Nothing was changed.")
     return "\n".join(lines)
-
-
-__all__ = [
-    "CXX_HOLDER_WAIT_ENV", "DEFAULT_CXX_HOLDER_WAIT_S", "Outside", "Pins", "Placed",
-    "check_all_placed", "check_placed", "cxx_holder_wait", "effective_cxx_holder_wait", "finish",
-    "held_outside_python", "load_factor", "look_again", "outside_by_key", "own_ids",
-    "set_cxx_holder_wait", "settle_delays", "storage_pinned",
-]

@@ -198,6 +198,3 @@ def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
             out.append(t)
     del found
     return out
-
-
-__all__ = ["compact", "grow", "grow_within", "relocate"]

@@ -166,6 +166,3 @@ def _size(n: int) -> str:
         if n >= unit:
             return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.2f} {name}"
     return f"{n} B"
-
-
-__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "Holder", "OnPinned", "check_policy"]

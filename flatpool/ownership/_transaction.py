@@ -249,6 +249,3 @@ def undo(journal: Sequence[Record], originals: dict[int, torch.UntypedStorage],
             errors.append(exc)
     tc.set_versions([m.obj for m in counted], [m.version for m in counted])
     return errors
-
-
-__all__ = ["Transaction", "atomic", "check_not_in_backward", "undo"]

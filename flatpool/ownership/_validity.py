@@ -76,6 +76,3 @@ def is_valid(pool: PoolState) -> bool:
     with pool.lock:
         result = not moved(pool) and not orphaned(pool)
         return result  # not `return f()`: see flatpool.ownership._interrupts
-
-
-__all__ = ["Moved", "in_place", "is_valid", "moved", "orphaned"]

@@ -53,6 +53,3 @@ def per_param_all_gather(
         tc.all_gather_single(out, data.contiguous(), group=group)
         result.append(_unshard(out.view(world, data.numel()), m))
     return result
-
-
-__all__ = ["fused_all_gather", "per_param_all_gather"]

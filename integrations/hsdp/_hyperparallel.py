@@ -115,6 +115,3 @@ class BucketLines:
 
     def is_flat_buffer_valid(self) -> bool:
         return is_fused(getattr(self, "_flatpool", None), self.hsdp_params)
-
-
-__all__ = ["BucketLines", "V1Lines", "cast_buffer", "flat_buffer", "fuse", "is_fused"]

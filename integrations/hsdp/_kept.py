@@ -105,6 +105,3 @@ class KeptAlive:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-__all__ = ["KeptAlive", "KeptOriginal"]

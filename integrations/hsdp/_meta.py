@@ -68,6 +68,3 @@ def _install(p: ShardedParam, pool: FlatPool, m: MemberLayout) -> None:
     new_dt = DTensor(local, old._spec, requires_grad=grad)  # type: ignore[no-untyped-call]
     tc.swap_tensors(old, nn.Parameter(new_dt, requires_grad=grad))
     p._sharded_param_data = pool.view_at(m.slice.offset, (m.numel,), m.slice.dtype)
-
-
-__all__ = ["materialize_group"]

@@ -25,6 +25,3 @@ class ShardedParam(Protocol):
     sharded_param: nn.Parameter
     sharded_size: torch.Size
     offload_to_cpu: bool
-
-
-__all__ = ["ShardedParam"]

@@ -47,6 +47,3 @@ class WrapperKinds:
             return False
         self._known[index] = (wrapper, tc.impl_address(wrapper), key)
         return True
-
-
-__all__ = ["WrapperKinds"]
