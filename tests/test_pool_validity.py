@@ -12,11 +12,8 @@ under ``sys.settrace`` / ``sys.setprofile``; nothing may read the freed bytes.
 
 from __future__ import annotations
 
-import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,6 +25,7 @@ from torch import nn
 from flatpool import AdoptSpec, FlatPool, Holder
 from flatpool import _torch_compat as tc
 from flatpool.ownership._validity import orphaned
+from check_contexts import CONTEXTS, context
 
 
 class World:
@@ -140,36 +138,6 @@ CHANGES: dict[str, Callable[[World, int], bool]] = {
     "other dtype, same bytes": other_dtype, "swap_tensors out": swapped_out,
     "replaced in its holder": replaced_in_holder, "values written in place": values_written,
 }
-
-
-@contextmanager
-def context(kind: str) -> Iterator[None]:
-    """Where the check runs: alone, beside another live thread, or under a tracer."""
-    if kind == "thread":
-        stop = threading.Event()
-        other = threading.Thread(target=stop.wait)
-        other.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            other.join()
-    elif kind in ("settrace", "setprofile"):
-        def tracer(frame: Any, event: str, arg: Any) -> Any:
-            return tracer if kind == "settrace" else None
-
-        install = sys.settrace if kind == "settrace" else sys.setprofile
-        old = sys.gettrace() if kind == "settrace" else sys.getprofile()
-        install(tracer)
-        try:
-            yield
-        finally:
-            install(old)  # type: ignore[arg-type]
-    else:
-        yield
-
-
-CONTEXTS = ("alone", "thread", "settrace", "setprofile")
 
 
 def _verdict(w: World, where: str) -> tuple[bool, set[int], list[Any]]:

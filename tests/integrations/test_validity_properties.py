@@ -14,11 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -30,6 +25,7 @@ from flatpool import _torch_compat as tc
 from flatpool.integrations.hsdp import adopt_group, is_valid, problems, readopt_group
 from examples.hyperparallel_sim import HSDPParam, ShardMesh, dtensor_class
 from flatpool.integrations.hsdp.members import has_memory, local_of
+from check_contexts import CONTEXTS, context
 
 
 class TorchMember:
@@ -203,36 +199,6 @@ def _pool_exact(buffers: Any) -> bool:
 @pytest.fixture(scope="module")
 def mesh(single_rank_mesh: Any) -> Any:
     return single_rank_mesh
-
-
-@contextmanager
-def context(kind: str) -> Iterator[None]:
-    """Where the checks run: alone, beside another live thread, or under a tracer."""
-    if kind == "thread":
-        stop = threading.Event()
-        other = threading.Thread(target=stop.wait)
-        other.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            other.join()
-    elif kind in ("settrace", "setprofile"):
-        def tracer(frame: Any, event: str, arg: Any) -> Any:
-            return tracer if kind == "settrace" else None
-
-        install = sys.settrace if kind == "settrace" else sys.setprofile
-        old = sys.gettrace() if kind == "settrace" else sys.getprofile()
-        install(tracer)
-        try:
-            yield
-        finally:
-            install(old)  # type: ignore[arg-type]
-    else:
-        yield
-
-
-CONTEXTS = ("alone", "thread", "settrace", "setprofile")
 
 
 @pytest.mark.filterwarnings("ignore::flatpool.ExternalMemoryWarning")  # (the same-address aliases)
