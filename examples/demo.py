@@ -45,6 +45,7 @@ from .demo_run import Config, draw_panels, progress, run_client
 from .naive import naive_rebase
 from .table import mib
 from .table import render as table_render
+from .table import report as table_report
 
 MODES = ("no fusion", "naive rebase", "flatpool adopt", "meta init")
 
@@ -267,15 +268,8 @@ def header(cfg: Config) -> str:
 
 def report(results: Sequence[Sequence[Row]], seconds: float) -> int:
     """Print every rank's table and the verdict; the exit code (1 if a flatpool row failed)."""
-    for rank, rows in enumerate(results):
-        print(render(rank, rows) + "\n")
-    failed = [(rank, r) for rank, rows in enumerate(results) for r in rows if r.checks]
-    print(f"done in {seconds:.1f} s")
-    if failed:
-        print(f"FAILED: {len(failed)} flatpool row(s) did not pass their checks", file=sys.stderr)
-        return 1
-    print("flatpool rows: no stale shard storage, training bit-identical to no fusion.")
-    return 0
+    return table_report(results, seconds, render,
+                        "flatpool rows: no stale shard storage, training bit-identical to no fusion.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from .hyperparallel_sim import FullyShardUnit, Originals, digest, live_storages,
 from .hyperparallel_sim.dtensor import wrapper_local_geometry, wrapper_storage_key
 from .table import mib
 from .table import render as table_render
+from .table import report as table_report
 
 V1_HOOKS: dict[str, Callable[..., Any]] = {
     "init_flat": V1Lines._init_flat_param_buffer, "is_valid": V1Lines._is_flat_buffer_valid}
@@ -231,16 +232,9 @@ def header(cfg: Config) -> str:
 
 def report(results: Sequence[Sequence[Row]], seconds: float) -> int:
     """Print every rank's table and the verdict; the exit code (1 if a flatpool row failed)."""
-    for rank, rows in enumerate(results):
-        print(render(rank, rows) + "\n")
-    failed = [(rank, r) for rank, rows in enumerate(results) for r in rows if r.checks]
-    print(f"done in {seconds:.1f} s")
-    if failed:
-        print(f"FAILED: {len(failed)} flatpool row(s) did not pass their checks", file=sys.stderr)
-        return 1
-    print("flatpool rows: the pool is the only live shard storage, no stale original, every "
-          "Parameter wrapper on its slice, training bit-identical to no fusion.")
-    return 0
+    return table_report(results, seconds, render,
+                        ("flatpool rows: the pool is the only live shard storage, no stale original, every "
+                  "Parameter wrapper on its slice, training bit-identical to no fusion."))
 
 
 def main(cfg: Config) -> int:
