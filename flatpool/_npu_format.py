@@ -53,16 +53,19 @@ def format_name(code: int) -> str:
     return f"{FORMAT_NAMES.get(code, 'unknown format')} ({code})"
 
 
-def private_format(t: torch.Tensor, device: torch.device | None = None) -> str | None:
-    """The name of ``t``'s storage format when it is a private one, else ``None``."""
+def _format_code(t: torch.Tensor, device: torch.device | None = None) -> int | None:
+    """torch_npu's storage format of ``t``, or ``None`` off npu (nothing to ask)."""
     if device is None:
         with tc.no_torch_function():
             device = tc.impl_device(t)
     query = _format_query(device)
-    if query is None:
-        return None
-    code = int(query(t))
-    return None if code in PLAIN_FORMATS else format_name(code)
+    return None if query is None else int(query(t))
+
+
+def private_format(t: torch.Tensor, device: torch.device | None = None) -> str | None:
+    """The name of ``t``'s storage format when it is a private one, else ``None``."""
+    code = _format_code(t, device)
+    return None if code is None or code in PLAIN_FORMATS else format_name(code)
 
 
 def formats_apply(device: torch.device) -> bool:
@@ -86,13 +89,8 @@ def check_plain_format(t: torch.Tensor, what: object, device: torch.device | Non
 def check_pool_storage(buffer: torch.Tensor, pool: str) -> torch.Tensor:
     """``buffer``, a pool's new storage; :class:`NpuFormatError` unless ND (checked outside the
     allocation's ``except RuntimeError``: a missing torch_npu is no exhausted device)."""
-    with tc.no_torch_function():
-        device = tc.impl_device(buffer)
-    query = _format_query(device)
-    if query is None:
-        return buffer
-    code = int(query(buffer))
-    if code != ACL_FORMAT_ND:
+    code = _format_code(buffer)
+    if code is not None and code != ACL_FORMAT_ND:
         raise NpuFormatError(
             f"torch_npu made the storage of pool {pool!r} in format {format_name(code)}, not ND: "
             "its slices' views would not read the bytes they name, and nothing was changed. "
