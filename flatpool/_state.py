@@ -299,21 +299,6 @@ class PoolState:
                 self._alloc.restore(before)
         return [self.allocate_checked(d, t) for d, t in requests]
 
-    def fits(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> bool:
-        """Whether :meth:`allocate_many` would place every request now; changes nothing."""
-        with self._lock:
-            before = self._alloc.snapshot()
-            try:
-                for dims, dt in requests:
-                    nbytes = math.prod(dims) * dt.itemsize
-                    start = self._alloc.find(nbytes, self.slice_alignment(dt))
-                    if start is None:
-                        return False
-                    self._alloc.take(start, nbytes)
-                return True
-            finally:
-                self._alloc.restore(before)
-
     def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
         with self._lock:

@@ -19,7 +19,8 @@ from .. import _torch_compat as tc
 from .._npu_format import check_plain_format, formats_apply
 from .._warn import warn
 from .._aliasing import ByteRange, check_no_wrapper, check_strided, extent_of, local_tensor, own_storage
-from ..errors import AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError, InvalidTypeError
+from ..errors import (AdoptionError, AliasingError, ExternalMemoryWarning, InvalidRequestError,
+                      InvalidTypeError, PoolExhaustedError)
 from .._holder import Holder
 from .._registry import Binding, binding
 from .._requests import check_dtype
@@ -150,10 +151,15 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
         todo = [o for o in originals if o.slice is None]
         if todo:
             requests = [(o.shape, o.dtype) for o in todo]
-            if _must_grow(pool, requests):
+            try:
+                slices = pool.allocate_many(requests)  # (all or nothing: a failure places none)
+            except PoolExhaustedError:
+                if not _grows_on_adopt(pool):
+                    raise
                 key, held = grow_within(txn, pool, requests)
                 grown[key] = (f"pool {pool.name!r}'s old storage", held)
-            for o, slc in zip(todo, pool.allocate_many(requests)):
+                slices = pool.allocate_many(requests)
+            for o, slc in zip(todo, slices):
                 o.slice, o.allocated = slc, True
     outside = _outside(every)
     outside.update((key, held) for key, (_, held) in grown.items() if held)
@@ -219,10 +225,11 @@ def _bindings(o: Original) -> list[Binding]:
                     m.holder, m.primary, alone) for m in o.members]
 
 
-def _must_grow(pool: PoolState, requests: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
-    """A materialized growing pool that lacks room for the batch: it moves to a larger storage
-    inside the adoption's transaction."""
-    return bool(requests) and pool.grows and pool.is_materialized and not pool.fits(requests)
+def _grows_on_adopt(pool: PoolState) -> bool:
+    """A materialized growing pool (made without ``capacity=``) that lacks room for a batch
+    moves to a larger storage inside the adoption's transaction; a planned one never lacks
+    room, a fixed one raises :class:`PoolExhaustedError`."""
+    return pool.grows and pool.is_materialized
 
 
 def _copies_into_itself(txn: Transaction, o: Original) -> bool:
