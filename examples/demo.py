@@ -151,7 +151,7 @@ def rank_main(cfg: Config) -> list[Row]:
         live = live_storages(params, flats)
         stale = originals.stale() if originals is not None else []
         checks: list[str] = []
-        not_fused = _unfused_by_design(fused)
+        not_fused = _unfused_by_design(fused, cfg.world_size)
         if not_fused:
             fused = None  # nothing to check in a pool: training must still match
         if fused is not None:
@@ -198,13 +198,12 @@ def rank_main(cfg: Config) -> list[Row]:
     return rows
 
 
-def _unfused_by_design(fused: FusedModule | None) -> str:
-    """The reason ``fuse_fully_sharded`` gave for leaving every group unfused on purpose (a shard
-    world size of 1: nothing is all-gathered), or ``""``."""
-    if fused is None or not fused.buffers or any(b.adopted for b in fused.buffers):
+def _unfused_by_design(fused: FusedModule | None, world_size: int) -> str:
+    """At shard world size 1 ``fuse_fully_sharded`` leaves every group unfused on purpose
+    (nothing is all-gathered): the reason it gave, else ``""``."""
+    if fused is None or world_size != 1 or not fused.buffers:
         return ""
-    reasons = {b.skipped or "" for b in fused.buffers}
-    return reasons.pop() if len(reasons) == 1 and "world size" in next(iter(reasons)) else ""
+    return "" if any(b.adopted for b in fused.buffers) else fused.buffers[0].skipped or ""
 
 
 def render(rank: int, rows: Sequence[Row]) -> str:
