@@ -28,7 +28,7 @@ from ..slices import Slice
 from .._state import PoolState, pool_of_storage
 from ._faults import checkpoint
 from ._moves import COPY_CHUNK, Dest, Member, Move, byte_view, copy_all, member_of, move
-from ._pins import name_referrers, tensors_on_storage
+from ._pins import movable_tensors_on
 from ._relocate import grow_within
 from ._release import (Outside, Pins, Placed, check_all_placed, finish, held_outside_python,
                        outside_by_key)
@@ -454,20 +454,13 @@ def _held(h: Holder, o: Original) -> torch.Tensor:
 
 def discover_members(key: int, extent: ByteRange, known: Iterable[int]) -> list[Member]:
     """Every Python-visible tensor on original ``key`` inside ``extent`` (a gc scan) that is
-    safe to move. Not safe: one gc sees no referrer of on a non-resizable storage, such as the
-    base ``t.numpy()`` makes, which the ndarray reads by raw pointer: it stays and pins."""
+    safe to move (:func:`~._pins.movable_tensors_on`)."""
     found: list[Member] = []
-    candidates = tensors_on_storage(key, set(known))
+    candidates = movable_tensors_on(key, known)
     for t in candidates:
         with tc.no_torch_function():
-            if not extent.contains(extent_of(t)):
-                continue
-        storage = own_storage(t)
-        if storage is not None and not storage.resizable() and not name_referrers(
-                t, {id(candidates)}):
-            continue
-        with tc.no_torch_function():
-            found.append(_member(t, key, False))
+            if extent.contains(extent_of(t)):
+                found.append(_member(t, key, False))
     del candidates
     return found
 

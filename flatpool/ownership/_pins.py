@@ -55,6 +55,20 @@ def tensors_on_storage(key: int, exclude: Iterable[int] = ()) -> list[torch.Tens
     return found
 
 
+def movable_tensors_on(key: int, exclude: Iterable[int] = ()) -> list[torch.Tensor]:
+    """The Python-visible tensors on storage ``key`` (a gc scan) that may be moved: not one gc
+    sees no referrer of on a non-resizable storage, such as the base ``t.numpy()`` makes, which
+    the ndarray reads by raw pointer (it stays, and pins the storage)."""
+    found = tensors_on_storage(key, exclude)
+    out = []
+    for t in found:
+        storage = own_storage(t)
+        if storage is None or storage.resizable() or name_referrers(t, {id(found)}):
+            out.append(t)
+    del found
+    return out
+
+
 def _local_name(frame: types.FrameType, name: str) -> str:
     return (f"local variable {name!r} in {frame.f_code.co_name}() "
             f"({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")

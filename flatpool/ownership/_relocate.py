@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from .. import _torch_compat as tc
-from .._aliasing import own_storage
 from .._allocator import RangeAllocator, align_up
 from ..errors import InvalidRequestError, InvalidTypeError
 from .._registry import Binding
@@ -20,7 +19,7 @@ from ..slices import Slice
 from .._state import MAX_BYTES, PoolState, empty_storage_tensor
 from ._faults import checkpoint
 from ._moves import Dest, Member, Move, byte_view, copy_all, member_of, move
-from ._pins import name_referrers, tensors_on_storage
+from ._pins import movable_tensors_on
 from ._release import Placed, check_placed, finish, held_outside_python
 from ._spec import OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
@@ -174,7 +173,7 @@ def _move_bound(
             out[new.slice_id] = kept
     if follow_unbound:
         known = {id(m.obj) for m in members} | {id(pool.byte_buffer())}
-        for t in _unbound_tensors(old_key, known):
+        for t in movable_tensors_on(old_key, known):
             members.append(member_of(t, Move.IN_PLACE, old_key))
             with tc.no_torch_function():  # (the same place on the new storage)
                 dests.append((new_storage, tc.impl_storage_offset(t), tuple(tc.impl_size(t)),
@@ -185,16 +184,3 @@ def _move_bound(
     del moving
     move(txn.journal, members, dests)
     return out, placed, held
-
-
-def _unbound_tensors(key: int, known: set[int]) -> list[torch.Tensor]:
-    """The Python-visible tensors on the old storage the registry does not know, except
-    ``t.numpy()``'s base (an ndarray reads it by raw pointer): it stays and pins."""
-    found = tensors_on_storage(key, known)
-    out = []
-    for t in found:
-        storage = own_storage(t)
-        if storage is None or storage.resizable() or name_referrers(t, {id(found)}):
-            out.append(t)
-    del found
-    return out
