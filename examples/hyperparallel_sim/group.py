@@ -16,6 +16,10 @@
 Collectives: the double adds one ``all_gather_object`` after every flat-buffer init and
 validity call (:func:`agreed`), so an exception on one rank is raised on every rank instead of
 leaving the others blocked in the all-gather that follows (HyperParallel has no such step).
+The validity call shares every rank's verdict (:func:`agreed_verdicts`): where the ranks differ
+(a rank whose fusion failed), HyperParallel re-initializes only the invalid ranks' buffers, and
+the double's agreement on that init must still run on every rank, or the double itself would
+make the collective mismatch that HyperParallel does not.
 
 Hooks: the flat-buffer methods are looked up on the instance, so a test can subclass, or pass
 ``init_flat=`` / ``is_valid=`` functions to the constructor (for the bucketed group they are
@@ -89,20 +93,44 @@ class PeerRankError(RuntimeError):
 
 def agreed(where: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank; if any rank raised, raise on all (the original on its rank)."""
+    return _agreed(where, fn, lambda out: None)[0]
+
+
+def agreed_verdicts(where: str, fn: Callable[[], bool]) -> list[bool]:
+    """:func:`agreed` for a validity call: every rank's verdict, in rank order (one rank's
+    verdict alone must not decide a collective that only that rank would then make)."""
+    out, verdicts = _agreed(where, lambda: bool(fn()), lambda ok: ok)
+    return [out] if verdicts is None else verdicts
+
+
+def _agreed(where: str, fn: Callable[[], Any], share: Callable[[Any], Any],
+            ) -> tuple[Any, list[Any] | None]:
+    """``fn()`` here, and ``share(result)`` from every rank (``None`` without a process group)."""
     err: BaseException | None = None
     out = None
     try:
         out = fn()
     except Exception as e:  # re-raised below, after the other ranks heard of it
         err = e
+    shared = None
     if dist.is_available() and dist.is_initialized():
-        msgs: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}")
-        if err is None and any(msgs):
-            raise PeerRankError(f"{where}: {[(r, m) for r, m in enumerate(msgs) if m]}")
+        msgs: list[tuple[str | None, Any]] = [(None, None)] * dist.get_world_size()
+        mine = (None, share(out)) if err is None else (f"{type(err).__name__}: {err}", None)
+        dist.all_gather_object(msgs, mine)
+        if err is None and any(m for m, _ in msgs):
+            raise PeerRankError(f"{where}: {[(r, m) for r, (m, _) in enumerate(msgs) if m]}")
+        shared = [value for _, value in msgs]
     if err is not None:
         raise err
-    return out
+    return out, shared
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _nothing() -> None:
+    """What a rank whose flat buffer is valid runs while the others re-initialize theirs."""
 
 
 def _bind(obj: object, name: str, fn: Callable[..., Any] | None) -> None:
@@ -176,15 +204,18 @@ class HSDPParamGroupV1:
         return bool(self.hsdp_params[0]._sharded_param_data.data_ptr()
                     == self._flat_param_buffer.data_ptr())
 
-    def _call_init(self, where: str) -> None:
-        self.calls.append(("init", where))
-        agreed("_init_flat_param_buffer", self._init_flat_param_buffer)
+    def _call_init(self, where: str, here: bool = True) -> None:
+        """Init the flat buffer on this rank if ``here``; the agreement runs on every rank."""
+        if here:
+            self.calls.append(("init", where))
+        agreed("_init_flat_param_buffer", self._init_flat_param_buffer if here else _nothing)
 
-    def _call_valid(self, where: str) -> bool:
+    def _call_valid(self, where: str) -> list[bool]:
+        """Every rank's verdict (this rank's is logged)."""
         self.calls.append(("valid", (where, "raised")))
-        ok = bool(agreed("_is_flat_buffer_valid", self._is_flat_buffer_valid))
-        self.calls[-1] = ("valid", (where, ok))
-        return ok
+        verdicts = agreed_verdicts("_is_flat_buffer_valid", self._is_flat_buffer_valid)
+        self.calls[-1] = ("valid", (where, verdicts[_rank()]))
+        return verdicts
 
     # ---- all-gather ------------------------------------------------------------------------
     def unshard(self) -> None:
@@ -206,8 +237,10 @@ class HSDPParamGroupV1:
         elif self.ag_output.untyped_storage().size() != total_out * self.ag_output.itemsize:
             self.ag_output.untyped_storage().resize_(total_out * self.ag_output.itemsize)
         gated = self.enable_zero_copy is not None
-        if (not gated or self.enable_zero_copy) and not self._call_valid("foreach_all_gather"):
-            self._call_init("foreach_all_gather")
+        if not gated or self.enable_zero_copy:
+            verdicts = self._call_valid("foreach_all_gather")
+            if not all(verdicts):  # (HyperParallel re-inits where invalid: the ranks may differ)
+                self._call_init("foreach_all_gather", here=not verdicts[_rank()])
         use_flat = (not gated or bool(self.enable_zero_copy)) and self._flat_param_buffer is not None
         if use_flat:
             assert self._flat_param_buffer is not None
@@ -342,11 +375,12 @@ class HSDPParamGroupBucketed:
             return
         self.foreach_all_gather()
 
-    def _valid(self, i: int, bucket: AllGatherBucket, where: str) -> bool:
+    def _valid(self, i: int, bucket: AllGatherBucket, where: str) -> list[bool]:
+        """Every rank's verdict on bucket ``i`` (this rank's is logged)."""
         self.calls.append(("valid", (i, where, "raised")))
-        ok = bool(agreed("is_flat_buffer_valid", bucket.is_flat_buffer_valid))
-        self.calls[-1] = ("valid", (i, where, ok))
-        return ok
+        verdicts = agreed_verdicts("is_flat_buffer_valid", bucket.is_flat_buffer_valid)
+        self.calls[-1] = ("valid", (i, where, verdicts[_rank()]))
+        return verdicts
 
     @torch.no_grad()
     def foreach_all_gather(self) -> None:
@@ -355,13 +389,18 @@ class HSDPParamGroupBucketed:
         for i, b in enumerate(self.all_gather_buckets):
             if b.all_gather_result is not None:
                 continue
-            if self.enable_zero_copy and not self._valid(i, b, "before_init"):
-                self.calls.append(("init", i))
-                agreed("init_flat_param_buffer", lambda: b.init_flat_param_buffer(self.device))
+            if self.enable_zero_copy:
+                verdicts = self._valid(i, b, "before_init")
+                here = not verdicts[_rank()]
+                if here:
+                    self.calls.append(("init", i))
+                if not all(verdicts):  # (the agreement runs on every rank; the init where invalid)
+                    agreed("init_flat_param_buffer",
+                           (lambda: b.init_flat_param_buffer(self.device)) if here else _nothing)
             md = b.metadata
             out = torch.empty(md.total_input_numel * b.shard_world_size, dtype=b.dtype,
                               device=self.device)
-            if self.enable_zero_copy and self._valid(i, b, "before_use"):
+            if self.enable_zero_copy and self._valid(i, b, "before_use")[_rank()]:
                 assert b.flat_param_buffer is not None
                 flat = b.flat_param_buffer
                 inp = flat if flat.dtype == b.dtype else flat.to(b.dtype)
@@ -392,5 +431,5 @@ class HSDPParamGroupBucketed:
             bool(b.is_flat_buffer_valid()) for b in self.all_gather_buckets)
 
 
-__all__ = ["AllGatherBucket", "AllGatherMetadata", "PeerRankError", "agreed", "HSDPParamGroupBucketed", "HSDPParamGroupV1",
+__all__ = ["AllGatherBucket", "AllGatherMetadata", "PeerRankError", "agreed", "agreed_verdicts", "HSDPParamGroupBucketed", "HSDPParamGroupV1",
            "all_gather_copy_in", "copy_out", "get_all_gather_metadata"]

@@ -205,17 +205,20 @@ def adopt_in(txn: Transaction, batches: Sequence[tuple[PoolState, list[Adoptable
     external = [o.label for o in every if o.external]
     if external:
         warn(_external_message(external), ExternalMemoryWarning)
-    # (tuples from lists, not from generators: a tuple a generator fills is resized at its end,
-    # which fails with SystemError if another thread's gc.get_objects(), a census, holds it)
-    return [AdoptionReport(tuple([_item(txn, o, expired, pinned) for o in originals]))
-            for originals in batch]
+    return [AdoptionReport(_items(txn, originals, expired, pinned)) for originals in batch]
 
 
-def _item(txn: Transaction, o: Original, expired: dict[int, bool], pinned: Pins) -> AdoptedItem:
-    assert o.slice is not None
-    return AdoptedItem(slice=o.slice, original_nbytes=txn.nbytes[o.key], released=expired[o.key],
-                       rebound=len(o.members), pinned_by=pinned.get(o.key, ()),
-                       external=o.external)
+def _items(txn: Transaction, originals: list[Original], expired: dict[int, bool],
+           pinned: Pins) -> tuple[AdoptedItem, ...]:
+    """What became of each original, in input order (one comprehension, no frame an item)."""
+    nbytes = txn.nbytes
+    items = [AdoptedItem(o.slice, nbytes[o.key], expired[o.key], len(o.members),
+                         pinned.get(o.key, ()), o.external)
+             for o in originals if o.slice is not None]
+    assert len(items) == len(originals), "every original was given a slice"
+    # (a tuple from a list, not from a generator: a tuple a generator fills is resized at its
+    # end, which fails with SystemError if another thread's gc.get_objects(), a census, holds it)
+    return tuple(items)
 
 
 def _bindings(o: Original) -> list[Binding]:

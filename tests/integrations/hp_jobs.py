@@ -1,9 +1,9 @@
 """One spawned 2-rank gloo job for every HyperParallel-simulation test module.
 
 Spawning two ranks costs seconds (each re-imports torch); the simulation's own tests
-(``hp_faithful_workers``), the drop-in lines' tests (``hp_hook_workers``) and the held-reference
-cases (``hp_neverbreak_workers``) share one job,
-started by the session fixture in this folder's conftest.py.
+(``hp_faithful_workers``), the drop-in lines' tests (``hp_hook_workers``), the held-reference
+cases (``hp_neverbreak_workers``) and the rank-local failures (``hp_rankfail_workers``) share
+one job, started by the session fixture in this folder's conftest.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ def run_all() -> dict[str, Any]:
     import hp_faithful_workers
     import hp_hook_workers
     import hp_neverbreak_workers
+    import hp_rankfail_workers
 
     return {"faithful": hp_faithful_workers.run_all(), "hook": hp_hook_workers.run_all(),
-            "neverbreak": hp_neverbreak_workers.run_all()}
+            "neverbreak": hp_neverbreak_workers.run_all(),
+            "rankfail": hp_rankfail_workers.run_all()}
 
 
 __all__ = ["run_all"]
