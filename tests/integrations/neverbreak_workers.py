@@ -9,6 +9,9 @@
   taken before the loop, a ``detach()`` alias, a shard loaded as a view of a full checkpoint),
   on every rank or on rank 0 only: every step trains bit-identically to plain FSDP2, one warning
   names the holder, and after the reference is dropped the next step frees the original.
+* Fusion failing on rank 0 only (or on every rank) until the first step ends, fused before and
+  after FSDP2's lazy init: the failing rank trains that step unfused, training equals plain
+  FSDP2, and the next step fuses every group.
 
 Every scenario returns ``None`` or a traceback per rank; one spawned job runs them all (a
 rank stuck in a collective would make the whole job time out, which the test reports).
@@ -347,6 +350,51 @@ def reprs(mesh: DeviceMesh) -> None:
         assert len(r) < 200 and "members" in r and "bytes" in r, r
 
 
+def rank_local_failure(mesh: DeviceMesh, how: str, ranks: str) -> None:
+    """Every flatpool operation of rank 0 (or of every rank) fails until the first step ends: the
+    failing rank's groups train unfused that step, one warning says so, training equals plain
+    FSDP2 (FSDP2 copies shards into its own all-gather input either way: the same collectives),
+    and the next step's check fuses every group."""
+    from flatpool.errors import AdoptionError, UnfusedGroupWarning
+    from flatpool.testing import set_fault_hook
+
+    fails_here = ranks == "all" or dist.get_rank() == 0
+    ref, _ = build(mesh, "ref")
+    expected = train(ref)
+    failing = [fails_here]
+    raised: list[str] = []
+
+    def fault(step: str) -> None:
+        if failing[0]:
+            raised.append(step)
+            raise AdoptionError(f"injected rank-local failure at {step!r}")
+
+    set_fault_hook(fault)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, fused = build(mesh, how)
+            assert fused is not None
+            fused_groups: list[int] = []
+
+            def between(step: int) -> None:
+                if step == 1:
+                    fused_groups.append(sum(b.adopted for b in fused.buffers))
+                    failing[0] = False  # the rank-local problem goes away
+            got = train(model, between=between)
+    finally:
+        set_fault_hook(None)
+    same(got, expected)
+    unfused = [w for w in caught if issubclass(w.category, UnfusedGroupWarning)]
+    if fails_here:
+        assert raised and unfused, (raised, [str(w.message) for w in caught])
+        assert fused_groups == [0], f"a group fused although every operation failed: {fused!r}"
+    else:
+        assert not raised and not unfused, [str(w.message) for w in unfused]
+        assert fused_groups == [len(fused.buffers)], repr(fused)
+    check_fused(model, fused)
+
+
 def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     out: dict[str, Callable[[], None]] = {}
     for how in ("eager", "meta"):
@@ -356,6 +404,9 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     for kind in HELD:
         for ranks in ("all", "rank0"):
             out[f"held-{kind}-{ranks}"] = lambda k=kind, r=ranks: held_case(mesh, k, r)
+    for how in ("eager", "eager_lazy"):
+        for ranks in ("all", "rank0"):
+            out[f"rankfail-{how}-{ranks}"] = lambda h=how, r=ranks: rank_local_failure(mesh, h, r)
     out["strict-raises"] = lambda: strict_still_raises(mesh)
     out["reprs"] = lambda: reprs(mesh)
     return out

@@ -16,6 +16,7 @@ import neverbreak_workers
 
 APPLY = [f"apply-{how}-{op}" for how in ("eager", "meta") for op in neverbreak_workers.APPLY]
 HELD = [f"held-{k}-{r}" for k in neverbreak_workers.HELD for r in ("all", "rank0")]
+RANKFAIL = [f"rankfail-{how}-{r}" for how in ("eager", "eager_lazy") for r in ("all", "rank0")]
 OTHER = ["pytorch-to_float64_after_init", "strict-raises", "reprs"]
 
 
@@ -29,10 +30,10 @@ def results() -> list[dict[str, str | None]]:
 
 def test_every_scenario_ran(results: list[dict[str, str | None]]) -> None:
     for per_rank in results:
-        assert sorted(per_rank) == sorted(APPLY + HELD + OTHER)
+        assert sorted(per_rank) == sorted(APPLY + HELD + RANKFAIL + OTHER)
 
 
-@pytest.mark.parametrize("name", APPLY + HELD + OTHER)
+@pytest.mark.parametrize("name", APPLY + HELD + RANKFAIL + OTHER)
 def test_scenario(results: list[dict[str, str | None]], name: str) -> None:
     failures = {rank: r[name] for rank, r in enumerate(results) if r.get(name)}
     assert not failures, "\n".join(f"rank {k}:\n{v}" for k, v in failures.items())
