@@ -501,7 +501,8 @@ def test_mixed_dtypes_in_one_pool_step_per_dtype() -> None:
     pool.adopt(list(flat.parameters()))  # float32 and bfloat16 slices in one pool
     o_ref = torch.optim.AdamW(ref.parameters(), foreach=True, lr=1e-2, weight_decay=0.1)
     o_flat = torch.optim.AdamW(flat.parameters(), foreach=True, lr=1e-2, weight_decay=0.1)
-    fo = FlatOptimizer(o_flat, [pool], module=flat)
+    with pytest.warns(FlatStepWarning, match="torch.bfloat16 members"):  # (stepped per parameter)
+        fo = FlatOptimizer(o_flat, [pool], module=flat)
     assert sorted(str(s.dtype) for s in fo.segments) == ["torch.bfloat16", "torch.float32"]
     for step in range(4):
         run(ref, step)
