@@ -22,6 +22,8 @@ from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
+from flatpool.ownership._gcpause import gc_paused
+from flatpool.ownership._interrupts import guarded_call
 from flatpool.ownership._spec import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
@@ -210,9 +212,16 @@ def fuse_fully_sharded(
     false. ``keep_valid`` installs the hooks. ``on_pinned="warn"`` (default) fuses past a held
     reference to an original, keeping it alive; ``"raise"`` raises ``PinnedStorageError``.
     """
-    fused = FusedModule(module, alignment, on_pinned)
-    with torch.no_grad():
-        fused._adopt_all(materialize)
+    def fuse() -> FusedModule:
+        fused = FusedModule(module, alignment, on_pinned)
+        with torch.no_grad():
+            fused._adopt_all(materialize)
+        return fused
+
+    # One gc pause over the whole fusion, its per-group records included: an automatic pass
+    # set off by them would scan the model's whole heap (see docs/performance.md, "Fusion").
+    # Taken and let go with signals deferred, as adopt_groups' own.
+    fused = guarded_call(fuse, gc_paused())
     if keep_valid:
         fused.install_hooks()
     return fused
