@@ -469,7 +469,7 @@ class PoolState:
                 # A fixed capacity is allocated as given; a planned extent is padded to alignment.
                 capacity = align_up(extent, self.alignment) if self._alloc.growable else extent
                 buf = empty_storage_tensor(capacity, self.device, self.name)
-                key = tc.storage_key(buf.untyped_storage())
+                key = tc.storage_address(buf)
                 self._alloc.fix(capacity)
                 self._buffer, self._buffer_key = buf, key
                 _index_storage(self, None, key)

@@ -29,7 +29,7 @@ from flatpool.ownership._spec import check_policy
 from .failsafe import keep_all_fused, keep_fused
 from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
 from ._kept import KeptAlive, KeptOriginal
-from .members import data_of, is_meta
+from .members import data_of
 from ._meta import materialize_group
 from .validity import is_valid
 
@@ -101,7 +101,9 @@ class FusedModule:
     def _all_meta(self, i: int) -> bool:
         """Group ``i`` has members and every one is on meta (materialized, not adopted)."""
         params = self.groups[i].fsdp_params
-        return bool(params) and all(is_meta(data_of(p, j)) for j, p in enumerate(params))
+        with tc.no_torch_function():
+            return bool(params) and all(tc.impl_is_meta(data_of(p, j))
+                                        for j, p in enumerate(params))
 
     def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
         policy = self.on_pinned if on_pinned is None else on_pinned
