@@ -287,13 +287,16 @@ class PoolState:
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
+        if len(requests) == 1:
+            # One request is placed as a single: the place a run would get, all or nothing by
+            # itself (no layout saved first), and its index entries are fewer objects than a
+            # run's columns (a fusion makes a one-slice pool per group).
+            return [self.allocate_checked(*requests[0])]
         return self._all_or_nothing(self._allocate_many, requests)
 
     def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         sizes = [(math.prod(d) * t.itemsize, self.slice_alignment(t)) for d, t in requests]
-        # A run of one is placed as a single: the same place, and its index entries are fewer
-        # objects than a run's columns (a fusion makes a one-slice pool per group).
-        if len(sizes) > 1 and all(n > 0 for n, _ in sizes):
+        if all(n > 0 for n, _ in sizes):
             before = self._alloc.snapshot()
             starts = self._alloc.append_many(sizes)
             if starts is not None and (not starts or starts[-1] + sizes[-1][0] <= MAX_BYTES):
