@@ -102,8 +102,9 @@ class FusedModule:
         """Group ``i`` has members and every one is on meta (materialized, not adopted)."""
         params = self.groups[i].fsdp_params
         with tc.no_torch_function():
-            return bool(params) and all(tc.impl_is_meta(data_of(p, j))
-                                        for j, p in enumerate(params))
+            result = bool(params) and all(tc.impl_is_meta(data_of(p, j))
+                                          for j, p in enumerate(params))
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
         policy = self.on_pinned if on_pinned is None else on_pinned
