@@ -195,6 +195,9 @@ class RangeAllocator:
                 raise AssertionError("take() past a fixed extent")
             self._log(("extent", self.growable, self.extent))
             old_extent, self.extent = self.extent, end
+            if start >= old_extent:  # placed past every byte: only the gap before it is free
+                self.release(old_extent, start)
+                return
             self.release(old_extent, end)
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0 or self._ends[i] < end:

@@ -88,24 +88,49 @@ def _first_start(run: SliceRun) -> int:
     return run.starts[0]
 
 
+_NO_OFFSETS: tuple[int, ...] = ()
+_NO_IDS: frozenset[int] = frozenset()
+
+
 class SliceIndex:
-    """The live handles of one pool: singles in dicts, batches as :class:`SliceRun` columns."""
+    """The live handles of one pool: singles in dicts, batches as :class:`SliceRun` columns.
+
+    The runs are a tuple replaced on change, and the singles' sorted offsets and the gone ids
+    are made on first use: an index without them holds no container the cycle collector must
+    scan (empty dicts are not tracked), which counts when a fusion makes a pool per group.
+    """
 
     __slots__ = ("_by_id", "_by_offset", "_offsets", "_runs", "_gone")
 
     def __init__(self) -> None:
         self._by_id: dict[int, Slice] = {}
         self._by_offset: dict[int, Slice] = {}
-        self._offsets: list[int] = []  # sorted starts of the singles
-        self._runs: list[SliceRun] = []  # id order == offset order; never empty runs
-        self._gone: set[int] = set()  # ids of run members removed since
+        self._offsets: list[int] | tuple[int, ...] = _NO_OFFSETS  # sorted starts of the singles
+        self._runs: tuple[SliceRun, ...] = ()  # id order == offset order; never empty runs
+        self._gone: set[int] | frozenset[int] = _NO_IDS  # ids of run members removed since
 
     def copy(self) -> SliceIndex:
         """An independent index of the same handles (runs are shared: never changed in place)."""
         out = SliceIndex()
         out._by_id, out._by_offset = dict(self._by_id), dict(self._by_offset)
-        out._offsets, out._runs, out._gone = list(self._offsets), list(self._runs), set(self._gone)
+        if self._offsets:
+            out._offsets = list(self._offsets)
+        out._runs = self._runs
+        if self._gone:
+            out._gone = set(self._gone)
         return out
+
+    def _offset_list(self) -> list[int]:
+        """The singles' sorted offsets as a list to change (made on first use)."""
+        if not isinstance(self._offsets, list):
+            self._offsets = list(self._offsets)
+        return self._offsets
+
+    def _gone_set(self) -> set[int]:
+        """The gone ids as a set to change (made on first use)."""
+        if not isinstance(self._gone, set):
+            self._gone = set(self._gone)
+        return self._gone
 
     # -- reads ------------------------------------------------------------------------------
     def _run_of(self, slice_id: int) -> tuple[SliceRun, int] | None:
@@ -214,23 +239,23 @@ class SliceIndex:
     def insert(self, slc: Slice) -> None:
         """Add a single (undo: :meth:`unindex`)."""
         self._by_id[slc.slice_id] = slc
-        bisect.insort(self._offsets, slc.offset)
+        bisect.insort(self._offset_list(), slc.offset)
         self._by_offset[slc.offset] = slc
 
     def add_run(self, run: SliceRun) -> None:
         """Add a batch placed past every live slice: one assignment (all or nothing)."""
         if len(run.starts):
-            self._runs = [*self._runs, run]
+            self._runs = (*self._runs, run)
 
     def remove(self, slc: Slice) -> None:
         """Take out a live handle (undo: :meth:`reindex`)."""
         if self._by_id.get(slc.slice_id) is not None:
             del self._by_id[slc.slice_id]
             i = bisect.bisect_left(self._offsets, slc.offset)
-            del self._offsets[i]
+            del self._offset_list()[i]
             del self._by_offset[slc.offset]
         elif self._run_of(slc.slice_id) is not None:
-            self._gone.add(slc.slice_id)
+            self._gone_set().add(slc.slice_id)
         else:
             raise KeyError(slc.slice_id)
 
@@ -243,15 +268,15 @@ class SliceIndex:
         if slc.offset not in self._by_offset:
             i = bisect.bisect_left(self._offsets, slc.offset)
             if i < len(self._offsets) and self._offsets[i] == slc.offset:
-                del self._offsets[i]
+                del self._offset_list()[i]
 
     def reindex(self, slc: Slice) -> None:
         """Undo :meth:`remove` however far it got (absolute: each entry put back if missing)."""
         if self._run_of(slc.slice_id) is not None and slc.slice_id not in self._by_id:
-            self._gone.discard(slc.slice_id)
+            self._gone_set().discard(slc.slice_id)
             return
         self._by_id[slc.slice_id] = slc
         self._by_offset[slc.offset] = slc
         i = bisect.bisect_left(self._offsets, slc.offset)
         if i == len(self._offsets) or self._offsets[i] != slc.offset:
-            self._offsets.insert(i, slc.offset)
+            self._offset_list().insert(i, slc.offset)

@@ -126,7 +126,7 @@ class PoolSnapshot:
     index: SliceIndex
     buffer_key: int | None
     registry: dict[int, list[Binding]]
-    traces: list[Trace]
+    traces: tuple[Trace, ...]
 
     def __init__(self, pool: PoolState) -> None:
         self.alloc = pool._alloc.snapshot()
@@ -134,7 +134,7 @@ class PoolSnapshot:
         self.buffer: torch.Tensor | None = pool._buffer
         self.buffer_key = pool._buffer_key
         self.registry = pool._registry.snapshot()
-        self.traces = list(pool._traces)
+        self.traces = pool._traces  # a tuple, replaced on change: shared, not copied
         self.freed: list[Slice] = []  # freed since by others (a gc finalizer): kept freed
 
 
@@ -168,15 +168,17 @@ class PoolState:
         self.grows: bool = capacity is None
         self._buffer: torch.Tensor | None = None
         self._buffer_key: int | None = None
-        self._slice_ids = itertools.count()
+        self._next_slice_id = 0  # (an int, not an itertools.count: no gc-tracked object)
         self._index = SliceIndex()
         # Bumped *before* every change of the live handles: an interrupt in between costs a
         # reader a recheck, never a stale answer.
         self.live_version = 0
         self._registry = AdoptionRegistry()
         # Open captures (weakly: a snapshot holds the buffer): frees meanwhile outlast them.
-        self._watching: weakref.WeakSet[PoolSnapshot] = weakref.WeakSet()
-        self._traces: list[Trace] = []
+        # Tuples, replaced on change: an idle pool holds the shared empty tuple, no container
+        # the cycle collector must scan (fusion makes a pool per group, thousands at once).
+        self._watching: tuple[weakref.ref[PoolSnapshot], ...] = ()
+        self._traces: tuple[Trace, ...] = ()
         self._public_ref = weakref.ref(public)
         with _registry_lock:
             _all_states.add(self)
@@ -285,6 +287,11 @@ class PoolState:
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
+        if len(requests) == 1:
+            # One request is placed as a single: the place a run would get, all or nothing by
+            # itself (no layout saved first), and its index entries are fewer objects than a
+            # run's columns (a fusion makes a one-slice pool per group).
+            return [self.allocate_checked(*requests[0])]
         return self._all_or_nothing(self._allocate_many, requests)
 
     def _allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
@@ -300,23 +307,30 @@ class PoolState:
         return [self.allocate_checked(d, t) for d, t in requests]
 
     def _all_or_nothing(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` under the lock; any exception puts the layout back as it was."""
+        """``fn(*args)`` under the lock; any exception puts the layout back as it was.
+
+        ``fn`` changes the layout only (allocator, index, slice ids: never the storage, the
+        registry or the traces), so only the layout is saved, not a whole :class:`PoolSnapshot`.
+        """
         with self._lock:
-            before = PoolSnapshot(self)
+            before = (self._alloc.snapshot(), self._index.copy())
             try:
                 result = fn(*args)
                 return result  # not `return f()`: see flatpool.ownership._interrupts
             except BaseException:
-                self.restore(before)
-                del before  # a kept traceback must not pin the pool's storage
+                self._restore_layout(*before)
                 raise
+
+    def _restore_layout(self, alloc: AllocSnapshot, index: SliceIndex) -> None:
+        """Put back a layout saved by :meth:`_all_or_nothing` (idempotent: assignments)."""
+        self._alloc.restore(alloc)
+        self.live_version += 1
+        self._index = index.copy()
 
     def _index_run(self, starts: array[int], shapes: Sequence[tuple[int, ...]],
                    dtypes: Sequence[torch.dtype]) -> SliceRun:
         """The run the allocator just appended, indexed as one lazy ``SliceRun``."""
-        first = next(self._slice_ids)
-        if len(starts) > 1:  # the ids first .. first + n - 1, taken from the counter
-            self._slice_ids = itertools.count(first + len(starts))
+        first = self._take_ids(len(starts))
         run = SliceRun(self._public, first, starts, shapes, dtypes)
         self.live_version += 1
         self._index.add_run(run)
@@ -343,7 +357,7 @@ class PoolState:
                     f"alignment {align}: {free} bytes free of {self.capacity}, the largest "
                     f"usable gap is {largest} bytes. " + self._full_hint(),
                     requested=nbytes, free=free, largest_free=largest)
-            slc = Slice(self._public, next(self._slice_ids), start, dims, dt)
+            slc = Slice(self._public, self._take_ids(1), start, dims, dt)
             with self._alloc.journaled():  # all or nothing, whatever line an interrupt hits
                 try:
                     self._alloc.take(start, nbytes)
@@ -361,8 +375,9 @@ class PoolState:
                     f"slice {slc.slice_id} of pool {self.name!r} still backs adopted tensors; "
                     "call pool.disown(slice) (or release them) before freeing it")
             self._drop(slc)
-            for snap in list(self._watching):  # an operation's rollback must not bring it back
-                if snap.index.get(slc.slice_id) == slc:
+            for ref in self._watching:  # an operation's rollback must not bring it back
+                snap = ref()
+                if snap is not None and snap.index.get(slc.slice_id) == slc:
                     snap.freed.append(slc)
 
     def _drop(self, slc: Slice) -> None:
@@ -411,7 +426,13 @@ class PoolState:
 
     def new_handle(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slice:
         """A fresh slice handle (new id) not yet in the layout: for :meth:`install`."""
-        return Slice(self._public, next(self._slice_ids), offset, shape, dtype)
+        return Slice(self._public, self._take_ids(1), offset, shape, dtype)
+
+    def _take_ids(self, n: int) -> int:
+        """The first of ``n`` fresh slice ids (never reused in this pool)."""
+        first = self._next_slice_id
+        self._next_slice_id = first + n
+        return first
 
     def _insert(self, slc: Slice) -> None:
         self.live_version += 1
@@ -451,7 +472,7 @@ class PoolState:
                 # A fixed capacity is allocated as given; a planned extent is padded to alignment.
                 capacity = align_up(extent, self.alignment) if self._alloc.growable else extent
                 buf = empty_storage_tensor(capacity, self.device, self.name)
-                key = tc.storage_key(buf.untyped_storage())
+                key = tc.storage_address(buf)
                 self._alloc.fix(capacity)
                 self._buffer, self._buffer_key = buf, key
                 _index_storage(self, None, key)
@@ -544,13 +565,14 @@ class PoolState:
         """Remember everything for :meth:`restore`; slices freed until :meth:`forget` stay so."""
         with self._lock:
             snap = PoolSnapshot(self)
-            self._watching.add(snap)
+            self._watching = (*self._watching, weakref.ref(snap))
             return snap
 
     def forget(self, snap: PoolSnapshot) -> None:
         """``snap`` is done with (its operation finished)."""
         with self._lock:
-            self._watching.discard(snap)
+            self._watching = tuple(r for r in self._watching
+                                   if (open_ := r()) is not None and open_ is not snap)
 
     def restore(self, snap: PoolSnapshot) -> None:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
@@ -562,7 +584,7 @@ class PoolState:
             self._buffer, self._buffer_key = snap.buffer, snap.buffer_key
             _index_storage(self, old if old != snap.buffer_key else None, snap.buffer_key)
             self._registry.restore(snap.registry)
-            self._traces = list(snap.traces)
+            self._traces = snap.traces
             for slc in snap.freed:  # freed by others meanwhile (absolute: skip if gone)
                 if self._index.get(slc.slice_id) == slc:
                     self._drop(slc)
@@ -599,7 +621,7 @@ class PoolState:
         """Remember an original an adoption left alive (with ``tensor``: keep it until that
         TensorImpl has no owner besides its Python object)."""
         with self._lock:
-            self._traces = self._traces + [Trace(info, storage, tensor)]
+            self._traces = (*self._traces, Trace(info, storage, tensor))
 
     def unreleased_originals(self) -> tuple[UnreleasedOriginal, ...]:
         self.release_kept()
@@ -610,7 +632,7 @@ class PoolState:
     def release_kept(self) -> int:
         with self._lock:
             dropped = sum(t.release_if_free() for t in self._traces)
-            self._traces = [t for t in self._traces if t.alive()]
+            self._traces = tuple(t for t in self._traces if t.alive())
             return dropped
 
     # -- introspection -------------------------------------------------------------------

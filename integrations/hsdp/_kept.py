@@ -48,8 +48,10 @@ class KeptAlive:
     __slots__ = ("_items", "_unreported", "logged")
 
     def __init__(self) -> None:
-        self._items: list[tuple[FlatPool, KeptOriginal]] = []
-        self._unreported: list[tuple[KeptOriginal, bool]] = []  # and: the pool keeps it
+        # Tuples, replaced on change: a group that kept nothing (nearly every one) holds the
+        # shared empty tuple, not two lists the cycle collector scans.
+        self._items: tuple[tuple[FlatPool, KeptOriginal], ...] = ()
+        self._unreported: tuple[tuple[KeptOriginal, bool], ...] = ()  # and: the pool keeps it
         self.logged: set[str] = set()
         """Reasons the group's hooks already logged (skips, failures): each is logged once."""
 
@@ -72,12 +74,12 @@ class KeptAlive:
                                 item.pinned_by, u.address)
             if any(k == kept for _, k in self._items):
                 continue
-            self._items.append((pool, kept))
-            self._unreported.append((kept, u.kept_by_pool))
+            self._items = (*self._items, (pool, kept))
+            self._unreported = (*self._unreported, (kept, u.kept_by_pool))
 
     def report(self) -> None:
         """One warning and one log record for each original noted since the last call."""
-        todo, self._unreported = self._unreported, []
+        todo, self._unreported = self._unreported, ()
         for kept, by_pool in todo:
             logger.info("kept alive: %s", kept.describe())  # the warning is the alert
             warn(f"{kept.describe()}. Training goes on from the pool. {_when_freed(by_pool)}",
@@ -96,7 +98,7 @@ class KeptAlive:
                 alive.append((pool, kept))
             else:
                 logger.info("released: %s (the reference was dropped)", kept.describe())
-        self._items = alive
+        self._items = tuple(alive)
         return len(alive)
 
     @property

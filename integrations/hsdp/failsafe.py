@@ -9,6 +9,7 @@ structure, the same on every rank, so no rank-local problem hangs the next colle
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -103,9 +104,10 @@ def _built(out: GroupBuffers, kept: KeptAlive, where: str) -> GroupBuffers:
     if out.kept is not kept:
         out = evolve(out, kept=kept)
     if out.adopted:
-        logger.info("%s: adopted %d member(s) into %d pool(s), %d bytes freed",
-                    where, sum(len(b.members) for b in out.buckets),
-                    len(out.buckets), out.freed_bytes)
+        if logger.isEnabledFor(logging.INFO):  # (the counts cost a pass over the buckets)
+            logger.info("%s: adopted %d member(s) into %d pool(s), %d bytes freed",
+                        where, sum(len(b.members) for b in out.buckets),
+                        len(out.buckets), out.freed_bytes)
     elif out.skipped not in kept.logged:
         kept.logged.add(out.skipped or "")
         logger.info("%s: skipped: %s", where, out.skipped)

@@ -22,12 +22,14 @@ from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
+from flatpool.ownership._gcpause import gc_paused
+from flatpool.ownership._interrupts import guarded_call
 from flatpool.ownership._spec import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
 from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
 from ._kept import KeptAlive, KeptOriginal
-from .members import data_of, is_meta
+from .members import data_of
 from ._meta import materialize_group
 from .validity import is_valid
 
@@ -99,7 +101,10 @@ class FusedModule:
     def _all_meta(self, i: int) -> bool:
         """Group ``i`` has members and every one is on meta (materialized, not adopted)."""
         params = self.groups[i].fsdp_params
-        return bool(params) and all(is_meta(data_of(p, j)) for j, p in enumerate(params))
+        with tc.no_torch_function():
+            result = bool(params) and all(tc.impl_is_meta(data_of(p, j))
+                                          for j, p in enumerate(params))
+            return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
         policy = self.on_pinned if on_pinned is None else on_pinned
@@ -210,9 +215,16 @@ def fuse_fully_sharded(
     false. ``keep_valid`` installs the hooks. ``on_pinned="warn"`` (default) fuses past a held
     reference to an original, keeping it alive; ``"raise"`` raises ``PinnedStorageError``.
     """
-    fused = FusedModule(module, alignment, on_pinned)
-    with torch.no_grad():
-        fused._adopt_all(materialize)
+    def fuse() -> FusedModule:
+        fused = FusedModule(module, alignment, on_pinned)
+        with torch.no_grad():
+            fused._adopt_all(materialize)
+        return fused
+
+    # One gc pause over the whole fusion, its per-group records included: an automatic pass
+    # set off by them would scan the model's whole heap (see docs/performance.md, "Fusion").
+    # Taken and let go with signals deferred, as adopt_groups' own.
+    fused = guarded_call(fuse, gc_paused())
     if keep_valid:
         fused.install_hooks()
     return fused

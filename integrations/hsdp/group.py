@@ -248,7 +248,7 @@ def plan_buckets(
         item = dtype.itemsize
         slices = iter(pool.allocate_many([(tuple(shape), dtype)
                                           for shape, n in zip(padded, counts) if n]))
-        end = pool.capacity
+        end = 0  # (the pool is new: a member with no element before the first slice sits at 0)
         layouts = []
         for i, shape, n, size in zip(indices, padded, counts, sizes):
             if not n:
