@@ -571,8 +571,8 @@ class PoolState:
     def forget(self, snap: PoolSnapshot) -> None:
         """``snap`` is done with (its operation finished)."""
         with self._lock:
-            self._watching = tuple(r for r in self._watching
-                                   if (open_ := r()) is not None and open_ is not snap)
+            self._watching = tuple([r for r in self._watching
+                                    if (open_ := r()) is not None and open_ is not snap])
 
     def restore(self, snap: PoolSnapshot) -> None:
         """Put the pool back as :meth:`capture` saw it. Idempotent: every field is assigned."""
@@ -626,13 +626,14 @@ class PoolState:
     def unreleased_originals(self) -> tuple[UnreleasedOriginal, ...]:
         self.release_kept()
         with self._lock:
-            result = tuple(t.info for t in self._traces if t.alive())
+            result = tuple([t.info for t in self._traces if t.alive()])
             return result  # not `return f()`: see flatpool.ownership._interrupts
 
     def release_kept(self) -> int:
         with self._lock:
             dropped = sum(t.release_if_free() for t in self._traces)
-            self._traces = tuple(t for t in self._traces if t.alive())
+            # (tuples from lists: see flatpool.ownership._adopt._items on tuples a generator fills)
+            self._traces = tuple([t for t in self._traces if t.alive()])
             return dropped
 
     # -- introspection -------------------------------------------------------------------
