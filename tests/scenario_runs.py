@@ -15,9 +15,13 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flatpool.errors import AdoptionError
+from flatpool.testing import set_fault_hook
 
 
 class OtherRankFailedError(RuntimeError):
@@ -37,6 +41,28 @@ def together() -> Iterator[None]:
         dist.all_reduce(failed)
         if ok and int(failed):
             raise OtherRankFailedError(f"{int(failed)} other rank(s) failed this step")
+
+
+class FailingOps:
+    """A fault hook making every flatpool operation raise a typed error while ``on`` (what a
+    rank-local problem looks like to the fusion layer), counting them; installed for a ``with``
+    block."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.raised = 0
+
+    def __call__(self, step: str) -> None:
+        if self.on:
+            self.raised += 1
+            raise AdoptionError(f"injected rank-local failure at {step!r}")
+
+    def __enter__(self) -> FailingOps:
+        set_fault_hook(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        set_fault_hook(None)
 
 
 def run_scenarios(
@@ -63,4 +89,4 @@ def run_scenarios(
     return results
 
 
-__all__ = ["OtherRankFailedError", "run_scenarios", "together"]
+__all__ = ["FailingOps", "OtherRankFailedError", "run_scenarios", "together"]

@@ -22,4 +22,19 @@ def run_all() -> dict[str, Any]:
             "rankfail": hp_rankfail_workers.run_all()}
 
 
-__all__ = ["run_all"]
+def trained_like_reference(hp_job: list[dict[str, Any]], part: str, name: str,
+                           ) -> list[tuple[int, dict[str, Any]]]:
+    """Each rank's result of scenario ``name`` of ``part`` (``(rank, result)``), after checking
+    it ran and its fused unit trained bit-identically to its reference (losses, digests)."""
+    out = []
+    for rank, per_rank in enumerate(hp_job):
+        res = per_rank[part][name]
+        assert res["error"] is None, f"rank {rank}:\n{res['error']}"
+        fused, ref = res["fused"], res["reference"]
+        assert fused["losses"] == ref["losses"], (rank, fused["losses"], ref["losses"])
+        assert fused["digests"] == ref["digests"], f"rank {rank}: trained shards differ"
+        out.append((rank, res))
+    return out
+
+
+__all__ = ["run_all", "trained_like_reference"]

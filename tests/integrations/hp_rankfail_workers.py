@@ -18,12 +18,11 @@ from typing import Any
 import torch.distributed as dist
 from attrs import evolve
 
-from flatpool.errors import AdoptionError
-from flatpool.testing import set_fault_hook
 from examples.hyperparallel_sim import Config, FullyShardUnit, digest
 
 import hp_doc_lines
 from hp_hook_workers import NEWEST, SMALL
+from scenario_runs import FailingOps
 
 SHAPES = {"v1": SMALL, "newest": NEWEST}
 MODES = ("eager", "to_empty")
@@ -31,24 +30,8 @@ FAILING = ("rank0", "all")
 STEPS = 3
 
 
-class _Fault:
-    """A fault hook that fails every flatpool operation while ``on`` (counting them)."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.raised = 0
-
-    def __call__(self, step: str) -> None:
-        if self.on:
-            self.raised += 1
-            raise AdoptionError(f"injected rank-local failure at {step!r}")
-
-
 def _run(cfg: Config, hooks: dict[str, Any], fails_here: bool) -> dict[str, Any]:
-    fault = _Fault()
-    set_fault_hook(fault)
-    try:
-        fault.on = fails_here
+    with FailingOps(fails_here) as fault:
         unit = FullyShardUnit(cfg, **hooks)
         if cfg.materialize != "eager":
             unit.materialize()
@@ -59,12 +42,10 @@ def _run(cfg: Config, hooks: dict[str, Any], fails_here: bool) -> dict[str, Any]
             out["losses"].append(unit.train_step(s, opt))
             out["flat"].append(len(unit.flat_buffers()))
             fault.on = False  # the rank-local problem goes away after the first step
-        out["raised"] = fault.raised
-        out["digests"] = [digest(t) for t in unit.local_values()]
-        out["valid"] = unit.is_valid()
-        return out
-    finally:
-        set_fault_hook(None)
+    out["raised"] = fault.raised
+    out["digests"] = [digest(t) for t in unit.local_values()]
+    out["valid"] = unit.is_valid()
+    return out
 
 
 def scenario(shape: str, mode: str, failing: str) -> dict[str, Any]:

@@ -34,11 +34,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import OriginalKeptAliveWarning
+from flatpool.errors import UnfusedGroupWarning
 from examples.census import OriginalStorages, live_storages
 from flatpool.integrations.hsdp.fsdp2 import FusedModule, fsdp_param_groups, fuse_fully_sharded
 from flatpool.integrations.hsdp.fsdp2 import lazy_init
 from flatpool.integrations.hsdp.members import data_of, impl_dtype
-from scenario_runs import run_scenarios
+from scenario_runs import FailingOps, run_scenarios
 
 STEPS = 3
 
@@ -355,42 +356,28 @@ def rank_local_failure(mesh: DeviceMesh, how: str, ranks: str) -> None:
     failing rank's groups train unfused that step, one warning says so, training equals plain
     FSDP2 (FSDP2 copies shards into its own all-gather input either way: the same collectives),
     and the next step's check fuses every group."""
-    from flatpool.errors import AdoptionError, UnfusedGroupWarning
-    from flatpool.testing import set_fault_hook
-
     fails_here = ranks == "all" or dist.get_rank() == 0
     ref, _ = build(mesh, "ref")
     expected = train(ref)
-    failing = [fails_here]
-    raised: list[str] = []
+    with FailingOps(fails_here) as fault, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, fused = build(mesh, how)
+        assert fused is not None
+        fused_groups: list[int] = []
 
-    def fault(step: str) -> None:
-        if failing[0]:
-            raised.append(step)
-            raise AdoptionError(f"injected rank-local failure at {step!r}")
+        def between(step: int) -> None:
+            if step == 1:
+                fused_groups.append(sum(b.adopted for b in fused.buffers))
+                fault.on = False  # the rank-local problem goes away
 
-    set_fault_hook(fault)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, fused = build(mesh, how)
-            assert fused is not None
-            fused_groups: list[int] = []
-
-            def between(step: int) -> None:
-                if step == 1:
-                    fused_groups.append(sum(b.adopted for b in fused.buffers))
-                    failing[0] = False  # the rank-local problem goes away
-            got = train(model, between=between)
-    finally:
-        set_fault_hook(None)
+        got = train(model, between=between)
     same(got, expected)
     unfused = [w for w in caught if issubclass(w.category, UnfusedGroupWarning)]
     if fails_here:
-        assert raised and unfused, (raised, [str(w.message) for w in caught])
+        assert fault.raised and unfused, (fault.raised, [str(w.message) for w in caught])
         assert fused_groups == [0], f"a group fused although every operation failed: {fused!r}"
     else:
-        assert not raised and not unfused, [str(w.message) for w in unfused]
+        assert not fault.raised and not unfused, [str(w.message) for w in unfused]
         assert fused_groups == [len(fused.buffers)], repr(fused)
     check_fused(model, fused)
 
