@@ -34,12 +34,13 @@ def _shapes(n: int, seed: int = 0) -> list[tuple[int, ...]]:
     return out
 
 
-def _cases(n: int) -> tuple[dict[str, Callable[[], None]], int]:
+def _cases(n: int, shapes: list[tuple[int, ...]] | None = None
+           ) -> tuple[dict[str, Callable[[], None]], int]:
     import torch
 
     from flatpool.optim import FlatOptimizer
 
-    shapes = _shapes(n)
+    shapes = _shapes(n) if shapes is None else shapes
     g = torch.Generator().manual_seed(0)
 
     def params() -> list[torch.nn.Parameter]:
@@ -105,6 +106,8 @@ def run(quick: bool) -> list[Result]:
     try:
         for n in sizes:
             results.extend(_size(n, quick))
+        for n in sizes:
+            results.extend(_host(n, quick))
     finally:
         torch.set_num_threads(threads)
     return results + bench_optim_fsdp2.run(quick)
@@ -149,6 +152,32 @@ def _size(n: int, quick: bool) -> list[Result]:
             peaks["flat"] / max(1, peaks["foreach"]), "<= 1.0",
             None if quick else peaks["flat"] <= peaks["foreach"]))
     return results
+
+
+HOST_FLOOR_S = 0.5e-6
+"""The flat step's host time a member (issue 40): 5 ms at 10,000 members."""
+
+
+def _host(n: int, quick: bool) -> list[Result]:
+    """The host's share of a step: 4-element parameters, so the arithmetic is negligible and the
+    time is what a GPU or NPU host would spend (Python, dispatch, one launch a kernel)."""
+    import torch
+
+    steps, _ = _cases(n, [(4,)] * n)
+    cases: dict[str, Case] = {k: (lambda f=f: timed(f)) for k, f in steps.items()}
+    with torch.no_grad():
+        t = interleaved(cases, reps=3 if quick else 15, warmup=1)
+    flat = median(t["flat"])
+    print(f"  [optim host] {n} params of 4 elements: "
+          + "  ".join(f"{k} {fmt_s(median(v))}" for k, v in t.items()), flush=True)
+    big = n >= 10000
+    return [Result(
+        "optim", f"AdamW step host time, {n} 4-element params: flat vs one tensor of the same "
+        "elements", fmt_s(flat), fmt_s(median(t["bare"])), median_ratio(t["flat"], t["bare"]),
+        f"flat <= {fmt_s(HOST_FLOOR_S * n)}" if big else "reported",
+        None if quick or not big else flat <= HOST_FLOOR_S * n,
+        note=f"{flat / n * 1e6:.2f} us a member; fused=True {fmt_s(median(t['fused']))}, "
+             f"foreach=True {fmt_s(median(t['foreach']))}")]
 
 
 __all__ = ["peak_bytes", "run"]
