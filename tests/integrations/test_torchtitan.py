@@ -25,7 +25,7 @@ def two_ranks() -> list[dict[str, str | None]]:
     return launch(titan_workers.run_all, world_size=2, timeout_s=300)
 
 
-@pytest.mark.parametrize("name", ["recipe-foreach", "recipe-fused-default"])
+@pytest.mark.parametrize("name", ["recipe-foreach", "recipe-fused-default", "recipe-dcp-resume"])
 def test_two_ranks(two_ranks: list[dict[str, str | None]], name: str) -> None:
     outcomes = [r.get(name, "not run") for r in two_ranks]
     assert outcomes == [None, None], "\n".join(o or "" for o in outcomes)
@@ -48,7 +48,8 @@ def _parts(spec: ModelSpec, mesh: Any) -> list[nn.Module]:
     for widths in ((4, 3), (3, 2)):
         with torch.device("meta"):
             model = Stage(widths)
-        model = spec.parallelize_fn(model, ParallelDims(mesh), JobConfig())
+        # (the keyword form of newer trainers; the 2-rank job calls it positionally)
+        model = spec.parallelize_fn(model, parallel_dims=ParallelDims(mesh), job_config=JobConfig())
         model.to_empty(device="cpu")
         parts.append(model)
     return parts

@@ -9,8 +9,9 @@ does not train on CPU), with the call signatures and the hostile parts of the re
   ``optimizer.implementation`` picks ``fused`` (torchtitan's default) or ``foreach``;
 * the trainer builds each part on meta, parallelizes, ``to_empty`` + ``init_weights`` under
   ``no_grad``, builds the container, then calls ``post_optimizer_build_fn(optimizers,
-  model_parts, parallel_dims)``; each step ``zero_grad``, forward through the parts, backward,
-  ``step``.
+  model_parts, parallel_dims)`` and makes one LR scheduler per inner optimizer (torchtitan's
+  ``LRSchedulersContainer``); each step ``zero_grad``, forward through the parts, backward,
+  ``clip_grad_norm_`` over every parameter (foreach), ``step``, the schedulers' ``step``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -35,9 +42,9 @@ from flatpool import local_tensor
 class Stage(nn.Module):
     """A model part (a pipeline stage): blocks of odd widths (rank 1's shards are padded)."""
 
-    def __init__(self, widths: tuple[int, ...]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): nn.Linear(a, b)
+    def __init__(self, widths: tuple[int, ...], first: int = 0) -> None:
+        super().__init__()  # (layer names go on across stages, as pipelining keeps them)
+        self.layers = nn.ModuleDict({str(first + i): nn.Linear(a, b)
                                      for i, (a, b) in enumerate(zip(widths, widths[1:]))})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +122,16 @@ class OptimizersContainer(torch.optim.Optimizer):
         for optimizer in self.optimizers:
             optimizer.zero_grad(*args, **kwargs)
 
+    def state_dict(self) -> dict[str, Any]:
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        return {k: v for part, opt in zip(self.model_parts, self.optimizers)
+                for k, v in get_optimizer_state_dict(part, opt, options=options).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, state_dict, options=options)
+
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
     impl = job_config.implementation
@@ -130,9 +147,9 @@ def build(spec: ModelSpec, mesh: DeviceMesh, job_config: JobConfig,
     parts = []
     for i, widths in enumerate(WIDTHS):
         torch.manual_seed(i)
-        full = Stage(widths).state_dict()
+        full = Stage(widths, 2 * i).state_dict()
         with torch.device("meta"):
-            model = Stage(widths)
+            model = Stage(widths, 2 * i)
         model = spec.parallelize_fn(model, parallel_dims, job_config)
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -145,10 +162,22 @@ def build(spec: ModelSpec, mesh: DeviceMesh, job_config: JobConfig,
     return parts, optimizers
 
 
-def train(parts: list[nn.Module], optimizers: OptimizersContainer, steps: int, rank: int,
+def schedulers(optimizers: OptimizersContainer) -> list[torch.optim.lr_scheduler.LRScheduler]:
+    return [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
+            for o in optimizers.optimizers]
+
+
+def model_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
+    """torchtitan's ``ModelWrapper``: the parts' state dicts merged."""
+    return {k: v for part in parts for k, v in get_model_state_dict(part).items()}
+
+
+def train(parts: list[nn.Module], optimizers: OptimizersContainer,
+          lr: list[torch.optim.lr_scheduler.LRScheduler], steps: range, rank: int,
           ) -> tuple[list[float], list[torch.Tensor]]:
+    params = [p for part in parts for p in part.parameters()]
     losses = []
-    for step in range(steps):
+    for step in steps:
         optimizers.zero_grad()
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
@@ -156,7 +185,10 @@ def train(parts: list[nn.Module], optimizers: OptimizersContainer, steps: int, r
             x = part(x)
         loss = nn.functional.mse_loss(x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
         optimizers.step()
+        for scheduler in lr:
+            scheduler.step()
         losses.append(loss.item())
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach()
             for part in parts for p in part.parameters()]
