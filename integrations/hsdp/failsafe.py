@@ -9,7 +9,8 @@ structure, the same on every rank, so no rank-local problem hangs the next colle
 Two cases are never retried: a group skipped for its structure (``GroupBuffers.final``: world
 size 1, CPU offload, no member), and anything while autograd's backward runs (activation
 checkpointing's recompute calls the forward hooks there, where storages cannot move): the group
-stays as it is, without a warning, until the next forward.
+stays as it is, without a warning, until the next forward (under ``on_pinned="raise"`` the
+engine's ``AdoptionError`` says why instead).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def keep_fused(
     if previous.adopted and is_valid(previous, params):
         previous.kept.refresh()
         return previous, 0
-    if tc.in_backward():
+    if tc.in_backward() and on_pinned != "raise":  # (strict: the engine's AdoptionError)
         if previous.adopted:  # its pools no longer describe the members: do not hand them out
             previous = GroupBuffers(skipped=IN_BACKWARD, kept=previous.kept)
             if IN_BACKWARD not in told:

@@ -87,3 +87,31 @@ def two_ranks() -> list[dict[str, str | None]]:
 def test_two_ranks(two_ranks: list[dict[str, str | None]], name: str) -> None:
     outcomes = [r.get(name, "not run") for r in two_ranks]
     assert outcomes == [None, None], "\n".join(o or "" for o in outcomes)
+
+
+def test_strict_revalidate_in_backward_raises_and_changes_nothing(single_rank_mesh: Any) -> None:
+    """``on_pinned="raise"`` keeps explicit calls strict: inside backward a group that would be
+    worked on raises the engine's typed error, and the group's record is unchanged."""
+    from flatpool import AdoptionError
+    from flatpool.integrations.hsdp import GroupBuffers
+
+    model = _build(single_rank_mesh)
+    fused = fuse_fully_sharded(model.model[0], keep_valid=False)
+    transient = GroupBuffers(skipped="not adopted yet")  # as a retriable group looks
+    fused.buffers[0] = transient
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    raised: list[BaseException] = []
+
+    def strict(_: torch.Tensor) -> None:
+        try:
+            fused.revalidate(on_pinned="raise")
+        except AdoptionError as e:
+            raised.append(e)
+
+    y.register_hook(strict)
+    y.sum().backward()
+    assert len(raised) == 1 and "backward pass is running" in str(raised[0])
+    assert fused.buffers[0] is transient
+    fused.revalidate()  # outside backward: tried (and skipped for world size 1, for good)
+    assert fused.buffers[0].final
