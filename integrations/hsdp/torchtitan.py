@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from flatpool import InvalidRequestError, InvalidTypeError, OnPinned
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
+from flatpool.ownership._spec import check_policy
 
 from .fsdp2 import FusedModule, flat_optimizer, fuse_fully_sharded, lazy_init
 
@@ -40,7 +41,7 @@ class TorchtitanRecipe:
     def __init__(self, *, alignment: int = 1, on_pinned: OnPinned = "warn",
                  **flat_kwargs: Any) -> None:
         self.alignment = alignment
-        self.on_pinned: OnPinned = on_pinned
+        self.on_pinned: OnPinned = check_policy(on_pinned)  # refused now, not mid-build
         self.flat_kwargs = flat_kwargs
         self.fused: list[FusedModule] = []
         self.flat: list[FlatOptimizer] = []

@@ -36,6 +36,11 @@ def test_apply_refuses_what_is_not_a_spec() -> None:
         TorchtitanRecipe().apply(object())
 
 
+def test_a_bad_policy_is_refused_at_once() -> None:
+    with pytest.raises(InvalidRequestError, match="on_pinned"):
+        TorchtitanRecipe(on_pinned="bogus")  # type: ignore[arg-type]
+
+
 def test_apply_keeps_the_spec_as_it_was() -> None:
     spec = ModelSpec("stand-in", parallelize, None, None)
     wrapped = TorchtitanRecipe().apply(spec)
