@@ -11,11 +11,12 @@ from ._kept import KeptAlive, KeptOriginal
 from .layout import Bucket, MemberLayout
 from ._meta import materialize_group
 from ._protocol import ShardedParam
+from .torchtitan import TorchtitanRecipe
 from .validity import is_valid, member_problems, needs_replan, problems, readopt_group
 
 __all__ = [
     "Bucket", "BucketLines", "FusedModule", "GroupBuffers", "KeptAlive", "KeptOriginal",
-    "MemberLayout", "ShardedParam", "UnfusedGroupWarning", "V1Lines", "adopt_group",
+    "MemberLayout", "ShardedParam", "TorchtitanRecipe", "UnfusedGroupWarning", "V1Lines", "adopt_group",
     "adopt_spec", "cast_buffer", "flat_buffer", "flat_optimizer", "fsdp_param_groups",
     "fuse_fully_sharded", "fuse", "fused_all_gather", "is_fused", "is_valid", "keep_fused",
     "lazy_init", "materialize_group", "member_problems", "needs_replan",

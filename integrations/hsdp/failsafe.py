@@ -5,6 +5,12 @@ Inside a forward, a user's reference to an original is kept alive and reported o
 :class:`flatpool.FlatPoolError` leaves the group unfused this step. The path depends only on
 structure, the same on every rank, so no rank-local problem hangs the next collective.
 ``on_pinned="raise"`` turns the policy off.
+
+Two cases are never retried: a group skipped for its structure (``GroupBuffers.final``: world
+size 1, CPU offload, no member), and anything while autograd's backward runs (activation
+checkpointing's recompute calls the forward hooks there, where storages cannot move): the group
+stays as it is, without a warning, until the next forward (under ``on_pinned="raise"`` the
+engine's ``AdoptionError`` says why instead).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable, Sequence
 from attrs import evolve
 
 from flatpool import FlatPoolError, OnPinned, OriginalKeptAliveWarning
+from flatpool import _torch_compat as tc
 from flatpool._warn import logger, warn
 from flatpool.errors import UnfusedGroupWarning
 
@@ -23,6 +30,9 @@ from .group import GroupBuffers
 from ._kept import KeptAlive
 from ._protocol import ShardedParam
 from .validity import is_valid, needs_replan, readopt_group
+
+IN_BACKWARD = ("unfused while autograd's backward pass runs (activation checkpointing's "
+               "recompute), where storages cannot move: tried again at the next forward")
 
 Build = Callable[[OnPinned, KeptAlive], GroupBuffers]
 """Adopt a group anew (``adopt_group`` / ``materialize_group`` with the caller's arguments)."""
@@ -46,8 +56,17 @@ def keep_fused(
 ) -> tuple[GroupBuffers, int]:
     """Bring one group into its pools, or leave it unfused; returns ``(buffers, re-adopted)``."""
     told = previous.kept.logged
+    if previous.final:  # its structure: no step changes it
+        return previous, 0
     if previous.adopted and is_valid(previous, params):
         previous.kept.refresh()
+        return previous, 0
+    if tc.in_backward() and on_pinned != "raise":  # (strict: the engine's AdoptionError)
+        if previous.adopted:  # its pools no longer describe the members: do not hand them out
+            previous = GroupBuffers(skipped=IN_BACKWARD, kept=previous.kept)
+            if IN_BACKWARD not in told:
+                told.add(IN_BACKWARD)
+                logger.info("%s: %s", where, IN_BACKWARD)
         return previous, 0
     moved = 0
     out = previous
@@ -114,4 +133,4 @@ def _built(out: GroupBuffers, kept: KeptAlive, where: str) -> GroupBuffers:
     return out
 
 
-__all__ = ["Build", "BuildAll", "keep_all_fused", "keep_fused"]
+__all__ = ["IN_BACKWARD", "Build", "BuildAll", "keep_all_fused", "keep_fused"]

@@ -137,7 +137,9 @@ class FusedModule:
 
     def revalidate(self, on_pinned: OnPinned | None = None) -> None:
         """Bring every group back into its pools (adopt late groups, re-adopt moved members,
-        plan anew on a dtype or device change); a healthy rank pays :func:`is_valid` only."""
+        plan anew on a dtype or device change); a healthy rank pays :func:`is_valid` only.
+        A group skipped for its structure is not tried again, and inside autograd's backward
+        nothing is (see :func:`keep_fused`)."""
         policy = self.on_pinned if on_pinned is None else on_pinned
         for i, g in enumerate(self.groups):
             self.buffers[i], moved = keep_fused(
@@ -174,6 +176,8 @@ class FusedModule:
 
     def install_hooks(self) -> None:
         def pre_forward(*_: Any) -> None:
+            if tc.in_backward():  # activation checkpointing's recompute: nothing may move
+                return
             # FSDP2's lazy init can move shards (torch 2.7 re-pads uneven ones into fresh
             # memory): run it first, so the check sees where the all-gather will read.
             lazy_init(self.module)

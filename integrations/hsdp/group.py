@@ -41,6 +41,9 @@ class GroupBuffers:
     """The per-step check's cache of member wrappers."""
     kept: KeptAlive = field(factory=KeptAlive, eq=False, repr=False)
     """Originals a fail-safe (``on_pinned="warn"``) fusion left alive, until they die."""
+    final: bool = False
+    """Skipped for good: the reason is the group's structure (:func:`structural_skip`), which
+    never changes, so the hooks never try it again."""
 
     @property
     def adopted(self) -> bool:
@@ -74,17 +77,25 @@ class GroupBuffers:
         return [b.pool for b in self.buckets]
 
 
-def skip_reason(
-    params: Sequence[ShardedParam], world_size: int | None,
-    data: Sequence[torch.Tensor] | None = None,
-) -> str | None:
-    """Why a group must not be fused now (HyperParallel's skip cases), or ``None``."""
+def structural_skip(params: Sequence[ShardedParam], world_size: int | None) -> str | None:
+    """Why a group can never be fused (fixed when the group is made), or ``None``."""
     if not params:
         return "empty group: nothing to fuse"
     if world_size is not None and world_size <= 1:
         return f"shard world size is {world_size}: nothing is all-gathered, a flat buffer buys nothing"
     if any(p.offload_to_cpu for p in params):
         return "CPU offload: shards stay on the host and are copied per parameter anyway"
+    return None
+
+
+def skip_reason(
+    params: Sequence[ShardedParam], world_size: int | None,
+    data: Sequence[torch.Tensor] | None = None,
+) -> str | None:
+    """Why a group must not be fused now (HyperParallel's skip cases), or ``None``."""
+    final = structural_skip(params, world_size)
+    if final is not None:
+        return final
     data = data_all(params) if data is None else data
     with tc.no_torch_function():
         meta = [i for i, (d, p) in enumerate(zip(data, params))
@@ -191,7 +202,11 @@ def _adopt_groups(groups: Sequence[GroupRequest], alignment: int,
     planned: list[tuple[int, list[ShardedParam], list[BucketPlan]]] = []
     for g in groups:
         params = list(g.params)
-        data = data_all(params) if params else []
+        final = structural_skip(params, g.world_size)
+        if final is not None:
+            out.append(GroupBuffers(skipped=final, final=True))
+            continue
+        data = data_all(params)
         reason = skip_reason(params, g.world_size, data)
         if reason is not None:
             out.append(GroupBuffers(skipped=reason))
@@ -264,5 +279,5 @@ def plan_buckets(
 __all__ = [
     "BucketPlan", "GroupBuffers", "GroupRequest", "adopt_group", "adopt_groups", "adopt_spec",
     "bucket_members",
-    "layout_of", "plan_buckets", "skip_reason",
+    "layout_of", "plan_buckets", "skip_reason", "structural_skip",
 ]
