@@ -382,6 +382,7 @@ def members(o: Original, discover: bool) -> list[Member]:
         add(more, h)
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
+    add(_computed_bases(o, unique.values()))
     _keep_views_with_their_base(unique.values())
     start, end = o.extent.start, o.extent.end
     for m in unique.values():
@@ -482,6 +483,32 @@ def _keep_views_with_their_base(members: Iterable[Member]) -> None:
             if base is not None and tc.impl_address(base) in moving:
                 m.how, m.impl = Move.IN_PLACE, 0
             del base
+
+
+def _computed_bases(o: Original, members: Iterable[Member]) -> list[Member]:
+    """The *computed* bases (``(x * 2).view(-1)``'s product, often held only as ``._base``) of
+    views that would move off them: each moves in place with its views, as if named in
+    ``AdoptSpec.views``, so the views keep their ``grad_fn`` (the impl swap drops it, cutting
+    the gradient to ``x``). A leaf base (HyperParallel's ``local.view(-1)``) has no history to
+    lose and stays behind. A computed base reaching outside ``o`` cannot move: refused."""
+    bases: dict[int, Member] = {}
+    known = {id(m.obj) for m in members}
+    with tc.no_torch_function():
+        for m in members:
+            base = tc.impl_base(m.obj) if m.how is Move.OFF_BASE else None
+            if base is None or tc.impl_is_leaf(base) or id(base) in known or id(base) in bases:
+                continue
+            if not o.extent.contains(extent_of(base)):
+                computed_by = type(base.grad_fn).__name__
+                who = o.label if m.primary else f"a view named with {o.label}"
+                raise InvalidRequestError(
+                    f"{who} is a view of a computed tensor ({computed_by}) that reaches bytes "
+                    "outside it, so that base cannot move with it, and moving the view off it "
+                    "would cut its gradient; adopt the leaf it was computed from, or compute "
+                    "the value without a graph (under torch.no_grad()) and adopt that")
+            bases[id(base)] = _member(base, o.key, False)
+            del base
+    return list(bases.values())
 
 
 def _span(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
