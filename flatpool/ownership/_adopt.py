@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import Protocol, Union
 
 import torch
 
@@ -35,9 +35,6 @@ from ._release import (Outside, Pins, Placed, check_all_placed, finish, held_out
 from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
 
-if TYPE_CHECKING:
-    from ..pool import FlatPool
-
 Adoptable = Union[torch.Tensor, AdoptSpec]
 """One target: a tensor (adopted as ``AdoptSpec(tensor)``, without making that spec), or a spec."""
 AdoptTargets = Union[Adoptable, Sequence[Adoptable]]
@@ -57,7 +54,15 @@ def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
     return reports[0]
 
 
-def adopt_many(batches: Sequence[tuple[FlatPool, Sequence[Adoptable]]], *,
+class Pooled(Protocol):
+    """What :func:`adopt_many` reads of a pool (a :class:`flatpool.FlatPool`): its state. The
+    engine stands below ``flatpool.pool`` and does not import it."""
+
+    @property
+    def _state(self) -> PoolState: ...
+
+
+def adopt_many(batches: Sequence[tuple[Pooled, Sequence[Adoptable]]], *,
                on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
     """Adopt each batch into its pool, all in one transaction; one report per batch."""
     check_policy(on_pinned)
@@ -631,7 +636,7 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
         readable = [t for t, ok in zip(ts, dense) if ok]
         facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
         result = [next(facts) if ok else None for ok in dense]
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
@@ -725,7 +730,7 @@ def _leaf_or_view(t: torch.Tensor) -> bool:
         return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
     with tc.no_torch_function():
         ok = tc.impl_is_leaf(t) or tc.impl_base(t) is not None
-    return ok  # (not a return inside the block: see flatpool.ownership._interrupts)
+    return ok  # (not a return inside the block: see flatpool._interrupts)
 
 
 def _external_message(labels: list[str]) -> str:

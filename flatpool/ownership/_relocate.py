@@ -52,7 +52,7 @@ def compact(pool: PoolState, *, on_pinned: OnPinned = "raise") -> dict[int, Slic
             pos = start + s.nbytes
         capacity = align_up(pos, pool.alignment)
         result = relocate(pool, capacity, layout, on_pinned)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def relocate(

@@ -22,9 +22,9 @@ from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
-from flatpool.ownership._gcpause import gc_paused
-from flatpool.ownership._interrupts import guarded_call
-from flatpool.ownership._spec import check_policy
+from flatpool._gcpause import gc_paused
+from flatpool._interrupts import guarded_call
+from flatpool.ownership import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
 from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
