@@ -18,10 +18,15 @@ Every case measures wall time and CPU time (``time.process_time``: every thread 
 so the threaded copies count) in the same rounds; on a loaded machine the CPU-time ratio is the
 steadier one. Full sizes: 16, 1,000 and 10,000 tensors of 256 MiB in all. The target (issue 31):
 at 10,000 tensors, at most 1.5x the best hand loop; the other rows are reported.
+
+Growth (issue 41.9): a default pool holding 64 elements adopts a 5,000-element tensor (it
+grows), with 2,000,000 extra live Python objects (200,000 quick) against none, interleaved;
+the target: at most 3x (growth used to walk the heap, costing every live object).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -117,7 +122,49 @@ def cases(n: int, total: int, clock: Clock) -> dict[str, Callable[[], float]]:
             "hand loop": hand_loop_case, "naive": naive_case}
 
 
+GROWTH_TARGET = 3.0
+"""A growing adopt with many extra live Python objects over one with none, at most."""
+GROWTHS = 20
+"""Growing adopts timed per round (one takes well under a millisecond)."""
+
+
+def growth_cases(extra: int) -> dict[str, Callable[[], float]]:
+    def grow(objects: int) -> float:
+        junk = [[] for _ in range(objects)]  # gc-tracked, like a model's Python objects
+        pools = []
+        for _ in range(GROWTHS):
+            pool = FlatPool("cpu")
+            pool.adopt([torch.randn(64)])
+            pools.append((pool, torch.randn(5000)))
+        gc.collect()  # (the junk settles in the oldest generation: no full collection is due)
+        t0 = time.perf_counter()
+        for pool, t in pools:
+            pool.adopt([t])
+        dt = time.perf_counter() - t0
+        del junk, pools
+        return dt
+
+    return {"heap": lambda: grow(extra), "bare": lambda: grow(0)}
+
+
+def run_growth(quick: bool) -> Result:
+    extra = 200_000 if quick else 2_000_000
+    reps = 2 if quick else 9
+    times = interleaved(growth_cases(extra), reps)
+    ratio = median_ratio(times["heap"], times["bare"])
+    return Result(
+        "adopt", f"growing adopt (64 + 5,000 elements) x{GROWTHS}, {extra:,} extra live objects "
+        "vs none", fmt_s(median(times["heap"])), fmt_s(median(times["bare"])), ratio,
+        f"<= {GROWTH_TARGET:.2f}", None if quick else ratio <= GROWTH_TARGET, rounds=reps)
+
+
 def run(quick: bool) -> list[Result]:
+    out = _run_batches(quick)
+    out.append(run_growth(quick))
+    return out
+
+
+def _run_batches(quick: bool) -> list[Result]:
     total = 8 * MiB if quick else 256 * MiB
     counts = (16, 100, 1000) if quick else (16, 1000, 10000)
     out: list[Result] = []

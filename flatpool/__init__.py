@@ -30,8 +30,8 @@ from .errors import (  # noqa: E402
     SliceError, UnfusedGroupWarning, UntestedTorchWarning,
 )
 from ._holder import Holder  # noqa: E402
-from .ownership._census import Census, StorageRecord, census  # noqa: E402
-from .ownership._interrupts import RollbackError  # noqa: E402
+from ._census import Census, StorageRecord, census  # noqa: E402
+from ._interrupts import RollbackError  # noqa: E402
 from .ownership._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned  # noqa: E402
 from .pool import DEFAULT_ALIGNMENT, FlatPool, ShapeLike, live_pools  # noqa: E402
 from .slices import Slice  # noqa: E402

@@ -106,7 +106,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         result = tc.impl_untyped_storage(inner)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def extent_of(t: torch.Tensor) -> ByteRange:
@@ -131,7 +131,7 @@ def byte_range(t: torch.Tensor) -> ByteRange:
     check_no_wrapper(inner, "tensor")
     with tc.no_torch_function():
         result = extent_of(inner)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -19,8 +19,8 @@ from typing import Protocol
 from . import _state, checkpoint
 from ._warn import warn
 from .errors import FlatPoolWarning
-from .ownership import _gcpause as gcpause
-from .ownership import _interrupts as interrupts
+from . import _gcpause as gcpause
+from . import _interrupts as interrupts
 
 class LockLike(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...

@@ -58,7 +58,7 @@ def live_states() -> list[PoolState]:
     """The state of every pool still alive in this process (:func:`flatpool.live_pools`)."""
     with _registry_lock:
         result = list(_all_states)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def pool_of_storage(key: int) -> PoolState | None:
@@ -214,7 +214,7 @@ class PoolState:
     def used_bytes(self) -> int:
         with self._lock:
             result = self._index.used_bytes()
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     @property
     def free_bytes(self) -> int:
@@ -225,12 +225,12 @@ class PoolState:
     def largest_free_bytes(self) -> int:
         with self._lock:
             result = self._alloc.largest_free()
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def slices(self) -> tuple[Slice, ...]:
         with self._lock:
             result = tuple(self._index.ordered())
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def is_live(self, slc: Slice) -> bool:
         with self._lock:  # a relocation rebuilds the index: never look at it half-built
@@ -239,13 +239,13 @@ class PoolState:
     def live_slice(self, slice_id: int) -> Slice | None:
         with self._lock:
             result = self._index.get(slice_id)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     @property
     def storage(self) -> torch.UntypedStorage:
         with self._lock:
             result = self.byte_buffer().untyped_storage()
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     @property
     def storage_key(self) -> int | None:
@@ -284,7 +284,7 @@ class PoolState:
         check_strided(inner, f"allocate_like()'s {type(t).__name__}")  # no single dense shape
         with tc.no_torch_function():
             result = self.allocate(tuple(tc.impl_size(inner)), tc.impl_dtype(inner))
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def allocate_many(self, requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Slice]:
         if len(requests) == 1:
@@ -316,7 +316,7 @@ class PoolState:
             before = (self._alloc.snapshot(), self._index.copy())
             try:
                 result = fn(*args)
-                return result  # not `return f()`: see flatpool.ownership._interrupts
+                return result  # not `return f()`: see flatpool._interrupts
             except BaseException:
                 self._restore_layout(*before)
                 raise
@@ -482,7 +482,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_at(slc.offset, slc.shape, slc.dtype)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def view_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype,
                 stride: Sequence[int] | None = None) -> torch.Tensor:
@@ -503,7 +503,7 @@ class PoolState:
         with self._lock:
             self.check_live(slc)
             result = self.view_bytes(slc.offset, slc.nbytes)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         with self._lock:
@@ -523,7 +523,7 @@ class PoolState:
                     raise InvalidRequestError(
                         f"capacity {self.capacity} is not a multiple of {dtype}'s size")
             result = self.view_at(0, (self.capacity // dtype.itemsize,), dtype)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     # -- aliasing --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
@@ -627,7 +627,7 @@ class PoolState:
         self.release_kept()
         with self._lock:
             result = tuple([t.info for t in self._traces if t.alive()])
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def release_kept(self) -> int:
         with self._lock:
@@ -667,4 +667,4 @@ class PoolState:
                 f"capacity {self.capacity} B, used {self.used_bytes} B, free {self.free_bytes} B "
                 f"in {len(self._alloc.free_ranges())} range(s), {len(self._index)} slice(s)")
             result = "\n".join(lines)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts

@@ -455,7 +455,7 @@ def impl_address(t: torch.Tensor) -> int:
         return int(t._cdata)
     with torch._C.DisableTorchFunctionSubclass():
         result = int(t._cdata)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def swap_impl(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import flatpool
 
 FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
-PRIMITIVES = tuple(os.path.join(FLATPOOL_DIR, "ownership", f) for f in ("_interrupts.py", "_gcpause.py"))
+PRIMITIVES = tuple(os.path.join(FLATPOOL_DIR, f) for f in ("_interrupts.py", "_gcpause.py"))
 
 
 def interruptible(frame: types.FrameType) -> bool:

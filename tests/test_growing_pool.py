@@ -10,6 +10,8 @@ raises :class:`PoolExhaustedError`, and ``allocate()`` never moves a storage.
 from __future__ import annotations
 
 import gc
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -122,3 +124,43 @@ def test_allocate_never_moves_a_storage_and_says_to_grow() -> None:
     assert pool.storage.data_ptr() == storage
     pool.grow(pool.capacity + 512)
     assert pool.allocate((100,), torch.float32).end <= pool.capacity
+
+
+_HEAP_WALKS = {"on": False, "count": 0}
+
+
+def _count_heap_walks(event: str, args: tuple[object, ...]) -> None:
+    """An audit hook (Python raises ``gc.get_objects`` for every call): counts walks while on."""
+    if event == "gc.get_objects" and _HEAP_WALKS["on"]:
+        _HEAP_WALKS["count"] += 1
+
+
+sys.addaudithook(_count_heap_walks)  # (a hook stays for the process; it counts only when on)
+
+
+def _walks_during(fn: Callable[[], object]) -> int:
+    _HEAP_WALKS.update(on=True, count=0)
+    try:
+        fn()
+    finally:
+        _HEAP_WALKS["on"] = False
+    return _HEAP_WALKS["count"]
+
+
+def test_growth_walks_the_heap_only_for_an_unknown_view() -> None:
+    """Issue 41.9: every growing adopt walked the whole Python heap (gc.get_objects) to find
+    unknown views of the old storage. With only its bound members on it, growth counts the
+    storage's users instead; an unknown view still makes it search, and still follows."""
+    pool = FlatPool()
+    a = torch.nn.Parameter(torch.randn(64))
+    pool.adopt([a])
+    old = StorageWeakRef(pool.storage)
+    b = torch.randn(5000)
+    assert _walks_during(lambda: pool.adopt([b])) == 0
+    assert old.expired() and pool.owns(a) and pool.owns(b)
+    view = a.detach()[3:10]  # a view the pool never saw
+    want = view.clone()
+    old = StorageWeakRef(pool.storage)
+    c = torch.randn(5000)
+    assert _walks_during(lambda: pool.adopt([c])) >= 1
+    assert old.expired() and pool.owns(view) and torch.equal(view, want)

@@ -547,6 +547,49 @@ def test_the_cpp_holder_wait_is_configurable_and_checked(monkeypatch: pytest.Mon
     assert "FLATPOOL_CXX_HOLDER_WAIT_S='soon'" in out.stderr
 
 
+def test_a_view_of_a_computed_base_keeps_its_gradient() -> None:
+    """``(x * 2).view(-1)``, its computed base held only as ``._base``: adoption used to swap the
+    view off that base, dropping ``grad_fn`` (``x.grad`` came out 1, not ``8x + 1``). The base
+    now moves with it, in place, and backward matches torch's."""
+    x = torch.arange(4.0, requires_grad=True)
+    y = (x * 2).view(-1)
+    old = StorageWeakRef(y.untyped_storage())
+    report = FlatPool(device="cpu").adopt([y])
+    assert report.all_released and old.expired() and report.items[0].rebound == 2
+    assert y.grad_fn is not None and y.requires_grad and y._base is not None
+    ((y * y).sum() + x.sum()).backward()
+    assert torch.equal(x.grad, 8 * x.detach() + 1)
+
+
+def test_a_view_inside_a_computed_base_is_refused_and_keeps_its_gradient() -> None:
+    """``(x * 2)[1:]``: its computed base reaches bytes outside it and cannot move with it, so
+    adoption refuses (it used to drop the view's ``grad_fn``), and nothing changes."""
+    x = torch.arange(4.0, requires_grad=True)
+    y = (x * 2)[1:]
+    fn, where, offset = y.grad_fn, y.untyped_storage().data_ptr(), y.storage_offset()
+    pool = FlatPool(device="cpu", capacity=1 << 12)
+    with pytest.raises(InvalidRequestError,
+                       match=r"view of a computed tensor \(MulBackward0\).*outside.*no_grad"):
+        pool.adopt([y])
+    assert y.grad_fn is fn and y.requires_grad and not pool.owns(y) and pool.used_bytes == 0
+    assert y.untyped_storage().data_ptr() == where and y.storage_offset() == offset
+    ((y * y).sum() + x.sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 9.0, 17.0, 25.0]))
+
+
+def test_a_view_of_a_leaf_base_still_moves_off_it() -> None:
+    """A view of a *leaf* (HyperParallel's ``local.view(-1)``, the leaf dropped) has no history
+    to lose: it is still moved off its base, into the pool."""
+    pool = FlatPool(device="cpu", capacity=1 << 12)
+    local = torch.nn.Parameter(torch.arange(6.0))
+    flat = local.view(-1)
+    old = StorageWeakRef(flat.untyped_storage())
+    del local
+    report = pool.adopt([flat])
+    assert report.all_released and old.expired()
+    assert pool.owns(flat) and flat._base is None and torch.equal(flat, torch.arange(6.0))
+
+
 def test_a_view_of_a_leaf_is_adopted_and_a_computed_tensor_is_refused() -> None:
     """A view of a leaf requiring grad (``w.view(-1)``: not a leaf, its ``grad_fn`` a view
     function) moves with its base and gradients still reach the leaf; ``w * 2`` is refused."""

@@ -320,7 +320,7 @@ class _Flatten:
             return func(*[_to_local(a) for a in args], **kwargs)
         with tc.no_torch_function(), tc.no_torch_dispatch():
             result = func(*args, **kwargs)
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     @classmethod
     def storage_less(cls, local: torch.Tensor, layout: ShardLayout) -> Any:
@@ -368,14 +368,14 @@ def wrapper_storage_key(t: torch.Tensor) -> int | None:
         if tc.impl_is_meta(t):
             return None
         result = tc.storage_address(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def wrapper_own_values(t: torch.Tensor) -> torch.Tensor:
     """What the wrapper's own TensorImpl reads (a plain copy), bypassing every override."""
     with tc.no_torch_function(), tc.no_torch_dispatch():
         result = torch.Tensor.clone(t).as_subclass(torch.Tensor)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def wrapper_local_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -136,7 +136,7 @@ def _pool_entry(p: FlatPool, names: dict[tuple[int, int], list[str]]) -> PoolEnt
         storage = p.storage
         result = PoolEntry(p.name, str(p.device), int(storage.data_ptr()), p.capacity,
                            p.alignment, slices)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def _watch_list(watch: Watches) -> list[StorageWatch]:

@@ -13,8 +13,8 @@ from torch import nn
 from attrs import define
 
 from .._warn import logger, warn
-from ..ownership._gcpause import gc_paused
-from ..ownership._interrupts import guarded_call
+from .._gcpause import gc_paused
+from .._interrupts import guarded_call
 from .._aliasing import local_tensor
 from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..ownership._interrupts import run_undo, signals_guarded
+from .._interrupts import run_undo, signals_guarded
 
 _MISSING = object()
 

@@ -18,7 +18,7 @@ from attrs import define
 from torch.autograd.graph import increment_version
 
 from .._aliasing import local_tensor
-from ..ownership._interrupts import signals_guarded
+from .._interrupts import signals_guarded
 from ._torch import foreach_choice, raw_step
 from ._companions import Companions, StepSlots
 from ._grads import Grads, unpoolable

@@ -28,11 +28,16 @@ The engine's modules use these words, each for one thing only:
   (:func:`~flatpool.ownership._validity.in_place`); *moved* is its negation.
 
 The layers, each importing only what lies below it: operations (``_adopt``, ``_readopt``,
-``_relocate``, ``_meta``, ``_census``) -> ``_release`` (pins, release proof) -> ``_transaction``
-(journal, rollback) -> ``_moves`` (the only place bytes and tensors move) -> :mod:`flatpool._state`.
+``_relocate``, ``_meta``) -> ``_release`` (pins, release proof) -> ``_transaction``
+(journal, rollback) -> ``_moves`` (the only place bytes and tensors move) -> :mod:`flatpool._state`
+and the guards below the engine (:mod:`flatpool._interrupts`, :mod:`flatpool._gcpause`). The
+engine never imports :mod:`flatpool.pool`; ``census`` (:mod:`flatpool._census`) reads pools and
+stands above it. Layers above (``flatpool.optim``, ``integrations``) use only the names below.
 """
 
-from ._interrupts import RollbackError
-from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned
+from .._interrupts import RollbackError
+from ._adopt import adopt_many
+from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 
-__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "OnPinned", "RollbackError"]
+__all__ = ["AdoptSpec", "AdoptedItem", "AdoptionReport", "OnPinned", "RollbackError",
+           "adopt_many", "check_policy"]

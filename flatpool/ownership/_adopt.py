@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import Protocol, Union
 
 import torch
 
@@ -35,9 +35,6 @@ from ._release import (Outside, Pins, Placed, check_all_placed, finish, held_out
 from ._spec import AdoptedItem, AdoptionReport, AdoptSpec, OnPinned, check_policy
 from ._transaction import Transaction, atomic, check_not_in_backward
 
-if TYPE_CHECKING:
-    from ..pool import FlatPool
-
 Adoptable = Union[torch.Tensor, AdoptSpec]
 """One target: a tensor (adopted as ``AdoptSpec(tensor)``, without making that spec), or a spec."""
 AdoptTargets = Union[Adoptable, Sequence[Adoptable]]
@@ -57,7 +54,15 @@ def adopt(pool: PoolState, targets: AdoptTargets, *, discover: bool = False,
     return reports[0]
 
 
-def adopt_many(batches: Sequence[tuple[FlatPool, Sequence[Adoptable]]], *,
+class Pooled(Protocol):
+    """What :func:`adopt_many` reads of a pool (a :class:`flatpool.FlatPool`): its state. The
+    engine stands below ``flatpool.pool`` and does not import it."""
+
+    @property
+    def _state(self) -> PoolState: ...
+
+
+def adopt_many(batches: Sequence[tuple[Pooled, Sequence[Adoptable]]], *,
                on_pinned: OnPinned = "raise") -> list[AdoptionReport]:
     """Adopt each batch into its pool, all in one transaction; one report per batch."""
     check_policy(on_pinned)
@@ -382,6 +387,7 @@ def members(o: Original, discover: bool) -> list[Member]:
         add(more, h)
     if discover:
         unique.update((id(m.obj), m) for m in discover_members(o.key, o.extent, unique))
+    add(_computed_bases(o, unique.values()))
     _keep_views_with_their_base(unique.values())
     start, end = o.extent.start, o.extent.end
     for m in unique.values():
@@ -482,6 +488,32 @@ def _keep_views_with_their_base(members: Iterable[Member]) -> None:
             if base is not None and tc.impl_address(base) in moving:
                 m.how, m.impl = Move.IN_PLACE, 0
             del base
+
+
+def _computed_bases(o: Original, members: Iterable[Member]) -> list[Member]:
+    """The *computed* bases (``(x * 2).view(-1)``'s product, often held only as ``._base``) of
+    views that would move off them: each moves in place with its views, as if named in
+    ``AdoptSpec.views``, so the views keep their ``grad_fn`` (the impl swap drops it, cutting
+    the gradient to ``x``). A leaf base (HyperParallel's ``local.view(-1)``) has no history to
+    lose and stays behind. A computed base reaching outside ``o`` cannot move: refused."""
+    bases: dict[int, Member] = {}
+    known = {id(m.obj) for m in members}
+    with tc.no_torch_function():
+        for m in members:
+            base = tc.impl_base(m.obj) if m.how is Move.OFF_BASE else None
+            if base is None or tc.impl_is_leaf(base) or id(base) in known or id(base) in bases:
+                continue
+            if not o.extent.contains(extent_of(base)):
+                computed_by = type(base.grad_fn).__name__
+                who = o.label if m.primary else f"a view named with {o.label}"
+                raise InvalidRequestError(
+                    f"{who} is a view of a computed tensor ({computed_by}) that reaches bytes "
+                    "outside it, so that base cannot move with it, and moving the view off it "
+                    "would cut its gradient; adopt the leaf it was computed from, or compute "
+                    "the value without a graph (under torch.no_grad()) and adopt that")
+            bases[id(base)] = _member(base, o.key, False)
+            del base
+    return list(bases.values())
 
 
 def _span(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -604,7 +636,7 @@ def read_facts(ts: list[torch.Tensor]) -> list[Facts | None]:
         readable = [t for t, ok in zip(ts, dense) if ok]
         facts = zip(*[list(map(read, readable)) for read in _READERS])  # (sizes: torch.Size)
         result = [next(facts) if ok else None for ok in dense]
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def validate(o: Original, facts: Facts | None, formats: bool = True) -> torch.UntypedStorage:
@@ -698,7 +730,7 @@ def _leaf_or_view(t: torch.Tensor) -> bool:
         return tc.impl_is_leaf(t) or tc.impl_base(t) is not None
     with tc.no_torch_function():
         ok = tc.impl_is_leaf(t) or tc.impl_base(t) is not None
-    return ok  # (not a return inside the block: see flatpool.ownership._interrupts)
+    return ok  # (not a return inside the block: see flatpool._interrupts)
 
 
 def _external_message(labels: list[str]) -> str:

@@ -46,7 +46,7 @@ def byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.T
     with tc.outside_inference():
         result = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
             storage, start, (nbytes,), (1,))
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 class _Crew:
@@ -215,7 +215,7 @@ def member_of(obj: torch.Tensor, how: Move, key: int | None, holder: Holder | No
         result = Member(obj, how, key, tc.impl_storage_offset(obj), tuple(tc.impl_size(obj)),
                         tuple(tc.impl_stride(obj)), tc.impl_dtype(obj),
                         -1 if meta else tc.impl_version(obj), holder, primary)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def move(journal: list[Record], members: Sequence[Member], dests: Sequence[Dest]) -> None:

@@ -34,7 +34,7 @@ from ..errors import (
 from .._state import PoolState
 from .._unreleased import UnreleasedOriginal
 from ._faults import checkpoint
-from ._interrupts import run_undo
+from .._interrupts import run_undo
 from ._moves import Member, Move
 from ._pins import name_pins, only_cxx
 from ._spec import OnPinned

@@ -52,7 +52,7 @@ def compact(pool: PoolState, *, on_pinned: OnPinned = "raise") -> dict[int, Slic
             pos = start + s.nbytes
         capacity = align_up(pos, pool.alignment)
         result = relocate(pool, capacity, layout, on_pinned)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def relocate(
@@ -171,7 +171,7 @@ def _move_bound(
             kept.append(b)
         if kept:
             out[new.slice_id] = kept
-    if follow_unbound:
+    if follow_unbound and _unknown_users(pool, txn, old_key, members):
         known = {id(m.obj) for m in members} | {id(pool.byte_buffer())}
         for t in movable_tensors_on(old_key, known):
             members.append(member_of(t, Move.IN_PLACE, old_key))
@@ -184,3 +184,14 @@ def _move_bound(
     del moving
     move(txn.journal, members, dests)
     return out, placed, held
+
+
+def _unknown_users(pool: PoolState, txn: Transaction, old_key: int, members: list[Member]) -> bool:
+    """Whether the old storage has a user beyond the bound members, the pool's buffer and the
+    transaction's storage object: only then is the heap searched (a gc walk costs the whole
+    Python heap) for unknown views to move; a holder it cannot move is named by the proof."""
+    storage = txn.originals[old_key]
+    own = 1 if pool.storage_key == old_key else 0  # (the pool's buffer tensor, not yet swapped)
+    extra = tc.storage_users(storage) - 1 - own - len({id(m.obj) for m in members})
+    del storage
+    return extra > 0

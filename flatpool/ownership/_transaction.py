@@ -19,8 +19,8 @@ import torch
 from .. import _torch_compat as tc
 from ..errors import AdoptionError, InvalidRequestError
 from .._state import PoolSnapshot, PoolState
-from ._gcpause import gc_paused
-from ._interrupts import RollbackError, run_undo, signals_guarded
+from .._gcpause import gc_paused
+from .._interrupts import RollbackError, run_undo, signals_guarded
 from ._moves import Member, Move, Record, SlotSet, byte_view, fresh_like, set_many, swap_many
 
 T = TypeVar("T")
@@ -32,7 +32,7 @@ def atomic(body: Callable[[Transaction], T], *pools: PoolState) -> T:
     Under every pool's lock (taken in one global order: no deadlock), with the gc paused and
     outside inference and grad mode. An exception before the commit rolls everything back; one
     inside the rollback restarts it (it is idempotent). Signals during the rollback or the
-    epilogue are delivered after the operation (see :mod:`flatpool.ownership._interrupts`).
+    epilogue are delivered after the operation (see :mod:`flatpool._interrupts`).
     """
     check_plain_torch()
     with signals_guarded() as guard, tc.outside_inference(), torch.no_grad():

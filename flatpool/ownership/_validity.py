@@ -36,7 +36,7 @@ def in_place(pool_key: int, slc: Slice, b: Binding, obj: torch.Tensor | None) ->
             and tuple(tc.impl_stride(obj)) == b.stride
             and dtype == b.dtype
         )
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def moved(pool: PoolState) -> list[Moved]:
@@ -75,4 +75,4 @@ def is_valid(pool: PoolState) -> bool:
     """Nothing :func:`moved` and nothing :func:`orphaned`, in one locked look."""
     with pool.lock:
         result = not moved(pool) and not orphaned(pool)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts

@@ -22,9 +22,9 @@ from flatpool import _torch_compat as tc
 from flatpool import InvalidTypeError
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
-from flatpool.ownership._gcpause import gc_paused
-from flatpool.ownership._interrupts import guarded_call
-from flatpool.ownership._spec import check_policy
+from flatpool._gcpause import gc_paused
+from flatpool._interrupts import guarded_call
+from flatpool.ownership import check_policy
 
 from .failsafe import keep_all_fused, keep_fused
 from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
@@ -104,7 +104,7 @@ class FusedModule:
         with tc.no_torch_function():
             result = bool(params) and all(tc.impl_is_meta(data_of(p, j))
                                           for j, p in enumerate(params))
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
 
     def _adopt(self, i: int, materialize: bool = False, on_pinned: OnPinned | None = None) -> None:
         policy = self.on_pinned if on_pinned is None else on_pinned

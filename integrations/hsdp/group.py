@@ -17,9 +17,9 @@ from attrs import define, field
 from flatpool import AdoptSpec, FlatPool, Holder, InvalidRequestError, OnPinned, Slice
 from flatpool import _torch_compat as tc
 from flatpool._devices import DeviceLike, resolve_device
-from flatpool.ownership._gcpause import gc_paused
-from flatpool.ownership._interrupts import guarded_call
-from flatpool.ownership._adopt import adopt_many
+from flatpool._gcpause import gc_paused
+from flatpool._interrupts import guarded_call
+from flatpool.ownership import adopt_many
 
 from ._kept import KeptAlive
 from .layout import Bucket, MemberLayout

@@ -53,7 +53,7 @@ _T = TypeVar("_T")
 def _read(read: Callable[[torch.Tensor], _T], t: torch.Tensor) -> _T:
     with tc.no_torch_function():
         result = read(t)
-        return result  # not `return f()`: see flatpool.ownership._interrupts
+        return result  # not `return f()`: see flatpool._interrupts
 
 
 def is_meta(t: torch.Tensor) -> bool:

@@ -657,6 +657,13 @@ def _non_leaf(c: Ctx) -> Call:
     return lambda: p.adopt([y])
 
 
+def _computed_base_view(c: Ctx) -> Call:
+    p = c.pool()
+    w = c.tensor("w", torch.ones(4, requires_grad=True))
+    y = c.tensor("y", (w * 2)[1:])  # (its computed base, held only as y._base, reaches past it)
+    return lambda: p.adopt([y])
+
+
 def _full_fixed_pool(c: Ctx) -> Call:
     p = c.pool(capacity=256)
     c.adopted(p, "a", ints(32))
@@ -1381,6 +1388,11 @@ ROWS: tuple[Row, ...] = (
         _inference_tensor, flatpool.InvalidRequestError, r"inference tensor.*clone"),
     Row("non-leaf", "adopt() of a tensor autograd computed (`w * 2` with `w` requiring grad)",
         _non_leaf, flatpool.InvalidRequestError, r"not a leaf of autograd.*MulBackward.*no_grad"),
+    Row("computed-base-view", "adopt() of a view inside a computed tensor (`(w * 2)[1:]`, the "
+        "computed base held only as its `_base`)", _computed_base_view, flatpool.InvalidRequestError,
+        r"view of a computed tensor.*outside.*no_grad",
+        "nothing changed; the view keeps its `grad_fn` (it was adopted without one before, cutting "
+        "the gradient to `w`)"),
     Row("adopt-full-fixed", "adopt() into a pool made with capacity= that lacks room",
         _full_fixed_pool, flatpool.PoolExhaustedError, r"cannot fit.*without capacity="),
     Row("growth-pinned", "adopt() that grows a default pool while autograd saved a view of its "

@@ -21,8 +21,8 @@ import torch
 
 import flatpool
 import flatpool._fork as fork_hooks
-from flatpool.ownership._gcpause import gc_paused, paused
-from flatpool.ownership._interrupts import signals_guarded
+from flatpool._gcpause import gc_paused, paused
+from flatpool._interrupts import signals_guarded
 
 CHILD_DEADLINE = 60.0  # seconds; a busy machine, but a blocked child never finishes at all
 

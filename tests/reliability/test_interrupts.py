@@ -11,7 +11,7 @@ at every line of the rollback itself, which must still finish.
 
 The default run samples the lines evenly; ``--slow`` runs every line.
 
-Not interrupted: the lines of the guard's own primitives (``ownership/_interrupts.py``, the gc
+Not interrupted: the lines of the guard's own primitives (``flatpool/_interrupts.py``, the gc
 pause), the lines of ``with`` statements and bare ``try:`` lines. CPython cannot run a context
 manager's exit atomically (an exception landing right before ``__exit__`` on the normal path
 skips it, bpo-29988; so does one a tracer raises at a ``try:`` line inside a ``with`` block,
@@ -43,7 +43,7 @@ from .state import Snapshot, check_layout
 from .test_faults import OPERATIONS, _check_after_success
 
 FLATPOOL_DIR = os.path.dirname(os.path.abspath(flatpool.__file__))
-PRIMITIVES = tuple(os.path.join(FLATPOOL_DIR, "ownership", f) for f in ("_interrupts.py", "_gcpause.py"))
+PRIMITIVES = tuple(os.path.join(FLATPOOL_DIR, f) for f in ("_interrupts.py", "_gcpause.py"))
 
 
 def _interruptible(frame: types.FrameType) -> bool:

@@ -25,7 +25,7 @@ import torch
 from attrs import define, field
 
 from flatpool import FlatPool, census
-from flatpool.ownership._gcpause import gc_paused
+from flatpool._gcpause import gc_paused
 from flatpool.testing import set_fault_hook
 
 from .state import check_layout

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 import flatpool
-from flatpool.ownership import _interrupts as interrupts
+from flatpool import _interrupts as interrupts
 
 from .scenarios import values_of
 from .state import Snapshot

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flatpool import FlatPool
-from flatpool.ownership._interrupts import signals_guarded
+from flatpool._interrupts import signals_guarded
 from flatpool.testing import set_fault_hook
 
 from .scenarios import ints

@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from types import FrameType
 from typing import Any, Callable, TypeVar
 
-from ..errors import FlatPoolError
+from .errors import FlatPoolError
 
 _ASYNC_SIGNALS = tuple(
     getattr(signal, name)
@@ -193,7 +193,7 @@ def guarded_call(fn: Callable[[], _T], *around: AbstractContextManager[Any]) -> 
         guard.open()
         try:
             result = fn()
-            return result  # not `return f()`: see flatpool.ownership._interrupts
+            return result  # not `return f()`: see flatpool._interrupts
         finally:
             guard.finishing()
 

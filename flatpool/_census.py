@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from attrs import define
 
-from .. import _torch_compat as tc
-from .._aliasing import extent_of, local_tensor, own_storage
-from .._devices import allocator_counters
-from .._table import table
-from ..errors import InvalidTypeError
-from ..slices import Slice
-from .._state import PoolState, live_states
-from ..pool import FlatPool
+from . import _torch_compat as tc
+from ._aliasing import extent_of, local_tensor, own_storage
+from ._devices import allocator_counters
+from ._table import table
+from .errors import InvalidTypeError
+from .slices import Slice
+from ._state import PoolState, live_states
+from .pool import FlatPool
 from ._gcpause import gc_paused
 from ._interrupts import guarded_call
 
