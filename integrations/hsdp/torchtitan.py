@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from flatpool import InvalidRequestError, InvalidTypeError, OnPinned
 from flatpool._warn import logger
 from flatpool.optim import FlatOptimizer
-from flatpool.ownership._spec import check_policy
+from flatpool.ownership import check_policy
 
 from .fsdp2 import FusedModule, flat_optimizer, fuse_fully_sharded, lazy_init
 
