@@ -117,7 +117,15 @@ def test_a_wrapper_set_after_setup_wraps_the_flat_step_and_stays_after_close() -
         backward(m, 3)
         o.step()
     same(ref, o_ref, flat, o_flat)
-    assert calls == ["step"] * 4
+    o_flat.step = counting(calls, "outer")(o_flat.step)  # type: ignore[method-assign]
+    FlatOptimizer(o_flat, [pool], module=flat)  # the wrappers now hold a closed flat step
+    for step in range(4, 6):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+        same(ref, o_ref, flat, o_flat)
+    assert calls == ["step"] * 4 + ["outer", "step"] * 2
 
 
 def test_a_scheduler_wrapper_around_a_user_wrapper_keeps_both() -> None:

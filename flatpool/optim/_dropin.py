@@ -26,6 +26,9 @@ _NAMES = ("step", "zero_grad")
 
 _active: weakref.WeakKeyDictionary[torch.optim.Optimizer, DropIn] = weakref.WeakKeyDictionary()
 """The installed drop-in of each optimizer (its ``step`` may be a user's wrapper)."""
+_flat_functions: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""Every drop-in's flat ``step``/``zero_grad`` function (by identity: ``functools.wraps`` copies
+a marking attribute onto the user's wrappers)."""
 
 
 class DropIn:
@@ -50,8 +53,7 @@ class DropIn:
         hooked = with_step_hooks(flat_step)
         flat_zero_grad.__doc__ = type(opt).zero_grad.__doc__
         self._functions: dict[str, Callable[..., Any]] = {"step": hooked, "zero_grad": flat_zero_grad}
-        for fn in self._functions.values():
-            fn._flatpool_dropin = self  # type: ignore[attr-defined]
+        _flat_functions.update(self._functions.values())
         self.step = types.MethodType(hooked, opt)
         self.zero_grad = types.MethodType(flat_zero_grad, opt)
         self._cells: list[tuple[types.CellType, Any, Any]] = []
@@ -108,7 +110,8 @@ def _torchs(value: object, opt: torch.optim.Optimizer, name: str) -> bool:
         if value.__self__ is not opt:
             return False
         fn = value.__func__
-    return fn is getattr(type(opt), name) or isinstance(getattr(fn, "_flatpool_dropin", None), DropIn)
+    return fn is getattr(type(opt), name) or (isinstance(fn, types.FunctionType)
+                                              and fn in _flat_functions)
 
 
 def _cells_reaching(wrapper: object, opt: torch.optim.Optimizer, name: str) -> list[types.CellType]:
