@@ -6,6 +6,8 @@ rebound."""
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -222,3 +224,17 @@ def test_user_gradient_buffers_are_read_at_every_step_clip_and_zero_grad(module:
         o.zero_grad()  # set_to_none=True: None, as torch
     assert all(p.grad is None for p in flat.parameters())
     assert fo.grads.buffer(pool) is None
+
+
+def test_an_optimizer_stepped_flat_dies_with_its_last_reference() -> None:
+    model = mlp()
+    pool = pooled(model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    opt.step = counting([], "step")(opt.step)  # type: ignore[method-assign]
+    fo = FlatOptimizer(opt, [pool])  # (module= hooks would hold it while the module lives)
+    backward(model, 0)
+    opt.step()
+    dead = weakref.ref(opt)
+    del opt, fo
+    gc.collect()
+    assert dead() is None

@@ -24,8 +24,10 @@ StepBody = Callable[[torch.optim.Optimizer, Any], Any]
 ZeroBody = Callable[[torch.optim.Optimizer, bool], None]
 _NAMES = ("step", "zero_grad")
 
-_active: weakref.WeakKeyDictionary[torch.optim.Optimizer, DropIn] = weakref.WeakKeyDictionary()
-"""The installed drop-in of each optimizer (its ``step`` may be a user's wrapper)."""
+_active: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[DropIn]] = \
+    weakref.WeakKeyDictionary()
+"""The installed drop-in of each optimizer (its ``step`` may be a user's wrapper); weak both
+ways: a drop-in refers to its optimizer, which must die with its last user reference."""
 _flat_functions: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 """Every drop-in's flat ``step``/``zero_grad`` function (by identity: ``functools.wraps`` copies
 a marking attribute onto the user's wrappers)."""
@@ -76,7 +78,8 @@ class DropIn:
     @staticmethod
     def of(opt: torch.optim.Optimizer) -> DropIn | None:
         """The drop-in installed on ``opt``, if any."""
-        return _active.get(opt)
+        ref = _active.get(opt)
+        return None if ref is None else ref()
 
     def install(self, journal: Journal) -> None:
         d = self.opt.__dict__
@@ -85,13 +88,13 @@ class DropIn:
                 journal.set_item(d, name, getattr(self, name))
         for cell, _, flat in self._cells:
             journal.set_attr(cell, "cell_contents", flat)
-        journal.set_item(_active, self.opt, self)
+        journal.set_item(_active, self.opt, weakref.ref(self))
         journal.set_attr(self, "active", True)
 
     def remove(self) -> None:
         """Give the optimizer its own ``step``/``zero_grad`` back (what was there at install)."""
         self.active = False
-        if _active.get(self.opt) is self:
+        if DropIn.of(self.opt) is self:
             del _active[self.opt]
         d: dict[str, Any] = self.opt.__dict__
         for name in _NAMES:
