@@ -8,8 +8,10 @@ Operations: training steps (some parameters unused, some frozen, gradient accumu
 dropped or ``.grad.data``-swapped, state entries replaced or edited in place, ``step`` edited,
 ``state.clear()``, hyper-parameters that decide which state exists switched, a parameter
 appended to a group or a new group added, ``load_state_dict`` of a ``torch.save``/``load`` or
-``deepcopy`` round trip, and ``KeyboardInterrupt`` injected into the step's preparation and into
-a fresh setup. float32, float64, float16, bfloat16; SGD (momentum, nesterov, dampening, weight
+``deepcopy`` round trip, ``KeyboardInterrupt`` injected into the step's preparation and into
+a fresh setup, the user's step/zero_grad wrappers set on the optimizer (before a setup or after
+it; their calls counted), every ``.grad`` made a view of the user's own flat buffer, that buffer
+scaled in place, and a gradient clip. float32, float64, float16, bfloat16; SGD (momentum, nesterov, dampening, weight
 decay, maximize), Adam and AdamW (amsgrad, weight decay, maximize).
 
 Quick mode (CI) runs a few thousand sequences on tiny models; ``--slow`` runs ten times more.
@@ -107,7 +109,17 @@ OPS = st.one_of(
     st.tuples(st.sampled_from(["append", "new_group"])),
     st.tuples(st.just("load"), st.sampled_from(["save", "deepcopy"])),
     st.tuples(st.just("resetup"), st.integers(0, 6000)),
+    st.tuples(st.just("wrap"), st.sampled_from(["step", "zero_grad"])),
+    st.tuples(st.sampled_from(["user_grads", "scale_user", "clip"])),
 )
+
+
+def counting(calls: list[str], name: str, fn: Any) -> Any:
+    """A user's wrapper, as step counters and accelerate's ``patch_optimizer_step`` write it."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 class Twin:
@@ -130,6 +142,10 @@ class Twin:
         self.scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2) \
             if scaler and dtype != torch.float16 else None
         self.added = False
+        self.calls: list[str] = []
+        """The user's wrappers' calls."""
+        self.buf: torch.Tensor | None = None
+        """The user's own gradient buffer."""
 
     def setup(self, k: int | None = None) -> bool:
         if k is not None:
@@ -158,10 +174,11 @@ class Twin:
             tracer, _ = interrupt_at_line(
                 k, stop=lambda f: f.f_code.co_name == "run" and f.f_code.co_filename == stepper_mod.__file__)
             sys.settrace(tracer)
+            calls = len(self.calls)
             try:
                 self._step()
             except KeyboardInterrupt:
-                pass  # nothing was stepped: step again
+                del self.calls[calls:]  # nothing was stepped: step again (the wrappers too)
             else:
                 return
             finally:
@@ -246,6 +263,21 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
         else:
             sd = copy.deepcopy(sd)
         opt.load_state_dict(sd)
+    elif kind == "wrap":
+        setattr(opt, op[1], counting(t.calls, op[1], getattr(opt, op[1])))
+    elif kind == "user_grads":
+        t.buf = torch.arange(sum(p.numel() for p in ps), dtype=t.dtype).mul_(0.01)
+        at = 0
+        for p in ps:
+            p.grad = t.buf[at:at + p.numel()].view_as(p)
+            at += p.numel()
+    elif kind == "scale_user" and t.buf is not None:
+        t.buf.mul_(0.5)
+    elif kind == "clip":
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norm = (t.fo.clip_grad_norm_(0.5) if t.fo is not None
+                else torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True))
+        t.calls.append(f"norm {norm.item()!r}")
     elif kind == "resetup" and t.fo is not None:
         t.fo.close()
         if not t.setup(op[1]):
@@ -267,6 +299,7 @@ def run(name: str, kw: dict[str, Any], dtype: torch.dtype, alignment: int, sched
                 except Exception as exc:  # noqa: BLE001 - torch's own error: both must raise it
                     outcomes.append(f"{type(exc).__name__}: {exc}")
             assert outcomes[0] == outcomes[1], (i, op, outcomes)
+            assert twins[0].calls == twins[1].calls, (i, op)
             assert_same(twins[0].model, twins[0].opt, twins[1].model, twins[1].opt, f"op {i} {op}")
 
 

@@ -101,8 +101,7 @@ class FlatOptimizer:
         if verify == "forward" and module is None:
             raise InvalidRequestError("verify='forward' runs checks in the module's forward "
                                       "pre-hook: pass module=")
-        owner = getattr(optimizer.step, "_flatpool_dropin", None)
-        if isinstance(owner, DropIn) and owner.active:
+        if DropIn.of(optimizer) is not None:
             raise InvalidRequestError(
                 f"this {type(optimizer).__name__} is already stepped by a FlatOptimizer: "
                 "close() that one first")
@@ -120,7 +119,6 @@ class FlatOptimizer:
         self._backward_queued = False
         self._handles: list[Any] = []
         self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
-        self._dropin.step.__func__._flatpool_dropin = self._dropin  # type: ignore[attr-defined]
         guarded_call(lambda: self._setup(first_pools), gc_paused())
 
     def _setup(self, pools: list[FlatPool]) -> None:
@@ -210,12 +208,15 @@ class FlatOptimizer:
                  f"by torch's own step, not flat: {why}", FlatStepWarning, past_torch=True)
 
     def _absorb_existing(self, set_attr: Callable[[Any, str, Any], None] = setattr,
-                         set_item: Callable[[dict[Any, Any], str, Any], None] = plain_assign) -> None:
-        """Copy the members' existing gradients and state entries into the pools and rebind them."""
+                         set_item: Callable[[dict[Any, Any], str, Any], None] = plain_assign,
+                         ours: frozenset[int] = frozenset()) -> None:
+        """Pool the members' existing state entries, and move the gradient views an earlier plan
+        installed (``ours``: their parameters' ids) to this plan's places. Every other ``.grad``
+        is its owner's: the step copies it in, and it stays theirs."""
         plan, grads, state = self._plan, self.grads, self.state
-        absorb = [i for i, m in enumerate(plan.members) if m.param.grad is not None
-                  and unpoolable(m.param.grad, m) is None]
-        grads.absorb(absorb, set_attr)
+        grads.reinstall([i for i, m in enumerate(plan.members) if id(m.param) in ours
+                         and (g := m.param.grad) is not None and unpoolable(g, m) is None],
+                        set_attr)
         adopt = []
         for gp in plan.groups:
             adopt += state.existing(range(gp.lo, gp.hi), gp.group)
@@ -233,8 +234,10 @@ class FlatOptimizer:
                     len(self._plan.segments))
 
     def _replan(self, pools: list[FlatPool]) -> None:
+        old = self.grads
+        ours = frozenset(map(id, compress(old.params, old.pooled(0, len(old.params)))))
         self._adopt_plan(make_plan(self.optimizer, self.rule, pools))
-        self._absorb_existing()
+        self._absorb_existing(ours=ours)
 
     def readopt(self) -> None:
         """Plan again now (the step does this by itself when something it relies on changed)."""
@@ -337,7 +340,7 @@ class FlatOptimizer:
             self.grads.settle()
             if not self._closed:
                 self._ensure_plan()
-            runs, others = self._grad_runs()  # gradients installed elsewhere absorbed first
+            runs, others = self._grad_runs()
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             grads = [g for g in map(_grad_of, params) if g is not None]
             if not grads:
@@ -361,14 +364,7 @@ class FlatOptimizer:
             return [], [g for p in self.optimizer.param_groups for g in map(_grad_of, p["params"])
                         if g is not None]
         grads = self.grads
-        pooled = grads.pooled(0, len(grads.members))
-        if not all(pooled):
-            todo = [i for i in compress(range(len(pooled)), map(operator.not_, pooled))
-                    if (g := grads.params[i].grad) is not None
-                    and unpoolable(g, grads.members[i]) is None]
-            grads.absorb(todo)
-            for i in todo:
-                pooled[i] = True
+        pooled = grads.pooled(0, len(grads.members))  # others are their owners': scaled as they are
         runs: list[torch.Tensor] = []
         covered = [False] * len(pooled)
         for segs in self._now.stepper.segments.values():

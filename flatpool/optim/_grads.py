@@ -4,7 +4,8 @@ Each ``.grad`` is a view of ``<pool>/grad`` installed zeroed when a backward sta
 and FSDP2 (which add in place) write straight into the pool. Views nothing wrote to (their own
 version counter unchanged) go back to ``None`` (:meth:`Grads.settle`), as torch skips ``None``;
 frozen parameters get none; the pool dies with ``zero_grad(set_to_none=True)``. A gradient
-installed elsewhere is copied in at the next step (:meth:`Grads.absorb`).
+installed elsewhere (the user's buffer, autograd's own) is copied in at every step
+(:meth:`Grads.absorb`) and stays the ``.grad``: only views flatpool installed are flatpool's.
 """
 
 from __future__ import annotations
@@ -143,10 +144,10 @@ class Grads:
         kept = [(i, v) for i, v in zip(at, versions) if i not in drop]
         return [i for i, _ in kept], [v for _, v in kept]
 
-    def absorb(self, indices: Sequence[int],
-               assign: Callable[[Any, str, Any], None] = setattr) -> None:
-        """Copy each member's foreign gradient into its place, then install the pooled view
-        (values first: an interrupt between leaves the old gradient, copied again next time)."""
+    def absorb(self, indices: Sequence[int]) -> None:
+        """Copy each member's foreign gradient into its place, with one foreach copy. The
+        ``.grad`` stays what its owner installed (their buffer, their scaling): read again at
+        every step, never rebound."""
         if not indices:
             return
         src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
@@ -156,6 +157,12 @@ class Grads:
             torch._foreach_copy_([self.locals[i] for i in indices], src)  # type: ignore[misc]
         del src
         self.unwritten = self._without(indices)
+
+    def reinstall(self, indices: Sequence[int],
+                  assign: Callable[[Any, str, Any], None] = setattr) -> None:
+        """Copy views an earlier plan installed into this plan's places and install these
+        (values first: an interrupt between leaves the old view, copied again next time)."""
+        self.absorb(indices)
         for i in indices:
             assign(self.params[i], "grad", self.objs[i])
 

@@ -7,7 +7,7 @@ runs with signals deferred, so a Ctrl-C lands after the commit or after its roll
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +20,7 @@ class Journal:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
 
-    def set_item(self, d: dict[Any, Any], key: Any, value: Any) -> None:
+    def set_item(self, d: MutableMapping[Any, Any], key: Any, value: Any) -> None:
         old = d.get(key, _MISSING)
 
         def undo() -> None:

@@ -82,6 +82,7 @@ class Stepper:
         self.state.begin()
         groups = self.plan.groups
         pooled = self.grads.pooled(0, len(self.plan.members))  # one pass for all groups
+        self._copy_in: list[int] = []
         states = self.state.pooled_groups([(gp.lo, gp.hi, gp.group) for gp in groups])
         works = []
         for g, gp in enumerate(groups):
@@ -96,6 +97,7 @@ class Stepper:
                 self.say(g, work)
                 work = GroupWork(g, group, [])
             works.append(work)
+        self.grads.absorb(self._copy_in)  # the foreign gradients: one copy for all groups
         return works
 
     def _fused(self, group: dict[str, Any]) -> bool:
@@ -123,7 +125,7 @@ class Stepper:
             grad = gp.params[i].grad
             if grad is not None and grad.layout != torch.strided:
                 return f"a {grad.layout} gradient"
-        grads.absorb(absorb)
+        self._copy_in += absorb
         fresh: set[int] = set()
         if (everyone or any(on)) and not state_pooled:
             adopt: list[tuple[int, str, torch.Tensor]] = []

@@ -9,6 +9,7 @@ these rows, regenerated with ``python -m tests.reliability.catalogue``.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import warnings
@@ -1166,6 +1167,15 @@ def _flat_twice(c: Ctx) -> Call:
     return lambda: FlatOptimizer(opt, [pool], module=model)
 
 
+def _flat_opaque_wrapper(c: Ctx) -> Call:
+    from flatpool.optim import FlatOptimizer
+
+    model, opt, pool = _flat_setup(c)
+    opt.step = functools.partial(opt.step)  # type: ignore[method-assign]
+    c.keep.append(opt)
+    return lambda: FlatOptimizer(opt, [pool], module=model)
+
+
 def _flat_clip_sharded(c: Ctx) -> Call:
     from flatpool.optim import FlatOptimizer
 
@@ -1529,6 +1539,10 @@ ROWS: tuple[Row, ...] = (
     Row("optim-twice", "a second FlatOptimizer on an optimizer one already steps",
         _flat_twice, flatpool.InvalidRequestError, r"close\(\) that one first",
         "nothing changed; the first one keeps stepping"),
+    Row("optim-opaque-step-wrapper", "optimizer.step replaced before setup by a callable "
+        "holding torch's step other than in a closure (a functools.partial, an object)",
+        _flat_opaque_wrapper, flatpool.InvalidRequestError, r"set it after FlatOptimizer",
+        "nothing changed; a closure wrapper (a decorator) is kept and wraps the flat step"),
     Row("optim-clip-sharded-inexact", "clip_grad_norm_(exact=False) with DTensor gradients",
         _flat_clip_sharded, flatpool.InvalidRequestError, r"exact=True", "nothing scaled"),
     Row("optim-outside-pools", "a param group with parameters in none of the pools",

@@ -1,0 +1,240 @@
+"""What the user installed on the optimizer or as ``.grad`` stays theirs: a step or zero_grad
+wrapper keeps being called (around the flat step) and is put back by ``close()``; a ``.grad``
+the user installed (views of their own flat buffer) is read at every step and clip, never
+rebound."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flatpool import FlatPool
+from flatpool.errors import InvalidRequestError
+from flatpool.optim import FlatOptimizer
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def pooled(model: nn.Module) -> FlatPool:
+    pool = FlatPool(name="params")
+    pool.adopt(list(model.parameters()))
+    return pool
+
+
+def backward(model: nn.Module, step: int) -> None:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+
+
+def same(ref: nn.Module, o_ref: torch.optim.Optimizer, flat: nn.Module,
+         o_flat: torch.optim.Optimizer) -> None:
+    for a, b in zip(ref.parameters(), flat.parameters()):
+        assert torch.equal(a, b)
+    s_ref, s_flat = o_ref.state_dict()["state"], o_flat.state_dict()["state"]
+    assert sorted(s_ref) == sorted(s_flat)
+    for k in s_ref:
+        for kind in s_ref[k]:
+            assert torch.equal(s_ref[k][kind], s_flat[k][kind]), (k, kind)
+
+
+def counting(calls: list[str], name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator as step counters, trainers and accelerate's ``patch_optimizer_step`` write it."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+    return wrap
+
+
+# -- step and zero_grad wrappers -------------------------------------------------------------
+def test_a_step_wrapper_set_before_setup_wraps_the_flat_step_and_close_restores_it() -> None:
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=0.05, foreach=True)
+    o_flat = torch.optim.AdamW(flat.parameters(), lr=0.05, foreach=True)
+    calls: list[str] = []
+    hooks: list[str] = []
+    o_flat.step = counting(calls, "step")(o_flat.step)  # type: ignore[method-assign]
+    o_flat.zero_grad = counting(calls, "zero_grad")(o_flat.zero_grad)  # type: ignore[method-assign]
+    step_wrapper, zero_wrapper = o_flat.step, o_flat.zero_grad
+    o_flat.register_step_pre_hook(lambda *_: hooks.append("pre"))
+    o_flat.register_step_post_hook(lambda *_: hooks.append("post"))
+    fo = FlatOptimizer(o_flat, [pool])  # no module: the flat step pools autograd's gradients
+    assert o_flat.step is step_wrapper and o_flat.zero_grad is zero_wrapper
+    for step in range(4):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)
+            o.step()
+            if step == 0:
+                assert fo.grads.buffer(pool) is not None or m is ref  # the flat step ran
+            o.zero_grad(set_to_none=False)
+        same(ref, o_ref, flat, o_flat)
+    assert calls == ["step", "zero_grad"] * 4
+    assert hooks == ["pre", "post"] * 4  # torch's hooks once a step, as torch runs them
+    fo.close()
+    assert o_flat.__dict__["step"] is step_wrapper and o_flat.__dict__["zero_grad"] is zero_wrapper
+    del calls[:], hooks[:]
+    for step in range(4, 6):  # the wrapper calls torch's own step again
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+        same(ref, o_ref, flat, o_flat)
+    assert calls == ["step", "zero_grad"] * 2 and hooks == ["pre", "post"] * 2
+    FlatOptimizer(o_flat, [pool]).close()  # a second setup after close: the same wrapper again
+    assert o_flat.__dict__["step"] is step_wrapper
+
+
+def test_a_wrapper_set_after_setup_wraps_the_flat_step_and_stays_after_close() -> None:
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    o_flat = torch.optim.SGD(flat.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    fo = FlatOptimizer(o_flat, [pool], module=flat)
+    calls: list[str] = []
+    o_flat.step = counting(calls, "step")(o_flat.step)  # type: ignore[method-assign]
+    wrapper = o_flat.step
+    for step in range(3):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+        same(ref, o_ref, flat, o_flat)
+    fo.close()
+    assert o_flat.step is wrapper  # the user's: close() leaves it
+    for m, o in ((ref, o_ref), (flat, o_flat)):
+        backward(m, 3)
+        o.step()
+    same(ref, o_ref, flat, o_flat)
+    o_flat.step = counting(calls, "outer")(o_flat.step)  # type: ignore[method-assign]
+    FlatOptimizer(o_flat, [pool], module=flat)  # the wrappers now hold a closed flat step
+    for step in range(4, 6):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+        same(ref, o_ref, flat, o_flat)
+    assert calls == ["step"] * 4 + ["outer", "step"] * 2
+
+
+def test_a_scheduler_wrapper_around_a_user_wrapper_keeps_both() -> None:
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.Adam(ref.parameters(), lr=0.1, foreach=True)
+    o_flat = torch.optim.Adam(flat.parameters(), lr=0.1, foreach=True)
+    calls: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step order" warning
+        s_ref = torch.optim.lr_scheduler.StepLR(o_ref, step_size=2, gamma=0.5)
+        s_flat = torch.optim.lr_scheduler.StepLR(o_flat, step_size=2, gamma=0.5)
+        o_flat.step = counting(calls, "step")(o_flat.step)  # type: ignore[method-assign]
+        fo = FlatOptimizer(o_flat, [pool], module=flat)
+        for step in range(4):
+            for m, o, s in ((ref, o_ref, s_ref), (flat, o_flat, s_flat)):
+                backward(m, step)
+                o.step()
+                o.zero_grad()
+                s.step()
+            same(ref, o_ref, flat, o_flat)
+        assert s_ref.get_last_lr() == s_flat.get_last_lr()
+    assert calls == ["step"] * 4
+    assert fo.grads.buffer(pool) is None  # released by zero_grad: the flat zero_grad ran
+
+
+class Counter:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["callable object", "partial", "replacement"])
+def test_a_wrapper_flatpool_cannot_reach_is_refused_and_nothing_changes(kind: str) -> None:
+    model = mlp()
+    pool = pooled(model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    backward(model, 0)
+    grads = [p.grad for p in model.parameters()]
+    wrapper: Any = {"callable object": Counter(opt.step),
+                    "partial": functools.partial(opt.step),
+                    "replacement": lambda closure=None: None}[kind]
+    opt.step = wrapper  # type: ignore[method-assign]
+    with pytest.raises(InvalidRequestError, match="set it after FlatOptimizer"):
+        FlatOptimizer(opt, [pool], module=model)
+    assert opt.step is wrapper and "zero_grad" not in opt.__dict__
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert not opt.state and not model._forward_hooks
+
+
+# -- the user's gradient buffers ----------------------------------------------------------------
+def _user_grads(model: nn.Module) -> torch.Tensor:
+    """One flat buffer of the user's with every ``.grad`` a view of it."""
+    params = list(model.parameters())
+    buf = torch.zeros(sum(p.numel() for p in params))
+    at = 0
+    for p in params:
+        p.grad = buf[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    return buf
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_user_gradient_buffers_are_read_at_every_step_clip_and_zero_grad(module: bool) -> None:
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1, foreach=True)
+    o_flat = torch.optim.AdamW(flat.parameters(), lr=0.05, weight_decay=0.1, foreach=True)
+    bufs = [_user_grads(ref), _user_grads(flat)]
+    views = [p.grad for p in flat.parameters()]
+    backward(flat, 0)  # a gradient present at setup: it stays the user's
+    backward(ref, 0)
+    fo = FlatOptimizer(o_flat, [pool], module=flat if module else None)
+    for step in range(4):
+        if step:
+            backward(ref, step)
+            backward(flat, step)  # autograd accumulates into the user's views in place
+        for buf in bufs:
+            buf.mul_(0.5)  # the user's own scaling, in place, before every step
+        norms = (torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=True),
+                 fo.clip_grad_norm_(0.05))
+        assert torch.equal(*norms)
+        assert torch.equal(bufs[0], bufs[1])  # the clip scaled the user's own tensors
+        o_ref.step()
+        o_flat.step()
+        assert all(p.grad is v for p, v in zip(flat.parameters(), views))  # never rebound
+        same(ref, o_ref, flat, o_flat)
+        for o in (o_ref, o_flat):
+            o.zero_grad(set_to_none=False)  # zeroes the user's tensors in place, as torch
+        assert not bufs[1].any() and all(p.grad is v for p, v in zip(flat.parameters(), views))
+    for o in (o_ref, o_flat):
+        o.zero_grad()  # set_to_none=True: None, as torch
+    assert all(p.grad is None for p in flat.parameters())
+    assert fo.grads.buffer(pool) is None
+
+
+def test_an_optimizer_stepped_flat_dies_with_its_last_reference() -> None:
+    model = mlp()
+    pool = pooled(model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    opt.step = counting([], "step")(opt.step)  # type: ignore[method-assign]
+    fo = FlatOptimizer(opt, [pool])  # (module= hooks would hold it while the module lives)
+    backward(model, 0)
+    opt.step()
+    dead = weakref.ref(opt)
+    del opt, fo
+    gc.collect()
+    assert dead() is None
