@@ -558,3 +558,23 @@ def fsdp_module_param_groups(module: object) -> list[Any]:
 
 
 __all__ += ["fsdp_lazy_init", "fsdp_module_param_groups"]
+
+
+# -- DistributedDataParallel (whose Reducer makes the ``.grad`` of the parameters it serves) --
+def ddp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every ``DistributedDataParallel`` in ``module``'s tree."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return [m for m in module.modules() if isinstance(m, DDP)]
+
+
+def active_ddp() -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` whose forward is running (it wraps the module whose
+    forward hook asks), or ``None`` (``DistributedDataParallel._active_ddp_module``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    active: torch.nn.Module | None = getattr(DDP, "_active_ddp_module", None)
+    return active
+
+
+__all__ += ["active_ddp", "ddp_modules"]

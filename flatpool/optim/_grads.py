@@ -48,6 +48,9 @@ class Grads:
         self.addrs: list[int | None] = [None] * n
         self.sparse: set[int] = set()
         """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
+        self.served: set[int] = set()
+        """Members whose ``.grad`` another component makes (DDP's bucket views, FSDP2's
+        reduce-scatter into the pool): never pre-installed."""
         self._all_placed = False
         """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
@@ -103,11 +106,11 @@ class Grads:
 
     def install_missing(self) -> None:
         """A zeroed view for every member that requires grad and has none (not sparse ones:
-        accumulating into a dense view would make them dense)."""
-        sparse = self.sparse
+        accumulating into a dense view would make them dense; nor :attr:`served` ones)."""
+        skip = self.sparse | self.served if self.served else self.sparse
         todo = [i for i, (g, rg) in enumerate(zip(map(_grad_of, self.params),
                                                   map(_requires_grad_of, self.params)))
-                if g is None and rg and i not in sparse]
+                if g is None and rg and i not in skip]
         if not todo:
             return
         with torch.no_grad():
