@@ -578,3 +578,36 @@ def active_ddp() -> torch.nn.Module | None:
 
 
 __all__ += ["active_ddp", "ddp_modules"]
+
+
+# -- FSDP2's reduce-scatter extension point (``FSDPModule.set_custom_reduce_scatter``) --------
+REDUCE_SCATTER_API_SINCE = "2.9"
+"""The torch release that added ``FSDPModule.set_custom_reduce_scatter`` (pytorch#155189)."""
+
+
+def fsdp_reduce_scatter_api() -> tuple[type, type] | None:
+    """FSDP2's ``ReduceScatter`` interface and its ``DefaultReduceScatter``, or ``None`` on a torch
+    without ``FSDPModule.set_custom_reduce_scatter``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        return None
+    if not callable(getattr(FSDPModule, "set_custom_reduce_scatter", None)):
+        return None
+    return ReduceScatter, DefaultReduceScatter
+
+
+def fsdp_group_reduce_scatter_comm(group: object) -> object:
+    """The ``ReduceScatter`` an ``FSDPParamGroup`` runs (``_reduce_scatter_comm``)."""
+    return getattr(group, "_reduce_scatter_comm", None)
+
+
+def fsdp_group_is_hsdp(group: object) -> bool:
+    """The group reduces over a replicate dimension too (HSDP: ``_is_hsdp``)."""
+    return bool(getattr(group, "_is_hsdp", False))
+
+
+__all__ += ["REDUCE_SCATTER_API_SINCE", "fsdp_group_is_hsdp", "fsdp_group_reduce_scatter_comm",
+            "fsdp_reduce_scatter_api"]

@@ -5,6 +5,11 @@ and FSDP2 (which add in place) write straight into the pool. Views nothing wrote
 version counter unchanged) go back to ``None`` (:meth:`Grads.settle`), as torch skips ``None``;
 frozen parameters get none; the pool dies with ``zero_grad(set_to_none=True)``. A gradient
 installed elsewhere is copied in at the next step (:meth:`Grads.absorb`).
+
+FSDP2's reduce-scatter can write a group's gradients straight into its pool instead
+(:meth:`Grads.hand_out`, called from the integration's ``ReduceScatter.allocate``): FSDP2 then
+makes every ``.grad`` as a view of the pool itself, and :meth:`Grads.pooled` recognizes those
+new objects by one address comparison per group.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from attrs import define
 
 from .._aliasing import local_tensor
 from ..pool import FlatPool
@@ -28,6 +34,17 @@ _version_of = operator.attrgetter("_version")
 _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
 _data_ptr = torch.Tensor.data_ptr
+_shape_of = operator.attrgetter("shape")
+
+
+@define(frozen=True)
+class _Handed:
+    """A gradient pool handed to FSDP2: its members, their ``.grad`` addresses and shapes."""
+
+    idx: list[int]
+    params: list[torch.Tensor]
+    addrs: list[int]
+    shapes: list[torch.Size]
 
 
 class Grads:
@@ -55,6 +72,9 @@ class Grads:
         """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
+        self._handed: dict[int, _Handed] = {}
+        """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
+        recognized, per parameter pool."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -162,8 +182,68 @@ class Grads:
         for i in indices:
             assign(self.params[i], "grad", self.objs[i])
 
+    # -- FSDP2's reduce-scatter into the pool -------------------------------------------------
+    def hand_out(self, pool: FlatPool, idx: Sequence[int], numel: int,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient pool of ``pool`` as one flat ``numel`` tensor at storage offset 0, for
+        FSDP2 to reduce-scatter into and view each ``.grad`` out of (members ``idx``, in
+        FSDP2's order, packed from byte 0 without gaps: the caller checked). ``None`` while any
+        of them has a gradient: FSDP2 then adds into those (exact, as plain FSDP2)."""
+        params = [self.params[i] for i in idx]
+        if not all(map(_is_none, map(_grad_of, params))):
+            return None
+        gpool = self._pools.get(id(pool))
+        if gpool is None:  # written whole by the collective: no zeroing
+            gpool = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=False)
+            self._pools[id(pool)] = gpool
+        out = gpool.view_at(0, (numel,), dtype)
+        base = _data_ptr(out)
+        ms = [self.members[i] for i in idx]
+        self._handed[id(pool)] = _Handed(list(idx), params,
+                                         [base + m.offset for m in ms], [m.shape for m in ms])
+        return out
+
+    def _take_handed(self) -> None:
+        """Make the ``.grad``s FSDP2 viewed out of handed-out pools the members' pooled views."""
+        handed, self._handed = self._handed, {}
+        for h in handed.values():
+            grads = list(map(_grad_of, h.params))
+            if any(map(_is_none, grads)):
+                keep = [k for k, g in enumerate(grads) if g is not None]
+                h = _Handed([h.idx[k] for k in keep], [h.params[k] for k in keep],
+                            [h.addrs[k] for k in keep], [h.shapes[k] for k in keep])
+                grads = [grads[k] for k in keep]
+            locals_ = [local_tensor(g) for g in grads] if not all(
+                self.wrapped[i] for i in h.idx) else list(map(local_of, grads))
+            addrs = list(map(_data_ptr, locals_))
+            shapes = list(map(_shape_of, locals_))
+            if addrs == h.addrs and shapes == h.shapes:
+                at = h.idx
+            else:
+                at = [i for i, a, b, s, t in zip(h.idx, addrs, h.addrs, shapes, h.shapes)
+                      if a == b and s == t]
+                grads = [g for g, a, b, s, t in zip(grads, addrs, h.addrs, shapes, h.shapes)
+                         if a == b and s == t]
+                locals_ = [lt for lt, a, b, s, t in zip(locals_, addrs, h.addrs, shapes, h.shapes)
+                           if a == b and s == t]
+            self._set_views(at, locals_, grads)
+        self._all_placed = not any(map(_is_none, self.objs))
+
+    def _set_views(self, at: list[int], locals_: list[torch.Tensor],
+                   objs: list[torch.Tensor]) -> None:
+        if at and at[-1] - at[0] == len(at) - 1:  # one run (FSDP2's order is the plan's)
+            a, b = at[0], at[-1] + 1
+            self.locals[a:b] = locals_
+            self.objs[a:b] = objs
+            self.addrs[a:b] = list(map(_data_ptr, locals_))
+            return
+        for i, lt, o in zip(at, locals_, objs):
+            self.locals[i], self.objs[i], self.addrs[i] = lt, o, _data_ptr(lt)
+
     def pooled(self, lo: int, hi: int) -> list[bool]:
         """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, still at its place."""
+        if self._handed:
+            self._take_handed()
         objs = self.objs[lo:hi]
         same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
@@ -191,6 +271,7 @@ class Grads:
         self._all_placed = False
         self._pools.clear()
         self._flat.clear()
+        self._handed.clear()
         n = len(self.members)
         self.locals = [None] * n
         self.objs = [None] * n
