@@ -412,6 +412,57 @@ def kernel_count(mesh: DeviceMesh) -> None:
     assert extra_ops(plain["step"], flat["step"]) <= 3, (plain, flat)
 
 
+def gradient_bytes_peak(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOptimizer | None,
+                        step: int) -> tuple[int, int]:
+    """The most bytes of gradient storage alive whenever FSDP2 finished a gradient in one steady
+    backward (every ``.grad``'s storage, the gradient pools, and the reduce-scatter output FSDP2
+    is viewing gradients out of: ``foreach_reduce``'s ``reduce_output``, read from its frame),
+    and the bytes of gradients held after ``zero_grad()``."""
+    import sys
+
+    run_steps(model, opt, fo, range(step))
+    params = list(model.parameters())
+
+    def storages() -> dict[int, int]:
+        seen = {b.storage.data_ptr(): b.capacity for b in (fo.buffers()["grad"] if fo else [])}
+        for p in params:
+            if p.grad is not None:
+                st = local_tensor(p.grad).untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return seen
+
+    peak = [0]
+
+    def seen(_: torch.Tensor) -> None:
+        now = storages()
+        frame = sys._getframe()
+        while frame is not None and frame.f_code.co_name != "foreach_reduce":
+            frame = frame.f_back  # type: ignore[assignment]
+        assert frame is not None, "called from FSDP2's foreach_reduce"
+        out = frame.f_locals["reduce_output"].untyped_storage()
+        now[out.data_ptr()] = out.nbytes()
+        peak[0] = max(peak[0], sum(now.values()))
+
+    handles = [p.register_post_accumulate_grad_hook(seen) for p in params]
+    try:
+        x, y = batch(step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    (opt.step if fo is None else fo.step)()
+    opt.zero_grad()
+    return peak[0], sum(storages().values())
+
+
+def memory_peak(mesh: DeviceMesh) -> None:
+    """Gradient bytes during the backward and between steps: no more than plain FSDP2 (the pools
+    are made group by group as FSDP2 reduces, not all at the backward's start)."""
+    plain = gradient_bytes_peak(*build(mesh, fuse=False), step=3)
+    flat = gradient_bytes_peak(*build(mesh, fuse=True), step=3)
+    assert flat[0] <= plain[0] and flat[1] <= plain[1] == 0, (plain, flat)
+
+
 def fallback(mesh: DeviceMesh, reason: str, shard_kw: dict[str, Any] | None = None,
              mesh_flat: DeviceMesh | None = None, before: Callable[[nn.Module], None] | None = None,
              no_sync: bool = False, storages: bool = True) -> None:
@@ -471,6 +522,7 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
             "fsdp2-memory-like-torch": lambda: memory_like_torch(mesh),
             "fsdp2-reduce-scatter-into-pool": lambda: reduce_scatter_into_pool(mesh),
             "fsdp2-kernel-count": lambda: kernel_count(mesh),
+            "fsdp2-gradient-bytes-peak": lambda: memory_peak(mesh),
             "fsdp2-fallback-reduce_dtype": lambda: fallback(
                 mesh, "MixedPrecisionPolicy(reduce_dtype=torch.float64)",
                 {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)}),
