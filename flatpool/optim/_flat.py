@@ -147,9 +147,9 @@ class FlatOptimizer:
         self._closed = False
         self._backward_queued = False
         self._handles: list[Any] = []
-        self._served: set[int] = set()
-        """``id`` of parameters whose ``.grad`` another component makes (:meth:`_serve`)."""
-        self._served_key: tuple[int, int] = (0, 0)
+        self._serving: list[Callable[[], Iterable[torch.Tensor]]] = []
+        """Where the parameters whose ``.grad`` another component makes are (:meth:`_serve`)."""
+        self._served_key: tuple[Grads | None, int] = (None, 0)
         self._ddps: set[int] = set()
         self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
         self._dropin.step.__func__._flatpool_dropin = self._dropin  # type: ignore[attr-defined]
@@ -297,17 +297,19 @@ class FlatOptimizer:
         return {"grad": self.grads.pools(), "state": self.state.pools()}
 
     # -- hooks ------------------------------------------------------------------------------
-    def _serve(self, params: Iterable[torch.Tensor]) -> None:
-        """Pre-install no gradient for ``params``: another component makes their ``.grad``
-        (DDP's Reducer its bucket views, FSDP2's reduce-scatter straight into the pool)."""
-        self._served.update(map(id, params))
+    def _serve(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Pre-install no gradient for the parameters ``params()`` returns (read again at each
+        plan): another component makes their ``.grad`` (DDP's Reducer its bucket views, FSDP2's
+        reduce-scatter straight into the pool)."""
+        self._serving.append(params)
 
     def _skipped_by_hook(self) -> bool:
         """Bring :attr:`Grads.served` up to date; whether every member is served (then the
         backward hook has nothing to do)."""
-        grads, served = self.grads, self._served
-        key = (id(grads), len(served))
-        if key != self._served_key:
+        grads = self.grads
+        key = (grads, len(self._serving))
+        if key[0] is not self._served_key[0] or key[1] != self._served_key[1]:
+            served = {id(p) for f in self._serving for p in f()}
             grads.served = {i for i, p in enumerate(grads.params) if id(p) in served}
             self._served_key = key
         return len(grads.served) == len(grads.params)
@@ -315,7 +317,7 @@ class FlatOptimizer:
     def _install_hooks(self, module: nn.Module, journal: Journal) -> None:
         for ddp in tc.ddp_modules(module):
             self._ddps.add(id(ddp))
-            self._serve(ddp.parameters())
+            self._serve(ddp.parameters)
         pre, post = _ModuleHook(self._pre_forward), _ModuleHook(self._post_forward)
         journal.add_hook(module._forward_pre_hooks, pre,
                          lambda: self._handles.append(module.register_forward_pre_hook(pre)))
@@ -332,7 +334,7 @@ class FlatOptimizer:
             ddp = tc.active_ddp()  # a DDP wrapping the hooked module: its Reducer's gradients
             if ddp is not None and id(ddp) not in self._ddps:
                 self._ddps.add(id(ddp))
-                self._serve(ddp.parameters())
+                self._serve(ddp.parameters)
             if self._skipped_by_hook():
                 return
             for t in _output_tensors(output):

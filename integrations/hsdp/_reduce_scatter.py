@@ -13,7 +13,9 @@ torch's fresh buffer and the step copies the gradients into the pool (exact, not
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +64,8 @@ class _IntoPool:
         self._fo, self._fused, self._index, self._default = fo, fused, index, default
         self._expect: int | None = None
         """Elements of the output expected next (set by the input's allocation)."""
-        self._layout: tuple[tuple[int, int, int | None], tuple[list[int], int] | None] | None = None
+        self._layout: tuple[tuple[Any, Any, int | None], tuple[list[int], int] | None] | None = None
+        """The last layout check: (gradients, pool, storage) and its result."""
         self._said: set[str] = set()
         self.handed = 0
         """How many reduce-scatters wrote into the gradient pool (for tests and benchmarks)."""
@@ -109,9 +112,11 @@ class _IntoPool:
         """The plan's members of ``pool`` in FSDP2's order and the output's elements, if the
         pool packs their padded shards from byte 0 without gaps (cached per plan and storage)."""
         grads = self._fo.grads
-        key = (id(grads), id(pool), pool.storage_key)
-        if self._layout is not None and self._layout[0] == key:
-            return self._layout[1]
+        key = (grads, pool, pool.storage_key)
+        have = self._layout
+        if have is not None and all(map(operator.is_, have[0][:2], key[:2])) \
+                and have[0][2] == key[2]:
+            return have[1]
         params = self._group.fsdp_params
         idx = [i for i, m in enumerate(grads.members) if m.pool is pool]
         offsets, at = [], 0
@@ -133,6 +138,10 @@ class _IntoPool:
             self._said.add(why)
             warn(f"fsdp{self._index}: FSDP2 reduce-scatters into its own buffer and the step "
                  f"copies the gradients into the pool: {why}", FlatStepWarning, past_torch=True)
+
+
+def _sharded_params(group: Any) -> list[torch.Tensor]:
+    return [p.sharded_param for p in group.fsdp_params]
 
 
 def reduce_into_pools(fused: FusedModule, fo: FlatOptimizer) -> list[_IntoPool]:
@@ -164,7 +173,7 @@ def reduce_into_pools(fused: FusedModule, fo: FlatOptimizer) -> list[_IntoPool]:
                 continue
             comm = _IntoPool(fo, fused, i, default())
             sub.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
-            fo._serve(p.sharded_param for p in g.fsdp_params)
+            fo._serve(functools.partial(_sharded_params, g))
             comms.append(comm)
     logger.info("flatpool: %d FSDP2 group(s) reduce-scatter into their gradient pools",
                 len(comms))
