@@ -141,6 +141,8 @@ def flat_vs_foreach(mesh: DeviceMesh) -> None:
     l_flat = run_steps(*flat, range(STEPS))
     assert l_ref == l_flat, (l_ref, l_flat)
     assert_identical(ref[:2], flat[:2])
+    # into the pool when no gradient is left: the first step and after each zero_grad(None)
+    assert reduced_into_pools(flat[0]) == [STEPS // 2 + 1] * 3, reduced_into_pools(flat[0])
     assert any(CLIPPED) and not all(CLIPPED), CLIPPED  # clipping was active in some steps
 
 
@@ -172,6 +174,7 @@ def dcp_resume(mesh: DeviceMesh) -> None:
         del sd
         run_steps(model2, opt2, fo2, range(half, STEPS))
         assert fo2 is not None and fo2.replans >= 1
+        assert all(reduced_into_pools(model2)), reduced_into_pools(model2)
         assert_identical(ref[:2], (model2, opt2))
     finally:
         dist.barrier()
@@ -184,6 +187,7 @@ def no_sync_and_forward_checks(mesh: DeviceMesh) -> None:
     flat = build(mesh, fuse=True, verify="forward")
     assert run_steps(*ref, range(6), no_sync=True) == run_steps(*flat, range(6), no_sync=True)
     assert_identical(ref[:2], flat[:2])
+    assert reduced_into_pools(flat[0]) == [4] * 3, reduced_into_pools(flat[0])  # as above
 
 
 def clone(v: torch.Tensor) -> torch.Tensor:
@@ -358,6 +362,13 @@ def reduce_scatter_into_pool(mesh: DeviceMesh) -> None:
         opt.zero_grad()
         assert not fo.buffers()["grad"]
     assert [c.handed for c in comms] == [3, 3, 3], [c.handed for c in comms]
+
+
+def reduced_into_pools(model: nn.Module) -> list[int]:
+    """Per group, how many reduce-scatters wrote into its gradient pool."""
+    from flatpool import _torch_compat as tc
+
+    return [getattr(tc.fsdp_group_reduce_scatter_comm(g), "handed", -1) for g in fsdp_groups(model)]
 
 
 def fsdp_groups(model: nn.Module) -> list[Any]:
