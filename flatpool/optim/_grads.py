@@ -38,13 +38,22 @@ _shape_of = operator.attrgetter("shape")
 
 
 @define(frozen=True)
-class _Handed:
-    """A gradient pool handed to FSDP2: its members, their ``.grad`` addresses and shapes."""
+class Run:
+    """Members of one pool that a collective writes as one flat tensor from byte 0: their
+    indices, parameters, byte offsets and shapes, and whether every one is a wrapper (DTensor)."""
 
     idx: list[int]
     params: list[torch.Tensor]
-    addrs: list[int]
+    offsets: list[int]
     shapes: list[torch.Size]
+    wrapped: bool
+
+
+def run_of(grads: Grads, idx: Sequence[int]) -> Run:
+    """The :class:`Run` of members ``idx`` (made once per plan: per-member work)."""
+    ms = [grads.members[i] for i in idx]
+    return Run(list(idx), [m.param for m in ms], [m.offset for m in ms], [m.shape for m in ms],
+               all(grads.wrapped[i] for i in idx))
 
 
 class Grads:
@@ -72,9 +81,9 @@ class Grads:
         """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
-        self._handed: dict[int, _Handed] = {}
+        self._handed: dict[int, tuple[Run, list[int]]] = {}
         """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
-        recognized, per parameter pool."""
+        recognized, per parameter pool: the run and its members' addresses."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -183,50 +192,40 @@ class Grads:
             assign(self.params[i], "grad", self.objs[i])
 
     # -- FSDP2's reduce-scatter into the pool -------------------------------------------------
-    def hand_out(self, pool: FlatPool, idx: Sequence[int], numel: int,
+    def hand_out(self, pool: FlatPool, run: Run, numel: int,
                  dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient pool of ``pool`` as one flat ``numel`` tensor at storage offset 0, for
-        FSDP2 to reduce-scatter into and view each ``.grad`` out of (members ``idx``, in
+        FSDP2 to reduce-scatter into and view each ``.grad`` out of (``run``: its members in
         FSDP2's order, packed from byte 0 without gaps: the caller checked). ``None`` while any
         of them has a gradient: FSDP2 then adds into those (exact, as plain FSDP2)."""
-        params = [self.params[i] for i in idx]
-        if not all(map(_is_none, map(_grad_of, params))):
+        if not all(map(_is_none, map(_grad_of, run.params))):
             return None
         gpool = self._pools.get(id(pool))
         if gpool is None:  # written whole by the collective: no zeroing
             gpool = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=False)
             self._pools[id(pool)] = gpool
         out = gpool.view_at(0, (numel,), dtype)
-        base = _data_ptr(out)
-        ms = [self.members[i] for i in idx]
-        self._handed[id(pool)] = _Handed(list(idx), params,
-                                         [base + m.offset for m in ms], [m.shape for m in ms])
+        self._handed[id(pool)] = (run, list(map(_data_ptr(out).__add__, run.offsets)))
         return out
 
     def _take_handed(self) -> None:
-        """Make the ``.grad``s FSDP2 viewed out of handed-out pools the members' pooled views."""
+        """Make the ``.grad``s FSDP2 viewed out of handed-out pools the members' pooled views:
+        one address and shape comparison per group (C-level maps), per member only where one
+        differs."""
         handed, self._handed = self._handed, {}
-        for h in handed.values():
-            grads = list(map(_grad_of, h.params))
-            if any(map(_is_none, grads)):
-                keep = [k for k, g in enumerate(grads) if g is not None]
-                h = _Handed([h.idx[k] for k in keep], [h.params[k] for k in keep],
-                            [h.addrs[k] for k in keep], [h.shapes[k] for k in keep])
-                grads = [grads[k] for k in keep]
-            locals_ = [local_tensor(g) for g in grads] if not all(
-                self.wrapped[i] for i in h.idx) else list(map(local_of, grads))
+        for run, want in handed.values():
+            grads = list(map(_grad_of, run.params))
+            if any(map(_is_none, grads)):  # (a member FSDP2 gave no gradient: none is pooled)
+                continue
+            locals_ = list(map(local_of, grads)) if run.wrapped else list(map(local_tensor, grads))
             addrs = list(map(_data_ptr, locals_))
-            shapes = list(map(_shape_of, locals_))
-            if addrs == h.addrs and shapes == h.shapes:
-                at = h.idx
-            else:
-                at = [i for i, a, b, s, t in zip(h.idx, addrs, h.addrs, shapes, h.shapes)
-                      if a == b and s == t]
-                grads = [g for g, a, b, s, t in zip(grads, addrs, h.addrs, shapes, h.shapes)
-                         if a == b and s == t]
-                locals_ = [lt for lt, a, b, s, t in zip(locals_, addrs, h.addrs, shapes, h.shapes)
-                           if a == b and s == t]
-            self._set_views(at, locals_, grads)
+            if addrs == want and list(map(_shape_of, locals_)) == run.shapes:
+                self._set_views(run.idx, locals_, grads)
+                continue
+            ok = [k for k, (a, b, t) in enumerate(zip(addrs, want, locals_))
+                  if a == b and t.shape == run.shapes[k]]
+            self._set_views([run.idx[k] for k in ok], [locals_[k] for k in ok],
+                            [grads[k] for k in ok])
         self._all_placed = not any(map(_is_none, self.objs))
 
     def _set_views(self, at: list[int], locals_: list[torch.Tensor],

@@ -26,6 +26,7 @@ from flatpool import _torch_compat as tc
 from flatpool._warn import logger, warn
 from flatpool.errors import FlatStepWarning
 from flatpool.optim import FlatOptimizer
+from flatpool.optim._grads import Run, run_of
 
 from .members import padded_size
 
@@ -64,7 +65,7 @@ class _IntoPool:
         self._fo, self._fused, self._index, self._default = fo, fused, index, default
         self._expect: int | None = None
         """Elements of the output expected next (set by the input's allocation)."""
-        self._layout: tuple[tuple[Any, Any, int | None], tuple[list[int], int] | None] | None = None
+        self._layout: tuple[tuple[Any, Any, int | None], tuple[Run, int] | None] | None = None
         """The last layout check: (gradients, pool, storage) and its result."""
         self._said: set[str] = set()
         self.handed = 0
@@ -108,7 +109,7 @@ class _IntoPool:
             return None
         return fo.grads.hand_out(bucket.pool, layout[0], numel, dtype)
 
-    def _members(self, pool: Any, dtype: torch.dtype) -> tuple[list[int], int] | None:
+    def _members(self, pool: Any, dtype: torch.dtype) -> tuple[Run, int] | None:
         """The plan's members of ``pool`` in FSDP2's order and the output's elements, if the
         pool packs their padded shards from byte 0 without gaps (cached per plan and storage)."""
         grads = self._fo.grads
@@ -123,7 +124,7 @@ class _IntoPool:
         for k, p in enumerate(params):
             offsets.append(at * dtype.itemsize)
             at += padded_size(p, k).numel()
-        found: tuple[list[int], int] | None = (idx, at)
+        found: tuple[Run, int] | None = (run_of(grads, idx), at)
         if [id(grads.params[i]) for i in idx] != [id(p.sharded_param) for p in params]:
             self._say("not every member of the group is a flat member of this optimizer")
             found = None
