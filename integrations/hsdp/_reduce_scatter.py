@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 def _static_reason(group: Any, default: type) -> str | None:
     """Why a group's gradients cannot be reduce-scattered into its pool at all, or ``None``."""
     comm = tc.fsdp_group_reduce_scatter_comm(group)
+    if isinstance(comm, _IntoPool) and comm._fo._closed:  # a closed flat optimizer's: ours
+        comm = comm._default
     if type(comm) is not default:
         return (f"a custom reduce-scatter is set ({type(comm).__name__}): it stays, and the "
                 "gradients are added into the pooled .grad")

@@ -371,6 +371,32 @@ def reduced_into_pools(model: nn.Module) -> list[int]:
     return [getattr(tc.fsdp_group_reduce_scatter_comm(g), "handed", -1) for g in fsdp_groups(model)]
 
 
+def after_close(mesh: DeviceMesh) -> None:
+    """A second ``flat_optimizer`` after the first was closed takes the reduce-scatter over again
+    (no warning); the closed one's comm handed out torch's buffers meanwhile."""
+    ref = build(mesh, fuse=False)
+    torch.manual_seed(0)
+    model = Stack()
+    for m in (model.a, model.b, model):
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
+    fused = fuse_fully_sharded(model)
+    first = flat_optimizer(fused, opt)
+    steps = [run_steps(*ref, range(2))]
+    flat = run_steps(model, opt, first, range(1))
+    first.close()
+    flat += run_steps(model, opt, None, range(1, 2))  # torch's own step: the comm hands out torch's
+    assert reduced_into_pools(model) == [1, 1, 1], reduced_into_pools(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = flat_optimizer(fused, opt)
+    steps += [run_steps(*ref, range(2, 6))]
+    flat += run_steps(model, opt, second, range(2, 6))
+    assert steps[0] + steps[1] == flat
+    assert reduced_into_pools(model) == [2, 2, 2], reduced_into_pools(model)  # steps 3 and 5
+    assert_identical(ref[:2], (model, opt))
+
+
 def fsdp_groups(model: nn.Module) -> list[Any]:
     from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups
 
@@ -533,6 +559,7 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
             "fsdp2-memory-like-torch": lambda: memory_like_torch(mesh),
             "fsdp2-reduce-scatter-into-pool": lambda: reduce_scatter_into_pool(mesh),
             "fsdp2-kernel-count": lambda: kernel_count(mesh),
+            "fsdp2-reduce-scatter-after-close": lambda: after_close(mesh),
             "fsdp2-gradient-bytes-peak": lambda: memory_peak(mesh),
             "fsdp2-fallback-reduce_dtype": lambda: fallback(
                 mesh, "MixedPrecisionPolicy(reduce_dtype=torch.float64)",
