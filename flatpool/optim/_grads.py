@@ -205,6 +205,8 @@ class Grads:
             gpool = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=False)
             self._pools[id(pool)] = gpool
         out = gpool.view_at(0, (numel,), dtype)
+        if out.storage_offset() != 0:  # FSDP2 views each .grad at an absolute storage offset
+            return None
         self._handed[id(pool)] = (run, list(map(_data_ptr(out).__add__, run.offsets)))
         return out
 
