@@ -58,6 +58,8 @@ RATIO_KINDS = {
                       "process) instead of wall time",
     "of medians": "median figure / median baseline",
     "bytes": "figure bytes / baseline bytes (one measurement)",
+    "per group": "op calls beyond the baseline's / FSDP2 groups (one profiled step: counts are "
+                 "deterministic)",
 }
 """What a ratio is; the report prints the meaning of every kind it used under its table."""
 

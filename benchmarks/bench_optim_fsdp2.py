@@ -22,7 +22,8 @@ optimizer step, i.e. ``clip_grad_norm_`` (the flat optimizer's, or torch's over 
 ``optimizer.step()`` and ``optimizer.zero_grad()`` (``set_to_none=True``), after an untimed
 forward and backward. Also: ``fuse_fully_sharded`` and ``flat_optimizer`` setup time, and the
 bytes of every storage the model and optimizer reach between steps (census), flat vs plain
-FSDP2 with ``foreach=True``.
+FSDP2 with ``foreach=True``; and the ``zero_``/``add_``/``copy_``/``fill_`` calls of one steady
+profiled step (forward, backward, clip, step, zero_grad) beyond plain FSDP2's, per group.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from ._common import Result, fmt_bytes, fmt_s, median, median_ratio
 BLOCK = [(8, 64), (64,), (16, 32), (32,), (4, 128), (128,), (2, 8), (8,), (32, 16), (16,),
          (2, 256), (256,), (6, 20), (20,), (10, 50), (50,), (12, 12), (12,), (4, 4), (4,)]
 """One block's parameter shapes (dim 0 even: 2 ranks shard without padding)."""
+OPS = ("aten::zero_", "aten::add_", "aten::copy_", "aten::fill_")
+"""The ops a gradient path can add per parameter or per pool (counted, flat vs plain FSDP2)."""
 
 
 def _rank(n: int, reps: int) -> dict[str, Any]:
@@ -122,6 +125,20 @@ def _rank(n: int, reps: int) -> dict[str, Any]:
     for name in ("flat", "foreach"):
         m, opt, _ = cases[name]
         out[f"bytes {name}"] = sum(rec.nbytes for rec in census(m, opt).records)
+    for name in ("flat", "foreach"):  # one steady step profiled: the gradient path's aten ops
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            backward(name)
+            step(name)
+        counts = dict.fromkeys(OPS, 0)
+        for e in prof.events():
+            if e.name in counts:
+                counts[e.name] += 1
+        out[f"ops {name}"] = counts
+    from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups
+
+    out["groups"] = sum(1 for g in fsdp_param_groups(cases["flat"][0]) if g.fsdp_params)
     fo = cases["flat"][2]
     out["segments"] = len(fo.segments)
     out["fallback"] = len(fo.fallback)
@@ -136,7 +153,8 @@ def run(quick: bool, sizes: tuple[int, ...] | None = None) -> list[Result]:
         reps = 1 if quick else 5
         per_rank = launch(_rank, n, reps, world_size=2, timeout_s=3600.0)
         t = {k: [max(v) for v in zip(*(r[k] for r in per_rank))] for k in ("flat", "foreach", "fused")}
-        one = {k: max(r[k] for r in per_rank) for k in per_rank[0] if not isinstance(per_rank[0][k], list)}
+        one = {k: max(r[k] for r in per_rank) for k in per_rank[0]
+               if not isinstance(per_rank[0][k], (list, dict))}
         warm = ", ".join(f"{k} {fmt_s(one[f'warmup {k}'])}" for k in ("flat", "foreach", "fused"))
         print(f"  [optim fsdp2] {n} DTensor params a rank: first step (warm-up, untimed): {warm}; "
               f"fuse_fully_sharded {fmt_s(one['fuse s'])}, flat_optimizer {fmt_s(one['setup s'])}; "
@@ -156,6 +174,18 @@ def run(quick: bool, sizes: tuple[int, ...] | None = None) -> list[Result]:
             fmt_s(one["setup s"]), fmt_s(one["fuse s"]), ratio, "<= 1.0",
             None if quick or n < 10000 else ratio <= 1.0, ratio_kind="of medians",
             note="one measurement each, the slower rank's"))
+        ops_f, ops_p = per_rank[0]["ops flat"], per_rank[0]["ops foreach"]
+        extra = {k: ops_f[k] - ops_p[k] for k in OPS}
+        more = sum(max(0, v) for v in extra.values())
+        groups = one["groups"]
+        results.append(Result(
+            "optim", f"aten zero_/add_/copy_/fill_ beyond plain FSDP2 in one steady step, {size}",
+            f"{more} more", f"{groups} groups", more / max(1, groups), "<= 1 per group",
+            more <= groups, ratio_kind="per group",
+            note="profiled forward + backward + clip + step + zero_grad, rank 0: "
+                 + ", ".join(f"{k.split('::')[1]} {ops_f[k]} vs {ops_p[k]}" for k in OPS)
+                 + " (the backward reduce-scatters into the gradient pools: was one add_ per "
+                   "member and one zero_ per pool)"))
         flat_b, plain_b = one["bytes flat"], one["bytes foreach"]
         results.append(Result(
             "optim", f"bytes held between steps (zero_grad set_to_none), {size}: flat vs plain FSDP2",

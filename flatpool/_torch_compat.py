@@ -558,3 +558,56 @@ def fsdp_module_param_groups(module: object) -> list[Any]:
 
 
 __all__ += ["fsdp_lazy_init", "fsdp_module_param_groups"]
+
+
+# -- DistributedDataParallel (whose Reducer makes the ``.grad`` of the parameters it serves) --
+def ddp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every ``DistributedDataParallel`` in ``module``'s tree."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return [m for m in module.modules() if isinstance(m, DDP)]
+
+
+def active_ddp() -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` whose forward is running (it wraps the module whose
+    forward hook asks), or ``None`` (``DistributedDataParallel._active_ddp_module``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    active: torch.nn.Module | None = getattr(DDP, "_active_ddp_module", None)
+    return active
+
+
+__all__ += ["active_ddp", "ddp_modules"]
+
+
+# -- FSDP2's reduce-scatter extension point (``FSDPModule.set_custom_reduce_scatter``) --------
+REDUCE_SCATTER_API_SINCE = "2.9"
+"""The torch release that added ``FSDPModule.set_custom_reduce_scatter`` (pytorch#155189)."""
+
+
+def fsdp_reduce_scatter_api() -> tuple[type, type] | None:
+    """FSDP2's ``ReduceScatter`` interface and its ``DefaultReduceScatter``, or ``None`` on a torch
+    without ``FSDPModule.set_custom_reduce_scatter``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        return None
+    if not callable(getattr(FSDPModule, "set_custom_reduce_scatter", None)):
+        return None
+    return ReduceScatter, DefaultReduceScatter
+
+
+def fsdp_group_reduce_scatter_comm(group: object) -> object:
+    """The ``ReduceScatter`` an ``FSDPParamGroup`` runs (``_reduce_scatter_comm``)."""
+    return getattr(group, "_reduce_scatter_comm", None)
+
+
+def fsdp_group_is_hsdp(group: object) -> bool:
+    """The group reduces over a replicate dimension too (HSDP: ``_is_hsdp``)."""
+    return bool(getattr(group, "_is_hsdp", False))
+
+
+__all__ += ["REDUCE_SCATTER_API_SINCE", "fsdp_group_is_hsdp", "fsdp_group_reduce_scatter_comm",
+            "fsdp_reduce_scatter_api"]

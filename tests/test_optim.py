@@ -619,3 +619,103 @@ def test_grad_scaler_with_a_fused_group() -> None:
         assert any("grad_scale" in str(w.message) for w in said) == (policy == "foreach")
         for a, b in zip(ref.parameters(), flat.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- the module hook never changes what autograd, DDP, a transform or a deep copy sees -------
+class _Branchy(nn.Module):
+    """``b`` is never used: DDP with ``find_unused_parameters`` leaves its gradient ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("hook_on", ["ddp", "inner"])
+def test_ddp_unused_parameters_keep_none(single_rank_mesh: Any, hook_on: str) -> None:
+    """``DistributedDataParallel(find_unused_parameters=True, gradient_as_bucket_view=True)``
+    with an unused branch: torch leaves the unused gradients ``None`` and AdamW skips them.
+    A pooled zero gradient installed at backward start became a bucket view, and AdamW
+    decayed the unused weights (issue 41, item 5)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    runs = []
+    for flat in (False, True):
+        torch.manual_seed(0)
+        inner = _Branchy()
+        if flat:  # adopted before DDP's Reducer holds the parameters
+            pool = FlatPool(alignment=64, name="params")
+            pool.adopt(list(inner.parameters()))
+        model = DDP(inner, find_unused_parameters=True, gradient_as_bucket_view=True)
+        opt = torch.optim.AdamW(inner.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        if flat:
+            FlatOptimizer(opt, [pool], module=model if hook_on == "ddp" else inner)
+        seen = []
+        for step in range(4):
+            model(batch(step)).square().mean().backward()
+            seen.append([p.grad is None for p in inner.parameters()])
+            opt.step()
+            opt.zero_grad()
+        runs.append((inner, opt, seen))
+    (ref, o_ref, s_ref), (flat_m, o_flat, s_flat) = runs
+    assert s_ref == s_flat and any(any(s) for s in s_ref), (s_ref, s_flat)
+    assert_same(ref, o_ref, flat_m, o_flat)
+
+
+def test_torch_func_grad_with_module_hook() -> None:
+    """``torch.func.grad`` over ``functional_call`` of a hooked module gives torch's gradients;
+    the hook made the gradient pool inside the transform and raised ``NotImplementedError:
+    Cannot access storage of TensorWrapper`` (issue 41, item 6). Plain backward still pools."""
+    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+    x = batch(0)
+
+    def loss(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        return lambda ps: torch.func.functional_call(model, ps, (x,)).square().mean()
+
+    want = torch.func.grad(loss(ref))({k: v.detach() for k, v in ref.named_parameters()})
+    got = torch.func.grad(loss(flat))({k: v.detach() for k, v in flat.named_parameters()})
+    assert sorted(want) == sorted(got)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert all(p.grad is None for p in flat.parameters())
+    for model, opt in ((ref, o_ref), (flat, o_flat)):
+        train_step(model, 1)
+        opt.step()
+    assert fo.buffers()["grad"]  # the plain backward still wrote into the pool
+    assert_same(ref, o_ref, flat, o_flat)
+
+
+def test_deepcopy_and_averaged_model_of_hooked_module() -> None:
+    """``copy.deepcopy`` and ``AveragedModel`` of a module with ``module=`` hooks: the copy has
+    plain parameters and no flatpool behaviour (inert hooks, gone after its first forward),
+    as torch's copy would, and SWA/EMA averages are torch's; they raised ``InvalidTypeError``
+    (the hooks referenced the pools; issue 41, item 7)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ref, o_ref, flat, o_flat, fo, pool = pair("adamw")
+    hooks = (len(flat._forward_pre_hooks), len(flat._forward_hooks))
+    twin = copy.deepcopy(flat)
+    assert hooks == (1, 1) == (len(flat._forward_pre_hooks), len(flat._forward_hooks))
+    for a, b in zip(flat.parameters(), twin.parameters()):
+        assert torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert b.untyped_storage().nbytes() == b.numel() * b.element_size()
+    averaged = []
+    for model, opt in ((ref, o_ref), (flat, o_flat)):
+        avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        for step in range(3):
+            train_step(model, step)
+            opt.step()
+            opt.zero_grad()
+            avg.update_parameters(model)
+        averaged.append(avg)
+    assert_same(ref, o_ref, flat, o_flat)
+    for a, b in zip(averaged[0].parameters(), averaged[1].parameters()):
+        assert torch.equal(a, b)
+    twin(batch(5)).square().mean().backward()  # the copy trains as a plain module
+    assert (len(twin._forward_pre_hooks), len(twin._forward_hooks)) == (0, 0)
+    assert all(p.grad is not None for p in twin.parameters())
+    assert fo.buffers()["grad"] == []

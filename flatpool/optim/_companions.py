@@ -16,11 +16,12 @@ from ..pool import FlatPool, contiguous_strides
 from ._layout import Member
 
 
-def new_pool(name: str, nbytes: int, device: torch.device) -> FlatPool:
-    """A zeroed, slice-less pool of ``nbytes``."""
+def new_pool(name: str, nbytes: int, device: torch.device, zeroed: bool = True) -> FlatPool:
+    """A zeroed (unless ``zeroed`` is false: a collective writes it whole) slice-less pool of
+    ``nbytes``, allocated on the current stream as ``torch.empty`` is."""
     pool = FlatPool(device, alignment=1, capacity=nbytes, name=name)
     pool.materialize()
-    if nbytes:
+    if nbytes and zeroed:
         pool.view_bytes(0, nbytes).zero_()
     return pool
 

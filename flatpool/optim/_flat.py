@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from attrs import define
 
+from .. import _torch_compat as tc
 from .._warn import logger, warn
 from .._gcpause import gc_paused
 from .._interrupts import guarded_call
@@ -46,6 +47,33 @@ def _output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _output_tensors(o)]
     return []
+
+
+class _ModuleHook:
+    """A module hook calling ``fn``. A deep copy of the module (``copy.deepcopy``,
+    ``AveragedModel``) gets an inert stand-in instead of a copy of the optimizer and its pools:
+    the copy is a plain module, as torch's copy of an unhooked one."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        return _Inert()
+
+
+class _Inert:
+    """What a deep copy holds where the original has a flatpool hook: removes itself from the
+    copy's hooks at its first call and does nothing."""
+
+    def __call__(self, module: nn.Module, *_: Any) -> None:
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for k in [k for k, v in hooks.items() if v is self]:
+                del hooks[k]
 
 
 @define(frozen=True)
@@ -118,6 +146,10 @@ class FlatOptimizer:
         self._closed = False
         self._backward_queued = False
         self._handles: list[Any] = []
+        self._serving: list[Callable[[], Iterable[torch.Tensor]]] = []
+        """Where the parameters whose ``.grad`` another component makes are (:meth:`_serve`)."""
+        self._served_key: tuple[Grads | None, int] = (None, 0)
+        self._ddps: set[int] = set()
         self._dropin = DropIn(optimizer, self._step_body, self._zero_grad_body)
         guarded_call(lambda: self._setup(first_pools), gc_paused())
 
@@ -268,19 +300,46 @@ class FlatOptimizer:
         return {"grad": self.grads.pools(), "state": self.state.pools()}
 
     # -- hooks ------------------------------------------------------------------------------
+    def _serve(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Pre-install no gradient for the parameters ``params()`` returns (read again at each
+        plan): another component makes their ``.grad`` (DDP's Reducer its bucket views, FSDP2's
+        reduce-scatter straight into the pool)."""
+        self._serving.append(params)
+
+    def _skipped_by_hook(self) -> bool:
+        """Bring :attr:`Grads.served` up to date; whether every member is served (then the
+        backward hook has nothing to do)."""
+        grads = self.grads
+        key = (grads, len(self._serving))
+        if key[0] is not self._served_key[0] or key[1] != self._served_key[1]:
+            served = {id(p) for f in self._serving for p in f()}
+            grads.served = {i for i, p in enumerate(grads.params) if id(p) in served}
+            self._served_key = key
+        return len(grads.served) == len(grads.params)
+
     def _install_hooks(self, module: nn.Module, journal: Journal) -> None:
-        pre, post = self._pre_forward, self._post_forward
+        for ddp in tc.ddp_modules(module):
+            self._ddps.add(id(ddp))
+            self._serve(ddp.parameters)
+        pre, post = _ModuleHook(self._pre_forward), _ModuleHook(self._post_forward)
         journal.add_hook(module._forward_pre_hooks, pre,
                          lambda: self._handles.append(module.register_forward_pre_hook(pre)))
         journal.add_hook(module._forward_hooks, post,
                          lambda: self._handles.append(module.register_forward_hook(post)))
 
     def _pre_forward(self, *_: Any) -> None:
-        if torch.is_grad_enabled() and not self._closed:
+        # Inside torch.func transforms tensors have no storage: plain torch does nothing there.
+        if torch.is_grad_enabled() and not self._closed and not tc.in_functorch_transform():
             self._ensure_plan()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and not self._closed:
+        if torch.is_grad_enabled() and not self._closed and not tc.in_functorch_transform():
+            ddp = tc.active_ddp()  # a DDP wrapping the hooked module: its Reducer's gradients
+            if ddp is not None and id(ddp) not in self._ddps:
+                self._ddps.add(id(ddp))
+                self._serve(ddp.parameters)
+            if self._skipped_by_hook():
+                return
             for t in _output_tensors(output):
                 t.register_hook(self._backward_started)  # type: ignore[no-untyped-call]
 
@@ -288,6 +347,7 @@ class FlatOptimizer:
         """Install the pooled views before any gradient is made; settle them when it ends."""
         if not self._backward_queued and not self._closed:
             self._backward_queued = True
+            self._skipped_by_hook()
             self.grads.install_missing()
             after_backward(lambda: after_backward(self._backward_ended))  # after FSDP2's
 

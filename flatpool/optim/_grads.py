@@ -6,6 +6,11 @@ version counter unchanged) go back to ``None`` (:meth:`Grads.settle`), as torch 
 frozen parameters get none; the pool dies with ``zero_grad(set_to_none=True)``. A gradient
 installed elsewhere (the user's buffer, autograd's own) is copied in at every step
 (:meth:`Grads.absorb`) and stays the ``.grad``: only views flatpool installed are flatpool's.
+
+FSDP2's reduce-scatter can write a group's gradients straight into its pool instead
+(:meth:`Grads.hand_out`, called from the integration's ``ReduceScatter.allocate``): FSDP2 then
+makes every ``.grad`` as a view of the pool itself, and :meth:`Grads.pooled` recognizes those
+new objects by one address comparison per group.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from attrs import define
 
 from .._aliasing import local_tensor
 from ..pool import FlatPool
@@ -29,6 +35,26 @@ _version_of = operator.attrgetter("_version")
 _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
 _data_ptr = torch.Tensor.data_ptr
+_shape_of = operator.attrgetter("shape")
+
+
+@define(frozen=True)
+class Run:
+    """Members of one pool that a collective writes as one flat tensor from byte 0: their
+    indices, parameters, byte offsets and shapes, and whether every one is a wrapper (DTensor)."""
+
+    idx: list[int]
+    params: list[torch.Tensor]
+    offsets: list[int]
+    shapes: list[torch.Size]
+    wrapped: bool
+
+
+def run_of(grads: Grads, idx: Sequence[int]) -> Run:
+    """The :class:`Run` of members ``idx`` (made once per plan: per-member work)."""
+    ms = [grads.members[i] for i in idx]
+    return Run(list(idx), [m.param for m in ms], [m.offset for m in ms], [m.shape for m in ms],
+               all(grads.wrapped[i] for i in idx))
 
 
 class Grads:
@@ -49,10 +75,16 @@ class Grads:
         self.addrs: list[int | None] = [None] * n
         self.sparse: set[int] = set()
         """Members that get sparse gradients (an ``Embedding(sparse=True)``, or seen once)."""
+        self.served: set[int] = set()
+        """Members whose ``.grad`` another component makes (DDP's bucket views, FSDP2's
+        reduce-scatter into the pool): never pre-installed."""
         self._all_placed = False
         """Every member has a view (no ``None`` in :attr:`objs`)."""
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
+        self._handed: dict[int, tuple[Run, list[int]]] = {}
+        """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
+        recognized, per parameter pool: the run and its members' addresses."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -104,11 +136,11 @@ class Grads:
 
     def install_missing(self) -> None:
         """A zeroed view for every member that requires grad and has none (not sparse ones:
-        accumulating into a dense view would make them dense)."""
-        sparse = self.sparse
+        accumulating into a dense view would make them dense; nor :attr:`served` ones)."""
+        skip = self.sparse | self.served if self.served else self.sparse
         todo = [i for i, (g, rg) in enumerate(zip(map(_grad_of, self.params),
                                                   map(_requires_grad_of, self.params)))
-                if g is None and rg and i not in sparse]
+                if g is None and rg and i not in skip]
         if not todo:
             return
         with torch.no_grad():
@@ -166,8 +198,60 @@ class Grads:
         for i in indices:
             assign(self.params[i], "grad", self.objs[i])
 
+    # -- FSDP2's reduce-scatter into the pool -------------------------------------------------
+    def hand_out(self, pool: FlatPool, run: Run, numel: int,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient pool of ``pool`` as one flat ``numel`` tensor at storage offset 0, for
+        FSDP2 to reduce-scatter into and view each ``.grad`` out of (``run``: its members in
+        FSDP2's order, packed from byte 0 without gaps: the caller checked). ``None`` while any
+        of them has a gradient: FSDP2 then adds into those (exact, as plain FSDP2)."""
+        if not all(map(_is_none, map(_grad_of, run.params))):
+            return None
+        gpool = self._pools.get(id(pool))
+        if gpool is None:  # written whole by the collective: no zeroing
+            gpool = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=False)
+            self._pools[id(pool)] = gpool
+        out = gpool.view_at(0, (numel,), dtype)
+        if out.storage_offset() != 0:  # FSDP2 views each .grad at an absolute storage offset
+            return None
+        self._handed[id(pool)] = (run, list(map(_data_ptr(out).__add__, run.offsets)))
+        return out
+
+    def _take_handed(self) -> None:
+        """Make the ``.grad``s FSDP2 viewed out of handed-out pools the members' pooled views:
+        one address and shape comparison per group (C-level maps), per member only where one
+        differs."""
+        handed, self._handed = self._handed, {}
+        for run, want in handed.values():
+            grads = list(map(_grad_of, run.params))
+            if any(map(_is_none, grads)):  # (a member FSDP2 gave no gradient: none is pooled)
+                continue
+            locals_ = list(map(local_of, grads)) if run.wrapped else list(map(local_tensor, grads))
+            addrs = list(map(_data_ptr, locals_))
+            if addrs == want and list(map(_shape_of, locals_)) == run.shapes:
+                self._set_views(run.idx, locals_, grads)
+                continue
+            ok = [k for k, (a, b, t) in enumerate(zip(addrs, want, locals_))
+                  if a == b and t.shape == run.shapes[k]]
+            self._set_views([run.idx[k] for k in ok], [locals_[k] for k in ok],
+                            [grads[k] for k in ok])
+        self._all_placed = not any(map(_is_none, self.objs))
+
+    def _set_views(self, at: list[int], locals_: list[torch.Tensor],
+                   objs: list[torch.Tensor]) -> None:
+        if at and at[-1] - at[0] == len(at) - 1:  # one run (FSDP2's order is the plan's)
+            a, b = at[0], at[-1] + 1
+            self.locals[a:b] = locals_
+            self.objs[a:b] = objs
+            self.addrs[a:b] = list(map(_data_ptr, locals_))
+            return
+        for i, lt, o in zip(at, locals_, objs):
+            self.locals[i], self.objs[i], self.addrs[i] = lt, o, _data_ptr(lt)
+
     def pooled(self, lo: int, hi: int) -> list[bool]:
         """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, still at its place."""
+        if self._handed:
+            self._take_handed()
         objs = self.objs[lo:hi]
         same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
@@ -195,6 +279,7 @@ class Grads:
         self._all_placed = False
         self._pools.clear()
         self._flat.clear()
+        self._handed.clear()
         n = len(self.members)
         self.locals = [None] * n
         self.objs = [None] * n

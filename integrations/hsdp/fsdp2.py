@@ -31,6 +31,7 @@ from .group import GroupBuffers, GroupRequest, adopt_group, adopt_groups
 from ._kept import KeptAlive, KeptOriginal
 from .members import data_of
 from ._meta import materialize_group
+from ._reduce_scatter import reduce_into_pools
 from .validity import is_valid
 
 FSDPParamGroup = Any
@@ -240,9 +241,13 @@ def fused_pools(fused: FusedModule) -> list[FlatPool]:
 
 
 def flat_optimizer(fused: FusedModule, optimizer: torch.optim.Optimizer, **kwargs: Any) -> FlatOptimizer:
-    """A :class:`FlatOptimizer` over ``fused``'s pools, hooked on the root module: FSDP2 adds
-    reduce-scatter results into the existing ``.grad``, so the pooled gradients receive them."""
-    return FlatOptimizer(optimizer, lambda: fused_pools(fused), module=fused.module, **kwargs)
+    """A :class:`FlatOptimizer` over ``fused``'s pools, hooked on the root module. Each group's
+    reduce-scatter writes into its gradient pool and FSDP2's own ``.grad`` views are the pooled
+    gradients (:mod:`._reduce_scatter`); groups where that cannot be exact (warned) keep the
+    pre-installed pooled ``.grad`` that FSDP2 adds its reduce-scatter results into."""
+    fo = FlatOptimizer(optimizer, lambda: fused_pools(fused), module=fused.module, **kwargs)
+    reduce_into_pools(fused, fo)
+    return fo
 
 
 __all__ = ["FusedModule", "flat_optimizer", "fsdp_param_groups", "fuse_fully_sharded",

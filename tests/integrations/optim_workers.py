@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flatpool import census, local_tensor
@@ -51,18 +51,19 @@ class Stack(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def build(mesh: DeviceMesh, fuse: bool, **flat_kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, FlatOptimizer | None]:
+def build(mesh: DeviceMesh, fuse: bool, shard_kw: dict[str, Any] | None = None,
+          **flat_kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, FlatOptimizer | None]:
     torch.manual_seed(0)
     model = Stack()
-    fully_shard(model.a, mesh=mesh)
-    fully_shard(model.b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for m in (model.a, model.b, model):
+        fully_shard(m, mesh=mesh, **(shard_kw or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
     if not fuse:
         return model, opt, None
     fused = fuse_fully_sharded(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # every group steps flat: no fallback warning
+        if shard_kw is None:
+            warnings.simplefilter("error")  # every group steps flat: no fallback warning
         fo = flat_optimizer(fused, opt, **flat_kw)
     assert len(fo.segments) == 3 and not fo.fallback, (fo.segments, fo.reasons)
     return model, opt, fo
@@ -77,7 +78,7 @@ CLIPPED: list[bool] = []
 
 
 def run_steps(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOptimizer | None,
-              steps: range, no_sync: bool = False) -> list[float]:
+              steps: range, no_sync: bool = False, storages: bool = True) -> list[float]:
     losses = []
     for step in steps:
         total = 0.0
@@ -95,7 +96,8 @@ def run_steps(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOptimizer | 
             norm = fo.clip_grad_norm_(MAX_NORM)
             CLIPPED.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm) > MAX_NORM)
             fo.step()
-            after_step_storages(model, opt, fo)
+            if storages:
+                after_step_storages(model, opt, fo)
         opt.zero_grad(set_to_none=step % 2 == 0)
         losses.append(total)
     return losses
@@ -139,6 +141,8 @@ def flat_vs_foreach(mesh: DeviceMesh) -> None:
     l_flat = run_steps(*flat, range(STEPS))
     assert l_ref == l_flat, (l_ref, l_flat)
     assert_identical(ref[:2], flat[:2])
+    # into the pool when no gradient is left: the first step and after each zero_grad(None)
+    assert reduced_into_pools(flat[0]) == [STEPS // 2 + 1] * 3, reduced_into_pools(flat[0])
     assert any(CLIPPED) and not all(CLIPPED), CLIPPED  # clipping was active in some steps
 
 
@@ -170,6 +174,7 @@ def dcp_resume(mesh: DeviceMesh) -> None:
         del sd
         run_steps(model2, opt2, fo2, range(half, STEPS))
         assert fo2 is not None and fo2.replans >= 1
+        assert all(reduced_into_pools(model2)), reduced_into_pools(model2)
         assert_identical(ref[:2], (model2, opt2))
     finally:
         dist.barrier()
@@ -182,6 +187,7 @@ def no_sync_and_forward_checks(mesh: DeviceMesh) -> None:
     flat = build(mesh, fuse=True, verify="forward")
     assert run_steps(*ref, range(6), no_sync=True) == run_steps(*flat, range(6), no_sync=True)
     assert_identical(ref[:2], flat[:2])
+    assert reduced_into_pools(flat[0]) == [4] * 3, reduced_into_pools(flat[0])  # as above
 
 
 def clone(v: torch.Tensor) -> torch.Tensor:
@@ -333,6 +339,214 @@ def memory_like_torch(mesh: DeviceMesh) -> None:
         assert not [r for r in census(model, opt).records if "grad" in r.roles]
 
 
+def grad_pool_storages(fo: FlatOptimizer) -> set[int]:
+    return {b.storage.data_ptr() for b in fo.buffers()["grad"]}
+
+
+def reduce_scatter_into_pool(mesh: DeviceMesh) -> None:
+    """Every group's reduce-scatter writes into its gradient pool: each ``.grad`` is FSDP2's own
+    view of the pool, recognized by the step as pooled (no copy), and zero_grad() frees it."""
+    from flatpool import _torch_compat as tc
+
+    model, opt, fo = build(mesh, fuse=True)
+    assert fo is not None
+    comms = [tc.fsdp_group_reduce_scatter_comm(g) for g in fsdp_groups(model)]
+    assert all(type(c).__name__ == "_IntoPool" for c in comms), comms
+    for step in range(3):
+        x, y = batch(step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = [local_tensor(p.grad) for p in model.parameters()]  # type: ignore[arg-type]
+        assert {g.untyped_storage().data_ptr() for g in grads} == grad_pool_storages(fo)
+        assert fo.grads.pooled(0, len(fo.grads.members)) == [True] * len(fo.grads.members)
+        fo.step()
+        opt.zero_grad()
+        assert not fo.buffers()["grad"]
+    assert [c.handed for c in comms] == [3, 3, 3], [c.handed for c in comms]
+
+
+def reduced_into_pools(model: nn.Module) -> list[int]:
+    """Per group, how many reduce-scatters wrote into its gradient pool."""
+    from flatpool import _torch_compat as tc
+
+    return [getattr(tc.fsdp_group_reduce_scatter_comm(g), "handed", -1) for g in fsdp_groups(model)]
+
+
+def after_close(mesh: DeviceMesh) -> None:
+    """A second ``flat_optimizer`` after the first was closed takes the reduce-scatter over again
+    (no warning); the closed one's comm handed out torch's buffers meanwhile."""
+    ref = build(mesh, fuse=False)
+    torch.manual_seed(0)
+    model = Stack()
+    for m in (model.a, model.b, model):
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
+    fused = fuse_fully_sharded(model)
+    first = flat_optimizer(fused, opt)
+    steps = [run_steps(*ref, range(2))]
+    flat = run_steps(model, opt, first, range(1))
+    first.close()
+    flat += run_steps(model, opt, None, range(1, 2))  # torch's own step: the comm hands out torch's
+    assert reduced_into_pools(model) == [1, 1, 1], reduced_into_pools(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = flat_optimizer(fused, opt)
+    steps += [run_steps(*ref, range(2, 6))]
+    flat += run_steps(model, opt, second, range(2, 6))
+    assert steps[0] + steps[1] == flat
+    assert reduced_into_pools(model) == [2, 2, 2], reduced_into_pools(model)  # steps 3 and 5
+    assert_identical(ref[:2], (model, opt))
+
+
+def fsdp_groups(model: nn.Module) -> list[Any]:
+    from flatpool.integrations.hsdp.fsdp2 import fsdp_param_groups
+
+    return list(fsdp_param_groups(model))
+
+
+EXTRA_OPS = ("aten::zero_", "aten::add_", "aten::copy_", "aten::fill_")
+
+
+def gradient_path_ops(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOptimizer | None,
+                      step: int) -> dict[str, dict[str, int]]:
+    """The zero_/add_/copy_/fill_ calls of one steady step, counted by torch.profiler: in the
+    forward + backward, and in the clip + step + zero_grad."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_steps(model, opt, fo, range(step))  # steady state: state made, pools freed
+    with profile(activities=[ProfilerActivity.CPU]) as backward:
+        x, y = batch(step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+    with profile(activities=[ProfilerActivity.CPU]) as stepped:
+        if fo is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
+            opt.step()
+        else:
+            fo.clip_grad_norm_(MAX_NORM)
+            fo.step()
+        opt.zero_grad()
+    out = {}
+    for phase, prof in (("backward", backward), ("step", stepped)):
+        counts = dict.fromkeys(EXTRA_OPS, 0)
+        for e in prof.events():
+            if e.name in counts:
+                counts[e.name] += 1
+        out[phase] = counts
+    return out
+
+
+def extra_ops(plain: dict[str, int], flat: dict[str, int]) -> int:
+    """Calls the flat run makes beyond plain FSDP2's, per op (fewer of one op offsets nothing)."""
+    return sum(max(0, flat[k] - plain[k]) for k in plain)
+
+
+def kernel_count(mesh: DeviceMesh) -> None:
+    """One steady fused + flat step runs at most one zero_/add_/copy_/fill_ per group (3) more
+    than plain FSDP2 + AdamW(foreach=True), in the backward and in the step (the backward ran
+    one add_ per member and one zero_ per pool more: 9)."""
+    plain = gradient_path_ops(*build(mesh, fuse=False), step=3)
+    flat = gradient_path_ops(*build(mesh, fuse=True), step=3)
+    assert extra_ops(plain["backward"], flat["backward"]) == 0, (plain, flat)
+    assert extra_ops(plain["step"], flat["step"]) <= 3, (plain, flat)
+
+
+def gradient_bytes_peak(model: nn.Module, opt: torch.optim.Optimizer, fo: FlatOptimizer | None,
+                        step: int) -> tuple[int, int]:
+    """The most bytes of gradient storage alive whenever FSDP2 finished a gradient in one steady
+    backward (every ``.grad``'s storage, the gradient pools, and the reduce-scatter output FSDP2
+    is viewing gradients out of: ``foreach_reduce``'s ``reduce_output``, read from its frame),
+    and the bytes of gradients held after ``zero_grad()``."""
+    import sys
+
+    run_steps(model, opt, fo, range(step))
+    params = list(model.parameters())
+
+    def storages() -> dict[int, int]:
+        seen = {b.storage.data_ptr(): b.capacity for b in (fo.buffers()["grad"] if fo else [])}
+        for p in params:
+            if p.grad is not None:
+                st = local_tensor(p.grad).untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return seen
+
+    peak = [0]
+
+    def seen(_: torch.Tensor) -> None:
+        now = storages()
+        frame = sys._getframe()
+        while frame is not None and frame.f_code.co_name != "foreach_reduce":
+            frame = frame.f_back  # type: ignore[assignment]
+        assert frame is not None, "called from FSDP2's foreach_reduce"
+        out = frame.f_locals["reduce_output"].untyped_storage()
+        now[out.data_ptr()] = out.nbytes()
+        peak[0] = max(peak[0], sum(now.values()))
+
+    handles = [p.register_post_accumulate_grad_hook(seen) for p in params]
+    try:
+        x, y = batch(step, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    (opt.step if fo is None else fo.step)()
+    opt.zero_grad()
+    return peak[0], sum(storages().values())
+
+
+def memory_peak(mesh: DeviceMesh) -> None:
+    """Gradient bytes during the backward and between steps: no more than plain FSDP2 (the pools
+    are made group by group as FSDP2 reduces, not all at the backward's start)."""
+    plain = gradient_bytes_peak(*build(mesh, fuse=False), step=3)
+    flat = gradient_bytes_peak(*build(mesh, fuse=True), step=3)
+    assert flat[0] <= plain[0] and flat[1] <= plain[1] == 0, (plain, flat)
+
+
+def fallback(mesh: DeviceMesh, reason: str, shard_kw: dict[str, Any] | None = None,
+             mesh_flat: DeviceMesh | None = None, before: Callable[[nn.Module], None] | None = None,
+             no_sync: bool = False, storages: bool = True) -> None:
+    """A group FSDP2 cannot reduce-scatter into its pool: one warning naming ``reason``, and
+    training identical to plain FSDP2 over steps with clipping and accumulation."""
+    kw = dict(shard_kw or {})
+    ref = build(mesh_flat or mesh, fuse=False, shard_kw=kw)
+    torch.manual_seed(0)
+    model = Stack()
+    for m in (model.a, model.b, model):
+        fully_shard(m, mesh=mesh_flat or mesh, **kw)
+    if before is not None:
+        before(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=True)
+    fused = fuse_fully_sharded(model)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fo = flat_optimizer(fused, opt)
+    msgs = [str(w.message) for w in said if reason in str(w.message)]
+    assert msgs, (reason, [str(w.message) for w in said])
+    steps = range(6)
+    assert run_steps(*ref, steps, no_sync) == run_steps(model, opt, fo, steps, no_sync, storages)
+    assert_identical(ref[:2], (model, opt))
+
+
+def _custom_comm(model: nn.Module) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class Mine(DefaultReduceScatter):  # type: ignore[misc]
+        pass
+
+    for m in (model.a, model.b, model):
+        m.set_custom_reduce_scatter(Mine())  # type: ignore[operator]
+
+
+def without_api(mesh: DeviceMesh) -> None:
+    """A torch without ``FSDPModule.set_custom_reduce_scatter`` (before 2.9): today's path."""
+    from torch.distributed.fsdp import FSDPModule
+
+    api = FSDPModule.__dict__["set_custom_reduce_scatter"]
+    delattr(FSDPModule, "set_custom_reduce_scatter")
+    try:
+        fallback(mesh, "has no FSDPModule.set_custom_reduce_scatter (added in torch 2.9)")
+    finally:
+        FSDPModule.set_custom_reduce_scatter = api  # type: ignore[method-assign]
+
+
 def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     return {"fsdp2-flat-vs-foreach": lambda: flat_vs_foreach(mesh),
             "fsdp2-dcp-resume": lambda: dcp_resume(mesh),
@@ -342,7 +556,24 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
             "fsdp2-torchtitan-order": lambda: torchtitan_order(mesh, materialize=True),
             "fsdp2-torchtitan-order-adopt-at-forward": lambda: torchtitan_order(mesh, materialize=False),
             "fsdp2-unused-and-frozen": lambda: unused_and_frozen(mesh),
-            "fsdp2-memory-like-torch": lambda: memory_like_torch(mesh)}
+            "fsdp2-memory-like-torch": lambda: memory_like_torch(mesh),
+            "fsdp2-reduce-scatter-into-pool": lambda: reduce_scatter_into_pool(mesh),
+            "fsdp2-kernel-count": lambda: kernel_count(mesh),
+            "fsdp2-reduce-scatter-after-close": lambda: after_close(mesh),
+            "fsdp2-gradient-bytes-peak": lambda: memory_peak(mesh),
+            "fsdp2-fallback-reduce_dtype": lambda: fallback(
+                mesh, "MixedPrecisionPolicy(reduce_dtype=torch.float64)",
+                {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)}),
+            "fsdp2-fallback-cpu-offload": lambda: fallback(
+                mesh, "CPU offload", {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+                storages=False),  # (the fusion leaves CPU-offloaded groups unfused on CPU)
+            "fsdp2-fallback-hsdp": lambda: fallback(
+                mesh, "HSDP's replicate dimension",
+                mesh_flat=init_device_mesh("cpu", (1, dist.get_world_size()),
+                                           mesh_dim_names=("replicate", "shard"))),
+            "fsdp2-fallback-custom-comm": lambda: fallback(
+                mesh, "a custom reduce-scatter is set (Mine)", before=_custom_comm, no_sync=True),
+            "fsdp2-fallback-no-api": lambda: without_api(mesh)}
 
 
 def run_all() -> dict[str, str | None]:
