@@ -180,6 +180,7 @@ class Stepper:
     def run(self, works: list[GroupWork]) -> None:
         """Step every group in order, torch's part first; equal kernel arguments share a call."""
         batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
+        known = len(self.opt.state)
         try:
             for w in works:
                 if w.torch_group is not None:
@@ -194,6 +195,23 @@ class Stepper:
             self._flush(batches)
         finally:
             self._param_bufs.clear()
+            if len(self.opt.state) > known:
+                self._torch_order(known)
+
+    def _torch_order(self, known: int) -> None:
+        """Put the state entries this step made in torch's order (its groups' parameters in
+        order): torch's part of a group ran before its flat runs, so they may have come first."""
+        state = self.opt.state
+        new = list(state)[known:]
+        if len(new) < 2:
+            return
+        order: dict[int, int] = {}
+        for p in self.plan.all_params:
+            order.setdefault(id(p), len(order))
+        ranked = sorted(new, key=lambda p: order.get(id(p), len(order)))
+        if not all(map(operator.is_, ranked, new)):
+            for p in ranked:
+                state[p] = state.pop(p)
 
     def _flush(self, batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]]) -> None:
         for key, jobs in batches.items():
