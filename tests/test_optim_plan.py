@@ -100,3 +100,97 @@ def test_a_parameter_listed_twice_in_a_group_is_torchs(foreach: bool,
             assert torch.equal(t, opt.state_dict()["state"][k][kind])
     assert "listed twice" in fo.reasons[0]
     assert fo.fallback == [0]
+
+
+def _mlp(seed: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5)).to(dtype)
+
+
+def _train(model: nn.Module, step: int) -> None:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+    model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_group_is_torchs_fused_step(dtype: torch.dtype) -> None:
+    """Before: a ``fused=True`` group ran the foreach math flat (up to 2 ulp from the user's own
+    fused run). float32 AdamW has no flat fused step equal to torch's: torch's fused step runs it
+    over the pooled state, said once, by the first step. bfloat16's flat fused step is exact: it
+    runs flat, silently."""
+    ref, flat = _mlp(0, dtype), _mlp(0, dtype)
+    pool = FlatPool(name="params")
+    pool.adopt(list(flat.parameters()))
+    o_ref = torch.optim.AdamW(ref.parameters(), fused=True, lr=1e-2, weight_decay=0.1)
+    o_flat = torch.optim.AdamW(flat.parameters(), fused=True, lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatStepWarning)
+        fo = FlatOptimizer(o_flat, [pool], module=flat)
+    exact = dtype == torch.bfloat16
+    assert (0 in fo.reasons) != exact
+    for step in range(20):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            _train(m, step)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                o.step()
+            o.zero_grad()
+            if o is o_flat:
+                told = [str(w.message) for w in said if w.category is FlatStepWarning]
+                assert len(told) == (1 if step == 0 and not exact else 0), told
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), flat.parameters()))
+    s_ref, s_flat = o_ref.state_dict()["state"], o_flat.state_dict()["state"]
+    assert all(torch.equal(s_ref[k][n], s_flat[k][n]) for k in s_ref for n in s_ref[k])
+    assert len(fo.buffers()["state"]) > 0  # the state is pooled either way
+
+
+def test_a_flat_fused_sgd_step_is_exact_where_the_table_says() -> None:
+    """float32 SGD without momentum: the flat fused step equals torch's fused step per parameter
+    (measured), so it runs flat; with momentum it does not, so torch's fused step runs it."""
+    for momentum, flat_expected in ((0.0, True), (0.9, False)):
+        ref, flat = _mlp(1, torch.float32), _mlp(1, torch.float32)
+        pool = FlatPool()
+        pool.adopt(list(flat.parameters()))
+        kw = dict(lr=0.1, momentum=momentum, weight_decay=0.01, fused=True)
+        o_ref = torch.optim.SGD(ref.parameters(), **kw)
+        o_flat = torch.optim.SGD(flat.parameters(), **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FlatStepWarning)
+            fo = FlatOptimizer(o_flat, [pool], module=flat)
+            for step in range(10):
+                for m, o in ((ref, o_ref), (flat, o_flat)):
+                    _train(m, step)
+                    o.step()
+        assert (0 not in fo.reasons) == flat_expected
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), flat.parameters()))
+
+
+def test_torchtitans_order_warns_only_about_steps_torch_runs() -> None:
+    """torchtitan's order: the optimizer and the flat optimizer are built before the parameters
+    are in their pool, and the first forward puts them there (the plan is made again). Before:
+    setup warned that the group "is stepped per parameter by torch's own step", though every
+    step was flat. Now ``reasons`` says why meanwhile, and nothing is said; a group that torch
+    does step warns once, at its first step."""
+    ref, flat = _mlp(2, torch.float32), _mlp(2, torch.float32)
+    extra = nn.Parameter(torch.linspace(-1, 1, 6))  # never pooled: torch steps its group
+    ref_extra = nn.Parameter(extra.detach().clone())
+    pool = FlatPool(name="params")
+    o_ref = torch.optim.AdamW([{"params": list(ref.parameters())}, {"params": [ref_extra]}],
+                              foreach=True, lr=1e-2, weight_decay=0.1)
+    o_flat = torch.optim.AdamW([{"params": list(flat.parameters())}, {"params": [extra]}],
+                               foreach=True, lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fo = FlatOptimizer(o_flat, [pool], module=flat)
+        assert "in none of the given pools" in fo.reasons[0]
+        pool.adopt(list(flat.parameters()))  # what the framework does before the first forward
+        for step in range(3):
+            for m, o, e in ((ref, o_ref, ref_extra), (flat, o_flat, extra)):
+                _train(m, step)
+                e.grad = torch.full_like(e, 0.5)
+                o.step()
+            told = [str(w.message) for w in said if w.category is FlatStepWarning]
+            assert len(told) == 1 and "param_groups[1]" in told[0], told
+    assert fo.replans == 1 and 0 not in fo.reasons and fo.fallback == [1]
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), flat.parameters()))
+    assert torch.equal(extra, ref_extra)
