@@ -611,10 +611,11 @@ def before_step(ref: nn.Module, o_ref: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def test_grad_scaler_with_a_fused_group() -> None:
-    """A GradScaler hands a fused optimizer ``grad_scale``/``found_inf``: with the default policy
+    """A GradScaler hands a fused optimizer ``grad_scale``/``found_inf``: with ``fused="foreach"``
     torch's own fused step handles the group (a warning says so); with ``fused="fused"`` the flat
-    fused kernel reads them. Both stay within fused's bound of per-parameter fused."""
-    for policy in ("foreach", "fused"):
+    fused kernel reads them. Both stay within fused's bound of per-parameter fused; the default
+    (``"exact"``: torch's fused step over the pooled float32 state) is torch.equal to it."""
+    for policy in ("foreach", "fused", "exact"):
         ref, flat = mlp(), mlp()
         pool = FlatPool()
         pool.adopt(list(flat.parameters()))
@@ -633,3 +634,4 @@ def test_grad_scaler_with_a_fused_group() -> None:
         assert any("grad_scale" in str(w.message) for w in said) == (policy == "foreach")
         for a, b in zip(ref.parameters(), flat.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert torch.equal(a, b) or policy != "exact"
