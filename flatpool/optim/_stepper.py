@@ -225,10 +225,10 @@ class Stepper:
                     for r in w.runs:
                         batches.setdefault(key + (r.fresh,), []).append((gp.group, r))
             self._flush(batches)
-        finally:
-            self._param_bufs.clear()
             if len(self.opt.state) > known:
                 self._torch_order(known)
+        finally:
+            self._param_bufs.clear()
 
     def _torch_order(self, known: int) -> None:
         """Put the state entries this step made in torch's order (its groups' parameters in
