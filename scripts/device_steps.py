@@ -622,6 +622,111 @@ def step_optim(run: Run, ctx: Ctx) -> None:
     run.figures["half_identical"] = {k: run.figures[k] for k in half}
 
 
+# -- (f) where a flat fused step is exact ---------------------------------------------------
+
+FUSED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Adam": ("Adam", dict(lr=1e-2)),
+    "Adam wd": ("Adam", dict(lr=1e-2, weight_decay=0.1)),
+    "Adam amsgrad maximize": ("Adam", dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.01)),
+    "AdamW": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    "AdamW amsgrad": ("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "SGD": ("SGD", dict(lr=0.05)),
+    "SGD wd maximize": ("SGD", dict(lr=0.05, weight_decay=0.01, maximize=True)),
+    "SGD momentum": ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "SGD nesterov": ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True)),
+}
+
+
+def _flat_fused_equal(dev: Dev, cls: Any, kw: dict[str, Any], dtype: Any, seed: int,
+                      steps: int, n: int) -> bool:
+    """``fused=True`` over one flat tensor ``torch.equal`` to ``fused=True`` per parameter."""
+    torch = dev.torch
+    rng = random.Random(seed)
+    numels = [rng.randint(1, 700) for _ in range(n)]
+    g = torch.Generator(device=dev.device).manual_seed(seed)
+    init = torch.randn(sum(numels), generator=g, device=dev.device).to(dtype)
+    per = [torch.nn.Parameter(t.clone()) for t in torch.split(init, numels)]
+    flat = torch.nn.Parameter(init.clone())
+    o_per, o_flat = cls(per, fused=True, **kw), cls([flat], fused=True, **kw)
+    for _ in range(steps):
+        grad = torch.randn(sum(numels), generator=g, device=dev.device).to(dtype)
+        for p, gr in zip(per, torch.split(grad, numels)):
+            p.grad = gr.clone()
+        flat.grad = grad.clone()
+        o_per.step()
+        o_flat.step()
+    dev.sync()
+    return bool(torch.equal(torch.cat([p.detach() for p in per]), flat.detach()))
+
+
+def step_fused(run: Run, ctx: Ctx) -> None:
+    """Where ``fused=True`` over one flat tensor is ``torch.equal`` to ``fused=True`` per
+    parameter on this device (dtype x optimizer), against flatpool's table of where it steps a
+    fused group flat (``FUSED_EXACT``), and a fused AdamW group through the flat optimizer
+    ``torch.equal`` to torch's own fused step."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from flatpool import FlatPool
+    from flatpool.optim import FlatOptimizer
+    from flatpool.optim._rules import FUSED_EXACT
+
+    warnings.simplefilter("ignore")
+    dev = Dev(ctx)
+    kind = dev.device.type
+    seeds, steps, n = (1, 2, 6) if ctx.dry else (3, 5, 12)
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    rows: list[list[object]] = []
+    found: dict[tuple[str, str], list[str]] = {}
+    for case, (cls_name, kw) in FUSED_CASES.items():
+        cls = getattr(torch.optim, cls_name)
+        family = "adam" if cls_name.startswith("Adam") else "sgd"
+        row: list[object] = [case]
+        for dtype in dtypes:
+            dt = str(dtype).replace("torch.", "")
+            try:
+                exact = all(_flat_fused_equal(dev, cls, kw, dtype, s, steps, n) for s in range(seeds))
+            except Exception as exc:  # noqa: BLE001 - a dtype the fused kernel refuses here
+                row.append(f"n/a ({type(exc).__name__})")
+                continue
+            run.figures[f"fused_exact/{kind}/{case}/{dt}"] = exact
+            row.append("yes" if exact else "no")
+            if exact:
+                found.setdefault((kind, family), []).append(f"{case}/{dt}")
+            claimed = dtype in FUSED_EXACT.get((kind, family), ()) and kw.get("momentum", 0) == 0
+            if claimed:
+                run.check(f"{case}/{dt}: FUSED_EXACT steps it flat, and it is exact here", exact)
+        rows.append(row)
+    run.tables.append(
+        f"fused=True over one flat tensor vs fused=True per parameter on {kind}, {seeds} seed(s) "
+        f"x {steps} steps, {n} parameters of 1-700 elements (yes: torch.equal):\n\n"
+        + md_table(["optimizer"] + [str(d).replace("torch.", "") for d in dtypes], rows))
+    for (k, family), cases in sorted(found.items()):
+        run.note(f"exact on {k} for {family}: {', '.join(cases)} (FUSED_EXACT lists "
+                 f"{[str(d) for d in FUSED_EXACT.get((k, family), ())]})")
+    # The flat optimizer honours fused=True: torch.equal to torch's own fused step.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5)).to(dev.device)
+    flat = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5)).to(dev.device)
+    flat.load_state_dict(ref.state_dict())
+    pool = FlatPool(dev.device, name="fused")
+    pool.adopt(list(flat.parameters()))
+    o_ref = torch.optim.AdamW(ref.parameters(), fused=True, lr=1e-2, weight_decay=0.1)
+    o_flat = torch.optim.AdamW(flat.parameters(), fused=True, lr=1e-2, weight_decay=0.1)
+    FlatOptimizer(o_flat, [pool], module=flat)
+    for step in range(5):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step)).to(dev.device)
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    dev.sync()
+    run.check("a fused=True AdamW group through FlatOptimizer is torch.equal to torch's fused step",
+              all(torch.equal(a, b) for a, b in zip(ref.parameters(), flat.parameters())))
+
+
 # -- (d) a memory snapshot, attributed --------------------------------------------------------
 
 
@@ -804,6 +909,8 @@ STEPS: dict[str, tuple[str, Callable[[Run, Ctx], None]]] = {
     "adopt": ("(b) adopt + release: the originals' blocks go back to the caching allocator",
               step_adopt),
     "optim": ("(c) flat optimizer step vs per-parameter foreach=True / fused=True", step_optim),
+    "fused": ("(f) where a flat fused step is torch.equal to fused=True per parameter",
+              step_fused),
     "snapshot": ("(d) memory snapshot attributed with flatpool.memory, and its picture",
                  step_snapshot),
     "demo": ("(e) the demo's fusion on the device", step_demo),

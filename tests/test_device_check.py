@@ -17,7 +17,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "device_check.sh"
-STEPS = ["environment", "tests", "adopt", "optim", "snapshot", "demo"]
+STEPS = ["environment", "tests", "adopt", "optim", "fused", "snapshot", "demo"]
 
 
 def _run(out: Path, *args: str, inject: str = "") -> tuple[subprocess.CompletedProcess[str], Any]:
@@ -55,6 +55,11 @@ def test_dry_run_runs_every_step_on_cpu_and_writes_the_results(tmp_path: Path) -
             assert f[f"identical/{opt}/{n}/float32"] is True
             assert {f"identical/{opt}/{n}/bfloat16", f"identical/{opt}/{n}/float16"} <= set(f)
             assert f[f"time/{opt}/{n}"]["flat_s"] > 0
+    # (f) where a flat fused step is exact: every optimizer and dtype measured, and FUSED_EXACT's
+    # claims held (a claim that fails fails the step)
+    fu = steps["fused"]["figures"]
+    assert {f"fused_exact/cpu/AdamW/{d}" for d in ("float32", "float64", "bfloat16", "float16")} <= set(fu)
+    assert fu["fused_exact/cpu/AdamW/bfloat16"] is True and fu["fused_exact/cpu/SGD/float32"] is True
     # (d) the attribution and its picture; (e) the demo judged from its rows
     assert (tmp_path / "device-snapshot.png").stat().st_size > 1000
     assert steps["snapshot"]["figures"]["naive"]["by_class"]["stale"] > 0
@@ -62,7 +67,7 @@ def test_dry_run_runs_every_step_on_cpu_and_writes_the_results(tmp_path: Path) -
     md = (tmp_path / "device-results.md").read_text()
     assert md.startswith("# flatpool device check: dry run on CPU")
     for title in ("(a) the test suite", "(b) adopt + release", "(c) flat optimizer",
-                  "(d) memory snapshot", "(e) the demo"):
+                  "(d) memory snapshot", "(e) the demo", "(f) where a flat fused step"):
         assert title in md
     assert "skipped: allocation history" in md
     assert "verdict: passed" in r.stdout

@@ -7,9 +7,10 @@ Operations: training steps (some parameters unused, some frozen, gradient accumu
 ``zero_grad`` modes, a GradScaler with inf gradients, an LR scheduler), gradients replaced,
 dropped or ``.grad.data``-swapped, state entries replaced or edited in place, ``step`` edited,
 ``state.clear()``, hyper-parameters that decide which state exists switched, a parameter
-appended to a group or a new group added, ``load_state_dict`` of a ``torch.save``/``load`` or
-``deepcopy`` round trip, ``KeyboardInterrupt`` injected into the step's preparation and into
-a fresh setup, the user's step/zero_grad wrappers set on the optimizer (before a setup or after
+appended to a group or a new group added, a parameter listed twice in a group, a parameter over
+part of another's pooled bytes (in its group or a new one), ``load_state_dict`` of a
+``torch.save``/``load`` or ``deepcopy`` round trip, ``KeyboardInterrupt`` injected into the
+step's preparation and into a fresh setup, the user's step/zero_grad wrappers set on the optimizer (before a setup or after
 it; their calls counted), every ``.grad`` made a view of the user's own flat buffer, that buffer
 scaled in place, and a gradient clip. float32, float64, float16, bfloat16; SGD (momentum, nesterov, dampening, weight
 decay, maximize), Adam and AdamW (amsgrad, weight decay, maximize).
@@ -107,6 +108,8 @@ OPS = st.one_of(
     st.tuples(st.just("state_clear")),
     st.tuples(st.just("hyper"), st.sampled_from(["lr", "momentum", "nesterov", "amsgrad"])),
     st.tuples(st.sampled_from(["append", "new_group"])),
+    st.tuples(st.just("duplicate"), st.integers(0, 2)),
+    st.tuples(st.just("share"), st.booleans()),
     st.tuples(st.just("load"), st.sampled_from(["save", "deepcopy"])),
     st.tuples(st.just("resetup"), st.integers(0, 6000)),
     st.tuples(st.just("wrap"), st.sampled_from(["step", "zero_grad"])),
@@ -146,6 +149,7 @@ class Twin:
         """The user's wrappers' calls."""
         self.buf: torch.Tensor | None = None
         """The user's own gradient buffer."""
+        self.shared = False
 
     def setup(self, k: int | None = None) -> bool:
         if k is not None:
@@ -253,6 +257,18 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
                 opt.param_groups[0]["params"].append(ps[3])
             else:
                 opt.add_param_group({"params": [ps[3]]})
+    elif kind == "duplicate":  # torch warns and steps it twice a step
+        group = opt.param_groups[0]["params"]
+        if sum(p is ps[op[1]] for p in group) == 1:
+            group.append(ps[op[1]])
+    elif kind == "share" and not t.shared:  # a parameter over part of ps[0]'s (pooled) bytes
+        t.shared = True
+        q = nn.Parameter(ps[0].detach().view(-1)[4:])
+        q.grad = torch.full_like(q, 0.25)
+        if op[1]:
+            opt.param_groups[0]["params"].append(q)
+        else:
+            opt.add_param_group({"params": [q]})
     elif kind == "load":
         sd = opt.state_dict()
         if op[1] == "save":

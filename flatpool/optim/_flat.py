@@ -31,7 +31,7 @@ from ._rules import rule_for
 from ._state import State, plain_assign
 from ._stepper import Stepper
 
-FusedPolicy = Literal["foreach", "fused"]
+FusedPolicy = Literal["exact", "foreach", "fused"]
 Verify = Literal["step", "forward"]
 Pools = Sequence[FlatPool] | Callable[[], Sequence[FlatPool]]
 
@@ -101,9 +101,12 @@ class FlatOptimizer:
             layer's pools can appear later: :func:`flatpool.integrations.hsdp.flat_optimizer`).
         module: when given, a hook on its outputs installs zeroed pooled gradients when a
             backward reaches them, so it writes into the pool; a forward pre-hook checks the plan.
-        fused: for groups created with ``fused=True``: ``"foreach"`` (default) runs the foreach
-            math, bit-identical to ``foreach=True``; ``"fused"`` runs torch's fused kernel over
-            the flat tensors (not bit-identical to fused per parameter; see docs/optim.md).
+        fused: for groups created with ``fused=True``: ``"exact"`` (default) keeps the user's
+            kernel: torch's fused kernel runs flat where that was shown bit-identical to it per
+            parameter (:data:`~flatpool.optim._rules.FUSED_EXACT`), torch's own fused step runs
+            the rest over the pooled state; ``"foreach"`` runs the foreach math flat
+            (bit-identical to ``foreach=True``, not to fused); ``"fused"`` runs the fused kernel
+            flat everywhere (a few ulp from fused per parameter). See docs/optim.md.
         verify: accepted for compatibility; every step checks everything it relies on.
     """
 
@@ -113,15 +116,15 @@ class FlatOptimizer:
         pools: Pools,
         *,
         module: nn.Module | None = None,
-        fused: FusedPolicy = "foreach",
+        fused: FusedPolicy = "exact",
         verify: Verify = "step",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidTypeError(f"FlatOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._pool_source = pools if callable(pools) else tuple(pools)
         first_pools = self._current_pools()
-        if fused not in ("foreach", "fused"):
-            raise InvalidTypeError(f"fused must be 'foreach' or 'fused', got {fused!r}")
+        if fused not in ("exact", "foreach", "fused"):
+            raise InvalidTypeError(f"fused must be 'exact', 'foreach' or 'fused', got {fused!r}")
         if verify not in ("step", "forward"):
             raise InvalidTypeError(f"verify must be 'step' or 'forward', got {verify!r}")
         if module is not None and not isinstance(module, nn.Module):
@@ -191,7 +194,7 @@ class FlatOptimizer:
         return pools
 
     def _adopt_plan(self, plan: Plan) -> None:
-        """Make ``plan`` current, with new companions and gradients; warn about what is not flat."""
+        """Make ``plan`` current, with new companions and gradients; note what is not flat."""
         companions = Companions()
         sparse = self._sparse_params()
         grads = Grads(plan.members)
@@ -201,25 +204,7 @@ class FlatOptimizer:
         stepper = Stepper(self.optimizer, self.rule, plan, grads, state, companions, self.fused,
                           self._say)
         self._now = _Current(plan, grads, state, stepper)  # one store: never half a plan
-        self.reasons = {}
-        for g, gp in enumerate(plan.groups):
-            if gp.refusal is not None:
-                self._say(g, gp.refusal)
-            elif gp.others:
-                i, why = next(iter(gp.others.items()))
-                self._say(g, f"{len(gp.others)} of its parameters, e.g. params[{i}] "
-                             f"{tuple(gp.params[i].shape)}: {why}")
-        half = sorted({(s.group, str(s.dtype)) for s in plan.segments if not s.flat})
-        for g, dtype in half:
-            self._say(g, f"its {dtype} members: a flat {dtype} step is not bit-identical to the "
-                         "per-parameter one (torch's vectorized and scalar paths round "
-                         "differently), so torch's own step runs them over their pooled state")
-        if self.fused == "foreach" and any(
-                plan.groups[s.group].group.get("fused") for s in plan.segments):
-            warn("fused=True asked: the flat step runs the foreach math (bit-identical to "
-                 "foreach=True; fused per parameter differs from it by a few ulp, see "
-                 "docs/optim.md); pass fused='fused' to run torch's fused kernel flat",
-                 FlatStepWarning, past_torch=True)
+        self.reasons = dict(stepper.why)  # said by the step that runs torch's step for them
 
     def _sparse_params(self) -> set[int]:
         """Parameters of the module's sparse embeddings, and those seen with a sparse gradient."""
@@ -232,7 +217,7 @@ class FlatOptimizer:
         return found
 
     def _say(self, g: int, why: str) -> None:
-        """Warn once per group and reason that (part of) the group is stepped by torch."""
+        """Warn once per group and reason, from the step that runs torch's step for the group."""
         self.reasons[g] = why
         if (g, why) not in self._said:
             self._said.add((g, why))

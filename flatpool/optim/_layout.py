@@ -7,7 +7,9 @@ Glossary (the other modules cite these names):
 * A **segment** is a maximal sequence of members of one param group, pool and dtype, in storage
   order, with nothing between consecutive slices but *alignment padding* (bytes where no slice
   can ever start). A flat kernel steps its whole byte range; a free gap or another slice ends
-  it, as those bytes belong, or may later, to someone else.
+  it, as those bytes belong, or may later, to someone else. So does a slice's byte that its member
+  does not hold (another parameter on the slice, the rest of a bigger adopted tensor, a padded
+  shard's tail): another live tensor can see it, and only torch's step may write it.
 """
 
 from __future__ import annotations
@@ -123,20 +125,34 @@ def plan_group(g: int, group: dict[str, Any], places: Places,
     ``taken``: ``(id(pool), slice_id)`` to its member, across groups (one member a slice)."""
     members: list[Member] = []
     others: dict[int, str] = {}
-    for i, p in enumerate(group["params"]):
+    params = group["params"]
+    aliased = None
+    if len(set(map(id, params))) != len(params):
+        aliased = "a parameter listed twice in the group"
+    for i, p in enumerate(params):
         where = places.of(p)
         if isinstance(where, str):
             others[i] = where
             continue
         pool, slc, offset = where
         key = (id(pool), slc.slice_id)
-        if key in taken:
-            others[i] = f"shares slice {slc.slice_id} of pool {pool.name!r} with another parameter"
-            continue
         local = local_tensor(p)
         m = Member(p, g, i, pool, slc, offset, local.shape, local.dtype)
+        other = taken.get(key)
+        if other is not None:
+            others[i] = f"shares slice {slc.slice_id} of pool {pool.name!r} with another parameter"
+            if aliased is None and other.group == g and other.offset < m.end \
+                    and m.offset < other.end:
+                aliased = f"params[{other.index}] and params[{i}] share bytes"
+            continue
         taken[key] = m
         members.append(m)
+    if aliased is not None:  # torch's step of aliased tensors depends on the whole group's
+        for m in members:
+            del taken[(id(m.pool), m.slice.slice_id)]
+        return [], {i: others.get(i, f"{aliased}: torch steps it per listing, and what each "
+                                     "listing sees depends on the rest of the group")
+                    for i in range(len(params))}
     return members, others
 
 
@@ -161,9 +177,10 @@ def segments_of(members: Sequence[Member]) -> list[Segment]:
 
 
 def _adjacent(a: Member, b: Member) -> bool:
-    """No multiple of the pool's alignment lies in ``[a.slice.end, b.slice.offset)``."""
+    """No multiple of the pool's alignment lies in ``[a.slice.end, b.slice.offset)``, and the
+    bytes between ``a`` and ``b`` are no slice's (``a`` ends its slice, ``b`` starts its own)."""
     align = a.pool.alignment
-    if b.slice.offset < a.slice.end:
+    if b.slice.offset < a.slice.end or a.end != a.slice.end or b.offset != b.slice.offset:
         return False
     return -(-a.slice.end // align) * align >= b.slice.offset
 

@@ -28,6 +28,9 @@ State = dict[str, list[Tensor | None]]
 class Rule(Protocol):
     """What a flat step needs to know about one optimizer class."""
 
+    name: str
+    """The kernel family (``"adam"`` for Adam and AdamW, ``"sgd"``): :data:`FUSED_EXACT`'s key."""
+
     has_step: bool
     """The state has a per-parameter ``step`` count."""
 
@@ -57,6 +60,7 @@ _ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(_adam).param
 
 
 class AdamRule:
+    name = "adam"
     has_step = True
     made_by_kernel = False
 
@@ -93,6 +97,7 @@ class AdamRule:
 
 
 class SGDRule:
+    name = "sgd"
     has_step = False
     made_by_kernel = True
 
@@ -141,6 +146,23 @@ def rule_for(opt: torch.optim.Optimizer) -> Rule:
             "flat, whose math is elementwise and matches torch's kernel bit for bit). "
             "Step this optimizer per parameter with optimizer.step()")
     return rule
+
+
+FUSED_EXACT: dict[tuple[str, str], tuple[torch.dtype, ...]] = {
+    ("cpu", "adam"): (torch.bfloat16, torch.float16),
+    ("cpu", "sgd"): (torch.float32, torch.float64),
+}
+"""``(device type, kernel family)``: the dtypes whose fused step over one flat tensor was measured
+``torch.equal`` to torch's fused step per parameter (torch 2.13; SGD without momentum only). The
+fused CPU kernel rounds differently in its vectorized body and its scalar tail, so elsewhere an
+element's result depends on where its tensor starts (docs/optim.md; CUDA: scripts/device_steps.py)."""
+
+
+def fused_exact(rule: Rule, group: dict[str, Any], dtype: torch.dtype, device: str) -> bool:
+    """A flat fused step of ``group``'s ``dtype`` members is bit-identical to torch's own."""
+    if dtype not in FUSED_EXACT.get((device, rule.name), ()):
+        return False
+    return rule.name != "sgd" or group["momentum"] == 0
 
 
 def group_refusal(group: dict[str, Any]) -> str | None:

@@ -24,7 +24,7 @@ from ._companions import Companions, StepSlots
 from ._grads import Grads, unpoolable
 from ._layout import Segment
 from ._plan import GroupPlan, Plan
-from ._rules import Rule
+from ._rules import Rule, fused_exact
 from ._state import FRESH, POOLED, State
 
 Say = Callable[[int, str], None]
@@ -50,6 +50,8 @@ class GroupWork:
     torch_group: dict[str, Any] | None
     """What torch's own step runs first: the group itself, a sub-group, or nothing."""
     runs: list[Run]
+    why: str = ""
+    """Why torch's own step runs ``torch_group`` (said once, when it steps a gradient)."""
 
 
 class Stepper:
@@ -69,6 +71,34 @@ class Stepper:
         """A segment's range of a state companion."""
         self._param_bufs: dict[int, torch.Tensor] = {}
         """The parameter pools' byte buffers, during one step."""
+        self.why = {g: why for g, gp in enumerate(plan.groups) if (why := self._why(g, gp))}
+        """Why (part of) each group is planned for torch's own step."""
+
+    def _why(self, g: int, gp: GroupPlan) -> str | None:
+        if gp.refusal is not None:
+            return gp.refusal
+        if gp.others:
+            i, why = next(iter(gp.others.items()))
+            return (f"{len(gp.others)} of its parameters, e.g. params[{i}] "
+                    f"{tuple(gp.params[i].shape)}: {why}")
+        seg = next((seg for seg, _ in self.segments.get(g, []) if not self.flat(seg, gp.group)),
+                   None)
+        if seg is None:
+            return None
+        if gp.group.get("fused") and self.fused_policy == "exact":
+            return (f"fused=True over its {seg.dtype} members: a flat fused {seg.dtype} step on "
+                    f"{seg.pool.device.type} is not shown bit-identical to torch's fused step per "
+                    "parameter (docs/optim.md), so torch's own fused step runs them over their "
+                    "pooled state")
+        return (f"its {seg.dtype} members: a flat {seg.dtype} step is not bit-identical to the "
+                "per-parameter one (torch's vectorized and scalar paths round differently), so "
+                "torch's own step runs them over their pooled state")
+
+    def flat(self, seg: Segment, group: dict[str, Any]) -> bool:
+        """One kernel call may step ``seg`` whole and equal torch's step of its members."""
+        if group.get("fused") and self.fused_policy == "exact":
+            return fused_exact(self.rule, group, seg.dtype, seg.pool.device.type)
+        return seg.flat
 
     def foreach(self, g: int, gp: GroupPlan) -> bool:
         if g not in self._choice:
@@ -94,14 +124,13 @@ class Stepper:
             if work is None:
                 work = self._group(g, gp, pooled[gp.lo:gp.hi], states[g])
             if isinstance(work, str):
-                self.say(g, work)
-                work = GroupWork(g, group, [])
+                work = GroupWork(g, group, [], work)
             works.append(work)
         self.grads.absorb(self._copy_in)  # the foreign gradients: one copy for all groups
         return works
 
     def _fused(self, group: dict[str, Any]) -> bool:
-        return bool(group.get("fused")) and self.fused_policy == "fused"
+        return bool(group.get("fused")) and self.fused_policy != "foreach"
 
     def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
                ) -> GroupWork | str:
@@ -140,11 +169,12 @@ class Stepper:
         runs: list[Run] = []
         everyone = all(on)
         for seg, idx in self.segments.get(g, []):
-            if seg.flat:
+            if self.flat(seg, group):
                 runs += self._runs(seg, idx, on, lo, fresh, everyone)
             else:
                 torch_params += [members[i].param for i in idx if on[i - lo]]
-        return GroupWork(g, dict(group, params=torch_params) if torch_params else None, runs)
+        return GroupWork(g, dict(group, params=torch_params) if torch_params else None, runs,
+                         self.why.get(g, ""))
 
     def _runs(self, seg: Segment, idx: list[int], on: list[bool], lo: int, fresh: set[int],
               everyone: bool) -> list[Run]:
@@ -182,10 +212,13 @@ class Stepper:
     def run(self, works: list[GroupWork]) -> None:
         """Step every group in order, torch's part first; equal kernel arguments share a call."""
         batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]] = {}
+        known = len(self.opt.state)
         try:
             for w in works:
                 if w.torch_group is not None:
                     self._flush(batches)
+                    if any(p.grad is not None for p in w.torch_group["params"]):
+                        self.say(w.g, w.why)  # what this step does, when it does it
                     self.torch_step(w.torch_group)
                 if w.runs:
                     gp = self.plan.groups[w.g]
@@ -194,8 +227,25 @@ class Stepper:
                     for r in w.runs:
                         batches.setdefault(key + (r.fresh,), []).append((gp.group, r))
             self._flush(batches)
+            if len(self.opt.state) > known:
+                self._torch_order(known)
         finally:
             self._param_bufs.clear()
+
+    def _torch_order(self, known: int) -> None:
+        """Put the state entries this step made in torch's order (its groups' parameters in
+        order): torch's part of a group ran before its flat runs, so they may have come first."""
+        state = self.opt.state
+        new = list(state)[known:]
+        if len(new) < 2:
+            return
+        order: dict[int, int] = {}
+        for p in self.plan.all_params:
+            order.setdefault(id(p), len(order))
+        ranked = sorted(new, key=lambda p: order.get(id(p), len(order)))
+        if not all(map(operator.is_, ranked, new)):
+            for p in ranked:
+                state[p] = state.pop(p)
 
     def _flush(self, batches: dict[tuple[Any, ...], list[tuple[dict[str, Any], Run]]]) -> None:
         for key, jobs in batches.items():

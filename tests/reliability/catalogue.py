@@ -1195,7 +1195,9 @@ def _flat_outside(c: Ctx) -> Call:
     model, opt, pool = _flat_setup(c)
     extra = nn.Parameter(torch.ones(2))
     opt.add_param_group({"params": [extra]})
-    return lambda: FlatOptimizer(opt, [pool], module=model)
+    fo = FlatOptimizer(opt, [pool], module=model)  # notes the reason; the step says it
+    extra.grad = torch.ones(2)
+    return fo.step
 
 
 def _flat_half(c: Ctx) -> Call:
@@ -1206,14 +1208,24 @@ def _flat_half(c: Ctx) -> Call:
     pool = c.pool()
     pool.adopt(list(model.parameters()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return lambda: FlatOptimizer(opt, [pool], module=model)
+    fo = FlatOptimizer(opt, [pool], module=model)  # notes the reason; the step says it
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    return fo.step
 
 
 def _flat_capturable(c: Ctx) -> Call:
     from flatpool.optim import FlatOptimizer
 
-    _, opt, pool = _flat_setup(c, torch.optim.Adam, capturable=True)
-    return lambda: FlatOptimizer(opt, [pool])
+    model, opt, pool = _flat_setup(c, torch.optim.Adam, capturable=True)
+    fo = FlatOptimizer(opt, [pool])  # notes the reason; the step says it
+    model(torch.ones(1, 3)).sum().backward()
+
+    def step() -> None:
+        try:
+            fo.step()
+        except AssertionError:  # torch's own capturable step refuses CPU, as without flatpool
+            pass
+    return step
 
 
 def _flat_sparse(c: Ctx) -> Call:
@@ -1530,7 +1542,7 @@ ROWS: tuple[Row, ...] = (
     Row("optim-not-a-pool", "FlatOptimizer(opt, [a list of tensors])", _flat_not_pool,
         flatpool.InvalidTypeError, r"pools must be FlatPools"),
     Row("optim-bad-fused", "FlatOptimizer(opt, pools, fused='yes')", _flat_bad_fused,
-        flatpool.InvalidTypeError, r"'foreach' or 'fused'"),
+        flatpool.InvalidTypeError, r"'exact', 'foreach' or 'fused'"),
     Row("optim-forward-no-module", "FlatOptimizer(opt, pools, verify='forward') without module=",
         _flat_forward_no_module, flatpool.InvalidRequestError, r"pass module="),
     Row("optim-unsupported", "an optimizer without a flat rule (Adagrad, LBFGS, a subclass)",
