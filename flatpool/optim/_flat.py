@@ -346,8 +346,8 @@ class FlatOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            self.grads.settle()
+        with torch.no_grad(), gc_paused():  # per-member passes make short-lived tuples (shapes):
+            self.grads.settle()                # a collection they trigger would scan every object
             self._ensure_plan()
             stepper = self._now.stepper
             stepper.run(stepper.prepare())

@@ -16,8 +16,10 @@ new objects by one address comparison per group.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress
 from typing import Any
 
 import torch
@@ -36,6 +38,25 @@ _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
 _data_ptr = torch.Tensor.data_ptr
 _shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_layout_of = operator.attrgetter("layout")
+_not_none = functools.partial(operator.is_not, None)
+
+
+@define(frozen=True)
+class Checked:
+    """Foreign gradients found copyable at a step: the members, the gradients' types, and
+    what :func:`unpoolable` requires of each local tensor (strided; the member's shape, dtype
+    and device). No gradient is held: they die as with torch."""
+
+    at: list[int]
+    types: list[type]
+    plain: bool
+    """Every gradient is its own local tensor (no wrapper)."""
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    devices: list[torch.device]
 
 
 @define(frozen=True)
@@ -83,6 +104,10 @@ class Grads:
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
         self._handed: dict[int, tuple[Run, list[int]]] = {}
+        self._checked: dict[int, Checked] = {}
+        """Per group (its first member): the foreign gradients checked at the last step."""
+        self._copy: tuple[list[int], list[torch.Tensor], list[int]] | None = None
+        """The last copy-in's members, their places (local views) and those views' addresses."""
         """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
         recognized, per parameter pool: the run and its members' addresses."""
 
@@ -117,6 +142,7 @@ class Grads:
     def _place(self, indices: Iterable[int]) -> list[int]:
         """Give each member a new view; returns those whose place was not known to be zero."""
         dirty = []
+        self._copy = None
         by_pool: dict[int, list[int]] = {}
         for i in indices:
             by_pool.setdefault(id(self.members[i].pool), []).append(i)
@@ -169,32 +195,81 @@ class Grads:
 
     def _without(self, indices: Iterable[int]) -> tuple[list[int], list[int]]:
         """The unwritten record without ``indices``."""
-        drop = set(indices)
         at, versions = self.unwritten
-        if not drop or not at:
+        if not at:
+            return at, versions
+        drop = set(indices)
+        if not drop:
             return at, versions
         kept = [(i, v) for i, v in zip(at, versions) if i not in drop]
         return [i for i, _ in kept], [v for _, v in kept]
 
-    def absorb(self, indices: Sequence[int]) -> None:
+    def absorb(self, indices: list[int], src: list[torch.Tensor] | None = None) -> None:
         """Copy each member's foreign gradient into its place, with one foreach copy. The
         ``.grad`` stays what its owner installed (their buffer, their scaling): read again at
         every step, never rebound."""
         if not indices:
             return
-        src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
+        if src is None:
+            src = [local_tensor(self.params[i].grad) for i in indices]  # type: ignore[arg-type]
         with torch.no_grad():  # our own view moved (``.grad.data = x``): the user's now
-            self._place([i for i in indices if self._pools.get(id(self.members[i].pool)) is None
-                         or not self._at_place(i)])
-            torch._foreach_copy_([self.locals[i] for i in indices], src)  # type: ignore[misc]
-        del src
+            dst = self._places(indices)
+            torch._foreach_copy_(dst, src)
+        del src, dst
         self.unwritten = self._without(indices)
+
+    def _places(self, indices: list[int]) -> list[torch.Tensor]:
+        """The local views to copy ``indices``' foreign gradients into, placed where needed;
+        the last step's list when every one is still at its place (C-level comparisons)."""
+        last = self._copy
+        if last is not None and last[0] == indices and list(map(_data_ptr, last[1])) == last[2] and (
+                not any(map(self.wrapped.__getitem__, indices))
+                or all(map(operator.is_, map(local_of, map(self.objs.__getitem__, indices)),  # type: ignore[arg-type]
+                           last[1]))):
+            return last[1]
+        self._place([i for i in indices if self._pools.get(id(self.members[i].pool)) is None
+                     or not self._at_place(i)])
+        dst: list[torch.Tensor] = [self.locals[i] for i in indices]  # type: ignore[misc]
+        self._copy = (list(indices), dst, list(map(_data_ptr, dst)))
+        return dst
+
+    def foreign(self, lo: int, at: list[int], grads: list[torch.Tensor | None]
+                ) -> tuple[list[int], list[torch.Tensor]] | str:
+        """Of members ``at`` (their ``.grad``s ``grads``, none pooled) in the group starting at
+        ``lo``: those with a gradient to copy in and their local tensors, or why one cannot be
+        (torch steps the group).
+        When the same members have gradients of the same types as at the last step, that check
+        runs as C-level passes (no per-member Python)."""
+        keep = list(map(_not_none, grads))
+        if not all(keep):
+            at, grads = list(compress(at, keep)), list(compress(grads, keep))
+        last = self._checked.get(lo)
+        if last is not None and last.at == at and list(map(type, grads)) == last.types:
+            locs = grads if last.plain else list(map(local_tensor, grads))  # type: ignore[arg-type]
+            if (all(map(operator.is_, map(_layout_of, locs), itertools.repeat(torch.strided)))
+                    and list(map(_shape_of, locs)) == last.shapes
+                    and list(map(_dtype_of, locs)) == last.dtypes
+                    and list(map(_device_of, locs)) == last.devices):
+                return at, locs  # type: ignore[return-value]
+        self._checked.pop(lo, None)
+        for i, grad in zip(at, grads):
+            why = unpoolable(grad, self.members[i])  # type: ignore[arg-type]
+            if why is not None:
+                if grad.layout != torch.strided:  # type: ignore[union-attr]
+                    self.sparse.add(i)  # never pre-install a dense view for it again
+                return why
+        locs = [local_tensor(g) for g in grads]  # type: ignore[arg-type]
+        ms = [self.members[i] for i in at]
+        self._checked[lo] = Checked(at, list(map(type, grads)), all(map(operator.is_, locs, grads)),
+                                    [m.shape for m in ms], [m.dtype for m in ms],
+                                    [m.pool.device for m in ms])
+        return at, locs
 
     def reinstall(self, indices: Sequence[int],
                   assign: Callable[[Any, str, Any], None] = setattr) -> None:
         """Copy views an earlier plan installed into this plan's places and install these
         (values first: an interrupt between leaves the old view, copied again next time)."""
-        self.absorb(indices)
+        self.absorb(list(indices))
         for i in indices:
             assign(self.params[i], "grad", self.objs[i])
 
@@ -239,6 +314,7 @@ class Grads:
 
     def _set_views(self, at: list[int], locals_: list[torch.Tensor],
                    objs: list[torch.Tensor]) -> None:
+        self._copy = None
         if at and at[-1] - at[0] == len(at) - 1:  # one run (FSDP2's order is the plan's)
             a, b = at[0], at[-1] + 1
             self.locals[a:b] = locals_
@@ -250,12 +326,23 @@ class Grads:
 
     def pooled(self, lo: int, hi: int) -> list[bool]:
         """Per member of ``[lo, hi)``: its ``.grad`` is its pooled view, still at its place."""
+        return self.read(lo, hi)[0]
+
+    def read(self, lo: int, hi: int) -> tuple[list[bool], list[torch.Tensor | None]]:
+        """:meth:`pooled`, and the ``.grad``s it read (one read a member a step)."""
         if self._handed:
             self._take_handed()
         objs = self.objs[lo:hi]
-        same = list(map(operator.is_, map(_grad_of, self.params[lo:hi]), objs))
+        grads = list(map(_grad_of, self.params[lo:hi]))
+        return self._pooled(lo, hi, objs, grads), grads
+
+    def _pooled(self, lo: int, hi: int, objs: list[torch.Tensor | None],
+                grads: list[torch.Tensor | None]) -> list[bool]:
+        same = list(map(operator.is_, grads, objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
             same = [s and o is not None for s, o in zip(same, objs)]
+        if not any(same):  # (every gradient foreign, or none)
+            return same
         if all(same):
             locals_ = self.locals[lo:hi]
             wrapped = self.wrapped[lo:hi]
@@ -285,6 +372,7 @@ class Grads:
         self.objs = [None] * n
         self.addrs = [None] * n
         self.unwritten = ([], [])
+        self._copy = None
         return True
 
 
