@@ -85,6 +85,7 @@ class Grads:
         self.members = list(members)
         self.params = [m.param for m in self.members]
         self.wrapped = [local_tensor(p) is not p for p in self.params]
+        self.any_wrapped = any(self.wrapped)
         self._pools: dict[int, FlatPool] = {}
         """The current gradient pool of each parameter pool (absent: released)."""
         self._flat: dict[int, torch.Tensor] = {}
@@ -223,7 +224,7 @@ class Grads:
         the last step's list when every one is still at its place (C-level comparisons)."""
         last = self._copy
         if last is not None and last[0] == indices and list(map(_data_ptr, last[1])) == last[2] and (
-                not any(map(self.wrapped.__getitem__, indices))
+                not self.any_wrapped
                 or all(map(operator.is_, map(local_of, map(self.objs.__getitem__, indices)),  # type: ignore[arg-type]
                            last[1]))):
             return last[1]

@@ -150,8 +150,11 @@ class Stepper:
         absorb: list[int] = []
         src: list[torch.Tensor] = []
         if not everyone:
-            at = list(compress(range(lo, hi), map(operator.not_, on)))
-            got = self.grads.foreign(lo, at, list(map(read.__getitem__, at)))
+            if any(on):
+                at = list(compress(range(lo, hi), map(operator.not_, on)))
+                got = self.grads.foreign(lo, at, list(map(read.__getitem__, at)))
+            else:  # (every gradient foreign, or none)
+                got = self.grads.foreign(lo, list(range(lo, hi)), read[lo:hi])
             if isinstance(got, str):
                 return got
             absorb, src = got
