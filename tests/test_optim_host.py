@@ -145,3 +145,33 @@ def test_a_foreign_gradient_changed_after_a_checked_step_steps_as_torch(change: 
     same(ref, o_ref, flat, o_flat)
     if change == "replaced":  # copied in, still the user's object
         assert flat[N // 2].grad is not None and flat[N // 2].grad.eq(0.25).all()
+
+
+def test_pooled_gradients_beside_members_without_one_are_checked_without_per_member_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: one member without a gradient (frozen, unused) sent every pooled one through a
+    Python check of its place at each step."""
+    ref, o_ref, flat, o_flat, fo = twins()
+    for p in (ref[3], flat[3]):
+        p.requires_grad_(False)
+    for step in range(3):
+        give_grads(ref, step)
+        ref[3].grad = None
+        for p in flat:
+            p.grad = None
+        fo.grads.install_missing()  # (none for the frozen one)
+        for p, r in zip(flat, ref):
+            if r.grad is not None:
+                p.grad.copy_(r.grad)
+        if step == 2:
+            places = Calls(monkeypatch, _grads.Grads, "_at_place")
+        o_ref.step()
+        o_flat.step()
+        same(ref, o_ref, flat, o_flat)
+    assert flat[3].grad is None
+    assert places.n == 0
+    flat[5].grad.data = torch.zeros(2, 2)  # the pooled view moved: the user's now, copied in
+    ref[5].grad.data = torch.zeros(2, 2)
+    o_ref.step()
+    o_flat.step()
+    same(ref, o_ref, flat, o_flat)

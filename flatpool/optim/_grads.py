@@ -339,17 +339,22 @@ class Grads:
 
     def _pooled(self, lo: int, hi: int, objs: list[torch.Tensor | None],
                 grads: list[torch.Tensor | None]) -> list[bool]:
+        if self._all_placed and all(map(operator.is_, grads, objs)):  # the steady state
+            locals_ = self.locals[lo:hi]
+            if ((not self.any_wrapped or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
+                    and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
+                return [True] * (hi - lo)
         same = list(map(operator.is_, grads, objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
             same = [s and o is not None for s, o in zip(same, objs)]
         if not any(same):  # (every gradient foreign, or none)
             return same
-        if all(same):
-            locals_ = self.locals[lo:hi]
-            wrapped = self.wrapped[lo:hi]
-            if ((not any(wrapped) or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
-                    and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
-                return same
+        at = list(compress(range(lo, hi), same))  # some members' (frozen, unused, foreign)
+        locals_ = list(map(self.locals.__getitem__, at))
+        if ((not self.any_wrapped or all(map(operator.is_, map(local_of, map(self.objs.__getitem__, at)),  # type: ignore[arg-type]
+                                             locals_)))
+                and list(map(_data_ptr, locals_)) == list(map(self.addrs.__getitem__, at))):  # type: ignore[arg-type]
+            return same
         return [s and self._at_place(lo + k) for k, s in enumerate(same)]
 
     def _at_place(self, i: int) -> bool:
