@@ -175,3 +175,32 @@ def test_pooled_gradients_beside_members_without_one_are_checked_without_per_mem
     o_ref.step()
     o_flat.step()
     same(ref, o_ref, flat, o_flat)
+
+
+def test_foreign_gradients_of_adjacent_1d_members_are_copied_in_as_torch_steps_them() -> None:
+    """Adjacent 1-D places are filled by one ``torch.cat`` into their flat range (not one copy
+    a member): the values torch steps, every step, a replaced or in-place edited one included."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5,), (3,), (8,), (1,), (4,)] * 8
+    ref = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    flat = [nn.Parameter(p.detach().clone()) for p in ref]
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=True)
+    o_flat = torch.optim.AdamW(flat, lr=1e-2, weight_decay=0.1, foreach=True)
+    pool = FlatPool(alignment=1)
+    pool.adopt(flat)
+    fo = FlatOptimizer(o_flat, [pool])
+    for step in range(4):
+        if step != 2:  # step 2: the same objects, edited in place
+            gg = torch.Generator().manual_seed(step)
+            for a, b in zip(ref, flat):
+                a.grad = torch.randn(a.shape, generator=gg)
+                b.grad = a.grad.clone()
+        else:
+            for a, b in zip(ref, flat):
+                a.grad.mul_(-2.0)
+                b.grad.mul_(-2.0)
+        o_ref.step()
+        o_flat.step()
+        same(ref, o_ref, flat, o_flat)
+    assert fo.grads._copy is not None and fo.grads._copy[3] is not None  # the flat range path
+    assert all(a.grad is not b.grad for a, b in zip(ref, flat))
