@@ -16,10 +16,9 @@ new objects by one address comparison per group.
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -105,13 +104,13 @@ class Grads:
         self.unwritten: tuple[list[int], list[int]] = ([], [])
         """Unwritten pre-installed views: indices, versions (replaced whole: interrupt-safe)."""
         self._handed: dict[int, tuple[Run, list[int]]] = {}
+        """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
+        recognized, per parameter pool: the run and its members' addresses."""
         self._checked: dict[int, Checked] = {}
         """Per group (its first member): the foreign gradients checked at the last step."""
         self._copy: tuple[list[int], list[torch.Tensor], list[int], torch.Tensor | None] | None = None
         """The last copy-in's members, their places (local views), those views' addresses, and
         the one flat range they fill when they are adjacent 1-D places."""
-        """Gradient pools handed out as a reduce-scatter output whose ``.grad``s are not yet
-        recognized, per parameter pool: the run and its members' addresses."""
 
     # -- the gradient pools ------------------------------------------------------------------
     def buffer(self, pool: FlatPool) -> FlatPool | None:
@@ -207,7 +206,7 @@ class Grads:
         return [i for i, _ in kept], [v for _, v in kept]
 
     def absorb(self, indices: list[int], src: list[torch.Tensor] | None = None) -> None:
-        """Copy each member's foreign gradient into its place, with one foreach copy. The
+        """Copy each member's foreign gradient into its place, with one copy for all. The
         ``.grad`` stays what its owner installed (their buffer, their scaling): read again at
         every step, never rebound."""
         if not indices:
@@ -261,7 +260,7 @@ class Grads:
         last = self._checked.get(lo)
         if last is not None and last.at == at and list(map(type, grads)) == last.types:
             locs = grads if last.plain else list(map(local_tensor, grads))  # type: ignore[arg-type]
-            if (all(map(operator.is_, map(_layout_of, locs), itertools.repeat(torch.strided)))
+            if (all(map(operator.is_, map(_layout_of, locs), repeat(torch.strided)))
                     and list(map(_shape_of, locs)) == last.shapes
                     and list(map(_dtype_of, locs)) == last.dtypes
                     and list(map(_device_of, locs)) == last.devices):

@@ -70,10 +70,10 @@ class Stepper:
         self._flat: dict[tuple[int, str], torch.Tensor] = {}
         """A segment's range of a state companion."""
         self._param_bufs: dict[int, torch.Tensor] = {}
+        """The parameter pools' byte buffers, during one step."""
         self._written_of: dict[tuple[tuple[int, int, int], ...],
                                tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         """:meth:`_written`'s parameters and wrappers, per run pattern."""
-        """The parameter pools' byte buffers, during one step."""
         self.why = {g: why for g, gp in enumerate(plan.groups) if (why := self._why(g, gp))}
         """Why (part of) each group is planned for torch's own step."""
 
