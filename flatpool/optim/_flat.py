@@ -346,8 +346,10 @@ class FlatOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad(), gc_paused():  # per-member passes make short-lived tuples (shapes):
-            self.grads.settle()                # a collection they trigger would scan every object
+        # gc paused: the checks' per-member passes make short-lived tuples (shapes), and a
+        # collection they set off would scan the whole heap
+        with torch.no_grad(), gc_paused():
+            self.grads.settle()
             self._ensure_plan()
             stepper = self._now.stepper
             stepper.run(stepper.prepare())
