@@ -346,7 +346,9 @@ class FlatOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        # gc paused: the checks' per-member passes make short-lived tuples (shapes), and a
+        # collection they set off would scan the whole heap
+        with torch.no_grad(), gc_paused():
             self.grads.settle()
             self._ensure_plan()
             stepper = self._now.stepper

@@ -160,11 +160,12 @@ class State:
     def _dicts_unchanged(self) -> bool:
         """``optimizer.state`` maps each member to its dict in :attr:`dicts` (no tensor hashed)."""
         state = self.opt.state
-        keys, values = list(state.keys()), list(state.values())
         seen = self._seen
-        if (seen is not None and len(keys) == len(seen[0]) and all(map(operator.is_, keys, seen[0]))
-                and all(map(operator.is_, values, seen[1]))):
+        if (seen is not None and len(state) == len(seen[0])
+                and all(map(operator.is_, state.keys(), seen[0]))
+                and all(map(operator.is_, state.values(), seen[1]))):
             return True
+        keys, values = list(state.keys()), list(state.values())
         known = {id(p): d for p, d in zip(self.params, self.dicts) if d is not None}
         if all(known.get(id(p)) is d for p, d in zip(keys, values) if id(p) in known) and len(
                 known) == sum(1 for p in keys if id(p) in known):
@@ -177,6 +178,8 @@ class State:
         """:meth:`all_pooled` of each ``(lo, hi, group)``, one pass per key when keys agree."""
         keys = {self.keys(g) for _, _, g in spans}
         if self._unchanged and len(keys) == 1:
+            if self._every_entry_pooled(next(iter(keys))):  # the steady step: one pass a key
+                return [True] * len(spans)
             ok = [True] * len(self.members)
             try:
                 for k in next(iter(keys)):
@@ -190,6 +193,20 @@ class State:
             else:
                 return [all(ok[lo:hi]) for lo, hi, _ in spans]
         return [self.all_pooled(lo, hi, g) for lo, hi, g in spans]
+
+    def _every_entry_pooled(self, keys: tuple[str, ...]) -> bool:
+        """Every member's recorded dict holds its pooled entry under each of ``keys`` (one
+        C-level pass a key, no list made)."""
+        dicts = self.dicts
+        try:
+            for k in keys:
+                pair = self._kinds.get(k)
+                if pair is None or not all(map(operator.is_, map(operator.itemgetter(k), dicts),  # type: ignore[arg-type]
+                                               pair[0])):
+                    return False
+        except (KeyError, TypeError):  # a member without a recorded dict or entry
+            return False
+        return True
 
     def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
         """Member ``i``: :data:`POOLED` (entries to adopt added to ``adopt``), :data:`FRESH`, or

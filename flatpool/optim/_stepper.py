@@ -21,7 +21,7 @@ from .._aliasing import local_tensor
 from .._interrupts import signals_guarded
 from ._torch import foreach_choice, raw_step
 from ._companions import Companions, StepSlots
-from ._grads import Grads, unpoolable
+from ._grads import Grads
 from ._layout import Segment
 from ._plan import GroupPlan, Plan
 from ._rules import Rule, fused_exact
@@ -71,6 +71,9 @@ class Stepper:
         """A segment's range of a state companion."""
         self._param_bufs: dict[int, torch.Tensor] = {}
         """The parameter pools' byte buffers, during one step."""
+        self._written_of: dict[tuple[tuple[int, int, int], ...],
+                               tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        """:meth:`_written`'s parameters and wrappers, per run pattern."""
         self.why = {g: why for g, gp in enumerate(plan.groups) if (why := self._why(g, gp))}
         """Why (part of) each group is planned for torch's own step."""
 
@@ -111,50 +114,61 @@ class Stepper:
         scaled = getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None
         self.state.begin()
         groups = self.plan.groups
-        pooled = self.grads.pooled(0, len(self.plan.members))  # one pass for all groups
+        pooled, read = self.grads.read(0, len(self.plan.members))  # one pass for all groups
         self._copy_in: list[int] = []
+        self._copy_src: list[torch.Tensor] = []
         states = self.state.pooled_groups([(gp.lo, gp.hi, gp.group) for gp in groups])
         works = []
-        for g, gp in enumerate(groups):
-            group = gp.group
-            work: GroupWork | str | None = gp.refusal
-            if work is None and scaled and not self._fused(group):
-                work = ("a GradScaler's grad_scale/found_inf for a fused optimizer: torch's fused "
-                        "step reads them")
-            if work is None:
-                work = self._group(g, gp, pooled[gp.lo:gp.hi], states[g])
-            if isinstance(work, str):
-                work = GroupWork(g, group, [], work)
-            works.append(work)
-        self.grads.absorb(self._copy_in)  # the foreign gradients: one copy for all groups
+        try:
+            for g, gp in enumerate(groups):
+                group = gp.group
+                work: GroupWork | str | None = gp.refusal
+                if work is None and scaled and not self._fused(group):
+                    work = ("a GradScaler's grad_scale/found_inf for a fused optimizer: torch's "
+                            "fused step reads them")
+                if work is None:
+                    work = self._group(g, gp, pooled[gp.lo:gp.hi], read, states[g])
+                if isinstance(work, str):
+                    work = GroupWork(g, group, [], work)
+                works.append(work)
+            self.grads.absorb(self._copy_in, self._copy_src)  # the foreign gradients: one copy
+        finally:
+            self._copy_src = []  # the user's gradients: never held past the step
+            del read
         return works
 
     def _fused(self, group: dict[str, Any]) -> bool:
         return bool(group.get("fused")) and self.fused_policy != "foreach"
 
-    def _group(self, g: int, gp: GroupPlan, on: list[bool], state_pooled: bool
-               ) -> GroupWork | str:
-        """``on``: per member, its gradient is pooled; ``state_pooled``: all state is."""
+    def _group(self, g: int, gp: GroupPlan, on: list[bool], read: list[torch.Tensor | None],
+               state_pooled: bool) -> GroupWork | str:
+        """``on``: per member, its gradient is pooled; ``read``: every member's ``.grad`` (plan
+        order); ``state_pooled``: all state is."""
         group, lo, hi = gp.group, gp.lo, gp.hi
-        grads, members = self.grads, self.plan.members
+        members = self.plan.members
         everyone = all(on)
-        absorb = []
-        for k in ([] if everyone else list(compress(range(len(on)), map(operator.not_, on)))):
-            grad = grads.params[lo + k].grad
-            if grad is None:
-                continue
-            why = unpoolable(grad, members[lo + k])
-            if why is not None:
-                if grad.layout != torch.strided:
-                    grads.sparse.add(lo + k)  # never pre-install a dense view for it again
-                return why
-            absorb.append(lo + k)
-            on[k] = True
+        absorb: list[int] = []
+        src: list[torch.Tensor] = []
+        if not everyone:
+            if any(on):
+                at = list(compress(range(lo, hi), map(operator.not_, on)))
+                got = self.grads.foreign(lo, at, list(map(read.__getitem__, at)))
+            else:  # (every gradient foreign, or none)
+                got = self.grads.foreign(lo, list(range(lo, hi)), read[lo:hi])
+            if isinstance(got, str):
+                return got
+            absorb, src = got
+            if len(absorb) == len(on):
+                on[:] = [True] * len(on)
+            else:
+                for i in absorb:
+                    on[i - lo] = True
         for i in gp.others:
             grad = gp.params[i].grad
             if grad is not None and grad.layout != torch.strided:
                 return f"a {grad.layout} gradient"
         self._copy_in += absorb
+        self._copy_src += src
         fresh: set[int] = set()
         if (everyone or any(on)) and not state_pooled:
             adopt: list[tuple[int, str, torch.Tensor]] = []
@@ -285,10 +299,21 @@ class Stepper:
 
     def _written(self, runs: list[Run]) -> list[torch.Tensor]:
         """What torch's step would have written in place: their version counters are bumped, so
-        a graph that saved one refuses backward as with torch instead of using new values."""
-        members = self.plan.members
-        params = [members[i].param for r in runs for i in r.members]
-        return params + [t for p, t in zip(params, map(local_tensor, params)) if t is not p]
+        a graph that saved one refuses backward as with torch instead of using new values.
+
+        The runs' parameters are listed once per plan and run pattern; a wrapper's local tensor
+        is read again at each step (C-level), as a framework may give it a new one."""
+        key = tuple((id(r.seg), r.start, r.end) for r in runs)
+        got = self._written_of.get(key)
+        if got is None:
+            members, wrapped = self.plan.members, self.grads.wrapped
+            idx = [i for r in runs for i in r.members]
+            got = ([members[i].param for i in idx], [members[i].param for i in idx if wrapped[i]])
+            if len(self._written_of) > 64:  # run patterns seen once (fresh members, skips)
+                self._written_of.clear()
+            self._written_of[key] = got
+        params, wrappers = got
+        return params + list(map(local_tensor, wrappers)) if wrappers else params
 
     def _kernel(self, jobs: list[tuple[dict[str, Any], Run]], *, foreach: bool, fused: bool,
                 fresh: bool) -> None:
