@@ -238,3 +238,26 @@ def test_an_optimizer_stepped_flat_dies_with_its_last_reference() -> None:
     del opt, fo
     gc.collect()
     assert dead() is None
+
+
+@pytest.mark.parametrize("kw", [dict(nesterov=True), dict(nesterov=True, maximize=True),
+                                dict(nesterov=True, weight_decay=0.1), dict(nesterov=False)])
+def test_a_copied_in_gradient_gets_what_torchs_in_place_kernel_leaves_in_it(kw: dict[str, Any]
+                                                                             ) -> None:
+    """torch's foreach SGD with nesterov adds the momentum into the ``.grad`` tensors themselves.
+    A ``.grad`` flatpool did not install is stepped through a copy in the gradient pool: it
+    must come out of the step as torch leaves it (the differential test found it unchanged,
+    issue 41 item 4's rule meeting nesterov), and the next accumulation adds onto that."""
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, foreach=True, **kw)
+    o_flat = torch.optim.SGD(flat.parameters(), lr=0.05, momentum=0.9, foreach=True, **kw)
+    FlatOptimizer(o_flat, [pool])  # no module hook: autograd's own gradients stay the .grads
+    for step in range(4):
+        for m, o in ((ref, o_ref), (flat, o_flat)):
+            backward(m, step)  # accumulates onto what the last step left in .grad
+            o.step()
+        same(ref, o_ref, flat, o_flat)
+        for a, b in zip(ref.parameters(), flat.parameters()):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad), (step, kw)

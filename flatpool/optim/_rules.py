@@ -55,6 +55,11 @@ class Rule(Protocol):
         """One step of torch's functional kernel; a ``None`` state entry is made by it."""
         ...
 
+    def writes_grads(self, group: dict[str, Any], *, foreach: bool, fused: bool) -> bool:
+        """torch's kernel writes into the gradients it is given (so a ``.grad`` copied into the
+        pool for the step must get the result back, as torch's own step would leave it)."""
+        ...
+
 
 _ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(_adam).parameters
 
@@ -95,6 +100,9 @@ class AdamRule:
         fn(params, grads, _full(state["exp_avg"]), _full(state["exp_avg_sq"]),
            _full(state.get("max_exp_avg_sq", [])), steps, **kw)
 
+    def writes_grads(self, group: dict[str, Any], *, foreach: bool, fused: bool) -> bool:
+        return False  # torch's Adam writes only into copies of the gradients it is given
+
 
 class SGDRule:
     name = "sgd"
@@ -122,6 +130,12 @@ class SGDRule:
              maximize=group["maximize"])
         if "momentum_buffer" in state:
             state["momentum_buffer"] = bufs  # the buffers torch made for a first step
+
+    def writes_grads(self, group: dict[str, Any], *, foreach: bool, fused: bool) -> bool:
+        # torch's foreach SGD adds the momentum into the gradients themselves for nesterov,
+        # unless maximize or weight decay made it work on copies first
+        return (foreach and not fused and group["momentum"] != 0 and bool(group["nesterov"])
+                and not group["maximize"] and group["weight_decay"] == 0)
 
 
 def _full(xs: Sequence[Tensor | None]) -> list[Tensor]:

@@ -117,6 +117,8 @@ class Stepper:
         pooled, read = self.grads.read(0, len(self.plan.members))  # one pass for all groups
         self._copy_in: list[int] = []
         self._copy_src: list[torch.Tensor] = []
+        self._back: dict[int, torch.Tensor] = {}
+        """Copied-in gradients the kernel writes into: given the result back after it."""
         states = self.state.pooled_groups([(gp.lo, gp.hi, gp.group) for gp in groups])
         works = []
         try:
@@ -132,6 +134,9 @@ class Stepper:
                     work = GroupWork(g, group, [], work)
                 works.append(work)
             self.grads.absorb(self._copy_in, self._copy_src)  # the foreign gradients: one copy
+        except BaseException:
+            self._back = {}  # nothing will be stepped: hold none of the user's gradients
+            raise
         finally:
             self._copy_src = []  # the user's gradients: never held past the step
             del read
@@ -169,6 +174,9 @@ class Stepper:
                 return f"a {grad.layout} gradient"
         self._copy_in += absorb
         self._copy_src += src
+        if absorb and self.rule.writes_grads(group, foreach=self.foreach(g, gp),
+                                             fused=self._fused(group)):
+            self._back.update(zip(absorb, src))
         fresh: set[int] = set()
         if (everyone or any(on)) and not state_pooled:
             adopt: list[tuple[int, str, torch.Tensor]] = []
@@ -245,6 +253,7 @@ class Stepper:
                 self._torch_order(known)
         finally:
             self._param_bufs.clear()
+            self._back = {}  # the user's gradients: never held past the step
 
     def _torch_order(self, known: int) -> None:
         """Put the state entries this step made in torch's order (its groups' parameters in
@@ -338,6 +347,12 @@ class Stepper:
                  grad_scale=getattr(self.opt, "grad_scale", None) if fused else None,
                  found_inf=getattr(self.opt, "found_inf", None) if fused else None)
         increment_version(self._written(runs))
+        back = self._back
+        if back:  # what torch's in-place kernel leaves in a .grad the step read by copy
+            idx = [i for r in runs for i in r.members if i in back]
+            if idx:
+                torch._foreach_copy_([back[i] for i in idx],
+                                     [self.grads.locals[i] for i in idx])  # type: ignore[misc]
         for r in runs:
             if r.slots is not None and len(r.members) > 1:  # the others' steps, as torch counts
                 r.slots.span(r.slot + 1, r.slot + len(r.members)).add_(1.0)
