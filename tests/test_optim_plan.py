@@ -21,6 +21,22 @@ def _grads(ps: list[torch.Tensor], refs: list[torch.Tensor], step: int) -> None:
         p.grad, r.grad = grad.clone(), grad.clone()
 
 
+def _step_both(opt: torch.optim.Optimizer, pool: FlatPool, ps: list[nn.Parameter],
+               o_ref: torch.optim.Optimizer, ref: list[nn.Parameter], steps: int) -> FlatOptimizer:
+    """``steps`` steps of the flat optimizer over ``opt`` and of torch's ``o_ref``, the same
+    gradients each; the parameters torch.equal after them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlatStepWarning)
+        fo = FlatOptimizer(opt, [pool])
+        for step in range(steps):
+            _grads(ps, ref, step)
+            fo.step()
+            o_ref.step()
+    for p, r in zip(ps, ref):
+        assert torch.equal(p, r)
+    return fo
+
+
 def _shared_slice() -> tuple[FlatPool, list[nn.Parameter], torch.Tensor]:
     """``a`` and ``c`` on one adopted tensor's slice, ``b`` in the next slice; ``big`` lives."""
     big, other = torch.linspace(-1, 1, 30), torch.linspace(2, 3, 8)
@@ -37,15 +53,7 @@ def test_a_parameter_sharing_a_members_slice_is_stepped_once(foreach: bool) -> N
     ref = [nn.Parameter(p.detach().clone()) for p in ps]
     opt = torch.optim.AdamW(ps, lr=0.5, weight_decay=0.1, foreach=foreach)
     o_ref = torch.optim.AdamW(ref, lr=0.5, weight_decay=0.1, foreach=foreach)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FlatStepWarning)
-        fo = FlatOptimizer(opt, [pool])
-        for step in range(4):
-            _grads(ps, ref, step)
-            fo.step()
-            o_ref.step()
-    for p, r in zip(ps, ref):
-        assert torch.equal(p, r)
+    fo = _step_both(opt, pool, ps, o_ref, ref, 4)
     s_ref, s_flat = o_ref.state_dict()["state"], opt.state_dict()["state"]
     assert list(s_ref) == list(s_flat)  # torch's order, though torch's part of the group ran first
     assert all(torch.equal(s_ref[k][n], s_flat[k][n]) for k in s_ref for n in s_ref[k])
@@ -86,15 +94,7 @@ def test_a_parameter_listed_twice_in_a_group_is_torchs(foreach: bool,
         kw.update(momentum=0.9)
     o_ref = cls([ref[0], ref[1], ref[0], ref[2]], **kw)
     opt = cls([ps[0], ps[1], ps[0], ps[2]], **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FlatStepWarning)
-        fo = FlatOptimizer(opt, [pool])
-        for step in range(5):
-            _grads(ps, ref, step)
-            fo.step()
-            o_ref.step()
-    for p, r in zip(ps, ref):
-        assert torch.equal(p, r)
+    fo = _step_both(opt, pool, ps, o_ref, ref, 5)
     for k, v in o_ref.state_dict()["state"].items():
         for kind, t in v.items():
             assert torch.equal(t, opt.state_dict()["state"][k][kind])

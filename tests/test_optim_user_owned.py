@@ -20,6 +20,8 @@ from flatpool import FlatPool
 from flatpool.errors import InvalidRequestError
 from flatpool.optim import FlatOptimizer
 
+from test_optim import assert_same as same
+
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
@@ -35,17 +37,6 @@ def pooled(model: nn.Module) -> FlatPool:
 def backward(model: nn.Module, step: int) -> None:
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
     model(x).square().mean().backward()
-
-
-def same(ref: nn.Module, o_ref: torch.optim.Optimizer, flat: nn.Module,
-         o_flat: torch.optim.Optimizer) -> None:
-    for a, b in zip(ref.parameters(), flat.parameters()):
-        assert torch.equal(a, b)
-    s_ref, s_flat = o_ref.state_dict()["state"], o_flat.state_dict()["state"]
-    assert sorted(s_ref) == sorted(s_flat)
-    for k in s_ref:
-        for kind in s_ref[k]:
-            assert torch.equal(s_ref[k][kind], s_flat[k][kind]), (k, kind)
 
 
 def counting(calls: list[str], name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
