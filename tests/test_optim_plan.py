@@ -92,8 +92,10 @@ def test_a_parameter_listed_twice_in_a_group_is_torchs(foreach: bool,
     kw = dict(lr=1e-2, weight_decay=0.1, foreach=foreach)
     if cls is torch.optim.SGD:
         kw.update(momentum=0.9)
-    o_ref = cls([ref[0], ref[1], ref[0], ref[2]], **kw)
-    opt = cls([ps[0], ps[1], ps[0], ps[2]], **kw)
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch's own word on it
+        o_ref = cls([ref[0], ref[1], ref[0], ref[2]], **kw)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = cls([ps[0], ps[1], ps[0], ps[2]], **kw)
     fo = _step_both(opt, pool, ps, o_ref, ref, 5)
     for k, v in o_ref.state_dict()["state"].items():
         for kind, t in v.items():

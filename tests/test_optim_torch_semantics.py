@@ -108,7 +108,11 @@ def test_case1_half_precision_is_bit_identical(dtype: torch.dtype, cls: type[tor
         backward(ref, step)
         backward(flat, step)
         o_ref.step()
-        fo.step()
+        if step == 0:  # the per-parameter half-precision step is said once, at the first step
+            with pytest.warns(FlatStepWarning, match="not bit-identical"):
+                fo.step()
+        else:
+            fo.step()
         same(ref, o_ref, flat, o_flat)
         o_ref.zero_grad()
         o_flat.zero_grad()
