@@ -78,7 +78,11 @@ class _IntoPool:
         numel = math.prod(size)
         expect, self._expect = self._expect, None
         if expect is not None and numel == expect:
-            out = self._output(numel, dtype, torch.device(device))
+            try:
+                out = self._output(numel, dtype, torch.device(device))
+            except Exception as e:  # inside FSDP2's backward: never break what plain FSDP2 trains
+                self._say(f"handing out the gradient pool failed ({type(e).__name__}: {e})")
+                out = None
             if out is not None:
                 self.handed += 1
                 return out

@@ -556,6 +556,28 @@ def without_api(mesh: DeviceMesh) -> None:
         FSDPModule.set_custom_reduce_scatter = api  # type: ignore[method-assign]
 
 
+def hand_out_fails(mesh: DeviceMesh) -> None:
+    """The hand-out failing inside FSDP2's backward (a fault injected into it): the backward
+    goes on with FSDP2's own buffer, one warning names the failure, training stays exact."""
+    ref = build(mesh, fuse=False)
+    model, opt, fo = build(mesh, fuse=True)
+    assert fo is not None
+
+    def failing(*_: Any) -> None:
+        raise RuntimeError("injected")
+
+    fo.grads.hand_out = failing  # type: ignore[method-assign]
+    steps = range(4)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        flat = run_steps(model, opt, fo, steps, storages=False)
+    assert run_steps(*ref, steps) == flat
+    assert any("handing out the gradient pool failed (RuntimeError: injected)" in str(w.message)
+               for w in said), [str(w.message) for w in said]
+    assert reduced_into_pools(model) == [0, 0, 0]
+    assert_identical(ref[:2], (model, opt))
+
+
 def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
     return {"fsdp2-flat-vs-foreach": lambda: flat_vs_foreach(mesh),
             "fsdp2-dcp-resume": lambda: dcp_resume(mesh),
@@ -569,6 +591,7 @@ def scenarios(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
             "fsdp2-reduce-scatter-into-pool": lambda: reduce_scatter_into_pool(mesh),
             "fsdp2-kernel-count": lambda: kernel_count(mesh),
             "fsdp2-reduce-scatter-after-close": lambda: after_close(mesh),
+            "fsdp2-reduce-scatter-hand-out-fails": lambda: hand_out_fails(mesh),
             "fsdp2-gradient-bytes-peak": lambda: memory_peak(mesh),
             "fsdp2-fallback-reduce_dtype": lambda: fallback(
                 mesh, "MixedPrecisionPolicy(reduce_dtype=torch.float64)",

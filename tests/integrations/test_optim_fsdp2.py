@@ -14,7 +14,7 @@ SCENARIOS = ["fsdp2-flat-vs-foreach", "fsdp2-dcp-resume", "fsdp2-no_sync-verify_
              "fsdp2-reload-in-place", "fsdp2-to_empty-reload", "fsdp2-torchtitan-order",
              "fsdp2-torchtitan-order-adopt-at-forward", "fsdp2-unused-and-frozen",
              "fsdp2-memory-like-torch", "fsdp2-reduce-scatter-into-pool", "fsdp2-kernel-count",
-             "fsdp2-reduce-scatter-after-close",
+             "fsdp2-reduce-scatter-after-close", "fsdp2-reduce-scatter-hand-out-fails",
              "fsdp2-gradient-bytes-peak",
              "fsdp2-fallback-reduce_dtype", "fsdp2-fallback-cpu-offload", "fsdp2-fallback-hsdp",
              "fsdp2-fallback-custom-comm", "fsdp2-fallback-no-api"]
