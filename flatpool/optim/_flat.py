@@ -291,6 +291,12 @@ class FlatOptimizer:
         reduce-scatter straight into the pool)."""
         self._serving.append(params)
 
+    def _serve_ddp(self, ddp: nn.Module) -> None:
+        """Once per DDP: its Reducer makes its parameters' ``.grad`` (bucket views)."""
+        if id(ddp) not in self._ddps:
+            self._ddps.add(id(ddp))
+            self._serve(ddp.parameters)
+
     def _skipped_by_hook(self) -> bool:
         """Bring :attr:`Grads.served` up to date; whether every member is served (then the
         backward hook has nothing to do)."""
@@ -304,8 +310,7 @@ class FlatOptimizer:
 
     def _install_hooks(self, module: nn.Module, journal: Journal) -> None:
         for ddp in tc.ddp_modules(module):
-            self._ddps.add(id(ddp))
-            self._serve(ddp.parameters)
+            self._serve_ddp(ddp)
         pre, post = _ModuleHook(self._pre_forward), _ModuleHook(self._post_forward)
         journal.add_hook(module._forward_pre_hooks, pre,
                          lambda: self._handles.append(module.register_forward_pre_hook(pre)))
@@ -320,9 +325,8 @@ class FlatOptimizer:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and not self._closed and not tc.in_functorch_transform():
             ddp = tc.active_ddp()  # a DDP wrapping the hooked module: its Reducer's gradients
-            if ddp is not None and id(ddp) not in self._ddps:
-                self._ddps.add(id(ddp))
-                self._serve(ddp.parameters)
+            if ddp is not None:
+                self._serve_ddp(ddp)
             if self._skipped_by_hook():
                 return
             for t in _output_tensors(output):

@@ -120,12 +120,13 @@ class Grads:
     def pools(self) -> list[FlatPool]:
         return list(self._pools.values())
 
-    def _pool(self, pool: FlatPool) -> tuple[FlatPool, bool]:
-        """The gradient pool of ``pool``, and whether it was made just now (all zeros)."""
+    def _pool(self, pool: FlatPool, zeroed: bool = True) -> tuple[FlatPool, bool]:
+        """The gradient pool of ``pool``, and whether it was made just now (all zeros unless
+        ``zeroed`` is false: a collective writes it whole)."""
         have = self._pools.get(id(pool))
         if have is not None:
             return have, False
-        made = new_pool(f"{pool.name}/grad", pool.capacity, pool.device)
+        made = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=zeroed)
         self._pools[id(pool)] = made
         return made, True
 
@@ -296,10 +297,7 @@ class Grads:
         of them has a gradient: FSDP2 then adds into those (exact, as plain FSDP2)."""
         if not all(map(_is_none, map(_grad_of, run.params))):
             return None
-        gpool = self._pools.get(id(pool))
-        if gpool is None:  # written whole by the collective: no zeroing
-            gpool = new_pool(f"{pool.name}/grad", pool.capacity, pool.device, zeroed=False)
-            self._pools[id(pool)] = gpool
+        gpool, _ = self._pool(pool, zeroed=False)  # written whole by the collective
         out = gpool.view_at(0, (numel,), dtype)
         if out.storage_offset() != 0:  # FSDP2 views each .grad at an absolute storage offset
             return None
