@@ -36,7 +36,7 @@ class TorchtitanRecipe:
     """flatpool for one torchtitan job: :meth:`apply` returns the model (or train) spec with its
     ``parallelize_fn`` and ``post_optimizer_build_fn`` wrapped; ``fused`` and ``flat`` then hold
     what the two hooks made, in model-part order. ``flat_kwargs`` go to :class:`FlatOptimizer`
-    (``fused="fused"`` for torch's fused kernel on a ``fused=True`` optimizer)."""
+    (its default ``fused="exact"`` keeps a ``fused=True`` optimizer's kernel: docs/optim.md)."""
 
     def __init__(self, *, alignment: int = 1, on_pinned: OnPinned = "warn",
                  **flat_kwargs: Any) -> None:
