@@ -103,7 +103,8 @@ OPS = st.one_of(
     st.tuples(st.just("accumulate"), st.lists(st.booleans(), min_size=4, max_size=4)),
     st.tuples(st.just("freeze"), st.integers(0, 3), st.booleans()),
     st.tuples(st.sampled_from(["grad_none", "grad_data", "grad_assign"]), st.integers(0, 3)),
-    st.tuples(st.sampled_from(["state_replace", "state_inplace", "step_edit", "state_del"]),
+    st.tuples(st.sampled_from(["state_replace", "state_inplace", "step_edit", "state_del",
+                               "state_data", "step_data", "state_alias"]),
               st.integers(0, 3)),
     st.tuples(st.just("state_clear")),
     st.tuples(st.just("hyper"), st.sampled_from(["lr", "momentum", "nesterov", "amsgrad"])),
@@ -220,7 +221,8 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
             p.grad = new
         elif p.grad is not None:
             p.grad.data = new
-    elif kind in ("state_replace", "state_inplace", "step_edit", "state_del"):
+    elif kind in ("state_replace", "state_inplace", "step_edit", "state_del", "state_data",
+                  "step_data", "state_alias"):
         st_ = opt.state.get(ps[op[1]])
         if not st_:
             return
@@ -229,6 +231,20 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
         elif kind == "step_edit":
             if "step" in st_:
                 st_["step"] = torch.tensor(float(st_["step"]) + 3.0)
+        elif kind == "step_data":  # the same step tensor, rebound to new memory
+            if "step" in st_:
+                st_["step"].data = torch.tensor(float(st_["step"]) + 3.0)
+        elif kind == "state_alias":  # an entry rebound onto another member's entry
+            key = next((k for k in st_ if k != "step" and torch.is_tensor(st_[k])), None)
+            there = next((o[key] for q in ps if q is not ps[op[1]] and (o := opt.state.get(q))
+                          and key in o and o[key].numel() >= st_[key].numel()), None)
+            if there is not None:
+                assert key is not None
+                st_[key].data = there.data.flatten()[:st_[key].numel()].view(st_[key].shape)
+        elif kind == "state_data":  # offloading code: the same entry, its data moved
+            key = next((k for k in st_ if k != "step" and torch.is_tensor(st_[k])), None)
+            if key is not None:
+                st_[key].data = st_[key].data * 0.5
         else:
             key = next((k for k in st_ if k != "step" and torch.is_tensor(st_[k])), None)
             if key is not None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from flatpool import FlatPool
-from flatpool.errors import InvalidRequestError
+from flatpool.errors import FlatStepWarning, InvalidRequestError
 from flatpool.optim import FlatOptimizer
 
 from test_optim import assert_same as same
@@ -252,3 +252,45 @@ def test_a_copied_in_gradient_gets_what_torchs_in_place_kernel_leaves_in_it(kw: 
         for a, b in zip(ref.parameters(), flat.parameters()):
             assert a.grad is not None and b.grad is not None
             assert torch.equal(a.grad, b.grad), (step, kw)
+
+
+# -- state entries whose memory moved ---------------------------------------------------------
+def _moved(kind: str, o: torch.optim.Optimizer, ps: list[nn.Parameter]) -> None:
+    """What offloading code and hostile users do to an entry without replacing it."""
+    st0, st1 = o.state[ps[0]], o.state[ps[1]]
+    if kind == "offload":  # the same tensor, its data moved off and back
+        st0["exp_avg"].data = st0["exp_avg"].data.to("cpu", copy=True)
+        st0["exp_avg"].data = st0["exp_avg"].data.clone()
+    elif kind == "step":  # the same step tensor, rebound to new memory
+        st1["step"].data = torch.tensor(float(st1["step"]) + 5.0)
+    elif kind == "alias":  # one parameter's entry onto another's memory
+        n = st1["exp_avg_sq"].numel()
+        st1["exp_avg_sq"].data = st0["exp_avg_sq"].data.flatten()[:n].view(st1["exp_avg_sq"].shape)
+    elif kind == "set_":
+        st1["exp_avg"].set_(torch.full_like(st1["exp_avg"], 0.25))
+
+
+@pytest.mark.parametrize("kind", ["offload", "step", "alias", "set_"])
+def test_a_state_entry_whose_memory_moved_is_stepped_where_it_is_now(kind: str) -> None:
+    """``entry.data = x`` keeps the entry object but moves its memory: the flat step must not
+    step the place it left (torch steps ``x``). Before the fix the flat step kept updating the
+    pooled place: silent divergence, the bug this project exists for."""
+    ref, flat = mlp(), mlp()
+    pool = pooled(flat)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=0.05, foreach=True)
+    o_flat = torch.optim.AdamW(flat.parameters(), lr=0.05, foreach=True)
+    FlatOptimizer(o_flat, [pool], module=flat)
+    for step in range(4):
+        for model, o in ((ref, o_ref), (flat, o_flat)):
+            backward(model, step)
+            if step == 2:
+                _moved(kind, o, list(model.parameters()))
+            if o is o_flat and step == 2 and kind == "alias":  # torch's own step: it aliases
+                with pytest.warns(FlatStepWarning, match="shares memory with flatpool's pools"):
+                    o.step()
+            else:  # the others are copied into their places (as an entry the user replaced)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", FlatStepWarning)
+                    o.step()
+            o.zero_grad()
+        same(ref, o_ref, flat, o_flat)

@@ -344,16 +344,18 @@ class Grads:
         """:meth:`pooled`, and the ``.grad``s it read (one read a member a step)."""
         if self._handed:
             self._take_handed()
-        objs = self.objs[lo:hi]
-        grads = list(map(_grad_of, self.params[lo:hi]))
+        whole = lo == 0 and hi == len(self.params)  # (the step's read: no slice copies)
+        objs = self.objs if whole else self.objs[lo:hi]
+        grads = list(map(_grad_of, self.params if whole else self.params[lo:hi]))
         return self._pooled(lo, hi, objs, grads), grads
 
     def _pooled(self, lo: int, hi: int, objs: list[torch.Tensor | None],
                 grads: list[torch.Tensor | None]) -> list[bool]:
         if self._all_placed and all(map(operator.is_, grads, objs)):  # the steady state
-            locals_ = self.locals[lo:hi]
+            whole = lo == 0 and hi == len(self.locals)
+            locals_ = self.locals if whole else self.locals[lo:hi]
             if ((not self.any_wrapped or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
-                    and list(map(_data_ptr, locals_)) == self.addrs[lo:hi]):  # type: ignore[arg-type]
+                    and list(map(_data_ptr, locals_)) == (self.addrs if whole else self.addrs[lo:hi])):  # type: ignore[arg-type]
                 return [True] * (hi - lo)
         same = list(map(operator.is_, grads, objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled

@@ -8,7 +8,7 @@ so an interrupt between leaves the user's tensor); anything else is torch's to s
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from .. import _torch_compat as tc
 from .._aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
 from ._torch import local_of as wrapped_local
+from ._torch import local_of as _local_of
 from ._companions import Companions, StepSlots, views
 from ._layout import Member
 from ._rules import Rule
@@ -30,7 +31,13 @@ def plain_assign(d: dict[Any, Any], key: str, value: Any) -> None:
     d[key] = value
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to past its last (strided, at least one element)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 POOLED, FRESH = "pooled", "fresh"
+_data_ptr = torch.Tensor.data_ptr
 Entry = tuple[int, str, torch.Tensor]
 """(member index, state key, the entry found there)."""
 
@@ -44,10 +51,14 @@ class State:
         self.members = list(members)
         self.params = [m.param for m in self.members]
         self.wrapped = [local_tensor(p) is not p for p in self.params]
+        self._wrapped_at = [i for i, w in enumerate(self.wrapped) if w]
         self.companions = companions
         n = len(self.members)
         self._kinds: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
         """kind -> (each member's entry, its local tensor); None: not made yet."""
+        self._addrs: dict[str, list[int | None]] = {}
+        """kind -> each member's local tensor's data pointer when made: an entry whose data
+        was moved (``entry.data = x``, ``set_``; offloading code does it) is not pooled."""
         self.dicts: list[dict[str, Any] | None] = [None] * n
         """Per member: the state dict object last seen with every entry pooled."""
         self.slots: dict[tuple[int, torch.dtype, torch.device], StepSlots] = {}
@@ -81,6 +92,7 @@ class State:
     def _kind(self, kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         pair = self._kinds.get(kind)
         if pair is None:  # one store: an interrupt never leaves half of it
+            self._addrs.setdefault(kind, [None] * len(self.members))
             pair = self._kinds[kind] = ([None] * len(self.members), [None] * len(self.members))
         return pair
 
@@ -92,6 +104,7 @@ class State:
     def ensure(self, kind: str, indices: Sequence[int]) -> None:
         """Make the pooled ``kind`` entries of members ``indices`` that do not exist yet."""
         entries, locals_ = self._kind(kind)
+        addrs = self._addrs[kind]
         todo = [i for i in indices if entries[i] is None]
         if not todo:
             return
@@ -105,12 +118,14 @@ class State:
                 made = slots.views([self.step_slot(i)[1] for i in idx])
                 for i, v in zip(idx, made):
                     entries[i] = locals_[i] = v
+                    addrs[i] = _data_ptr(v)
                 continue
             ms = [self.members[i] for i in idx]
             made = views(self.companions.get(ms[0].pool, kind), [m.offset for m in ms],
                          [m.shape for m in ms], [m.dtype for m in ms])
             for i, m, local in zip(idx, ms, made):
                 locals_[i] = local
+                addrs[i] = _data_ptr(local)
                 entries[i] = wrap_like(m.param, local) if self.wrapped[i] else local
 
     def view_of(self, i: int, kind: str) -> torch.Tensor:
@@ -126,6 +141,31 @@ class State:
         view = self.view_of(i, kind)
         local = self._kinds[kind][1][i]
         return view if local is None else local
+
+    def _at_place(self, i: int, kind: str) -> bool:
+        """Member ``i``'s pooled ``kind`` entry still holds its place's memory."""
+        entries, locals_ = self._kind(kind)
+        entry, local = entries[i], locals_[i]
+        if entry is None or local is None:
+            return False
+        if self.wrapped[i] and kind != "step" and _local_of(entry) is not local:
+            return False
+        return _data_ptr(local) == self._addrs[kind][i]
+
+    def _all_at_place(self, kind: str) -> bool:
+        """:meth:`_at_place` of every member (C-level passes: every entry exists)."""
+        entries, locals_ = self._kinds[kind]
+        at = self._wrapped_at if kind != "step" else []  # (a step entry is a plain tensor)
+        if at and not all(map(operator.is_, map(_local_of, map(entries.__getitem__, at)),  # type: ignore[arg-type]
+                              map(locals_.__getitem__, at))):
+            return False
+        return list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
+
+    def _forget(self, i: int, kind: str) -> None:
+        """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
+        foreign entry); a new view is made for the place."""
+        entries, locals_ = self._kind(kind)
+        entries[i] = locals_[i] = self._addrs[kind][i] = None
 
     def keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The entries torch keeps for a parameter of ``group``, in its order."""
@@ -150,6 +190,8 @@ class State:
             except (KeyError, TypeError):
                 return False
             if not all(map(operator.is_, got, pair[0][lo:hi])):
+                return False
+            if not all(self._at_place(i, k) for i in range(lo, hi)):
                 return False
         return True
 
@@ -188,6 +230,7 @@ class State:
                         return [lo == hi for lo, hi, _ in spans]
                     got = map(operator.itemgetter(k), self.dicts)  # type: ignore[arg-type]
                     ok = list(map(operator.and_, ok, map(operator.is_, got, pair[0])))
+                    ok = [o and self._at_place(i, k) for i, o in enumerate(ok)]
             except (KeyError, TypeError):  # a member without a recorded dict or entry
                 pass
             else:
@@ -206,7 +249,7 @@ class State:
                     return False
         except (KeyError, TypeError):  # a member without a recorded dict or entry
             return False
-        return True
+        return all(map(self._all_at_place, keys))  # (every entry exists: identical to one)
 
     def classify(self, i: int, group: dict[str, Any], adopt: list[Entry]) -> str:
         """Member ``i``: :data:`POOLED` (entries to adopt added to ``adopt``), :data:`FRESH`, or
@@ -224,7 +267,9 @@ class State:
             if v is None:
                 return f"its optimizer state has no {k!r} (torch's own step decides what that means)"
             if v is self.view_of(i, k):
-                continue
+                if self._at_place(i, k):
+                    continue
+                self._forget(i, k)  # its data was moved: the user's tensor now
             why = self._foreign(i, k, v)
             if why is not None:
                 return why
@@ -249,7 +294,34 @@ class State:
                 v = st.get(k)
                 if v is not None and v is not mine[i] and self._foreign(i, k, v) is None:
                     out.append((i, k, v))
-        return out
+        return [] if self.shared(out) else out  # (the step decides: torch steps them)
+
+    def shared(self, items: Sequence[Entry], others: Iterable[int | None] = ()) -> str | None:
+        """Why copying ``items`` into their places would not be torch's step: torch updates an
+        entry in place, so one on the memory of flatpool's pools (another member's entry) or
+        two on the same bytes are seen through each other. ``others``: more storage keys."""
+        if not items:
+            return None
+        ours = {p.storage_key for p in self.pools()}
+        ours.update({m.pool.storage_key for m in self.members}, others)
+        ours.discard(None)
+        spans: dict[int, list[tuple[int, int, str]]] = {}
+        for i, k, v in items:
+            local = wrapped_local(v) if self.wrapped[i] and k != "step" else v
+            key = tc.storage_address(local)
+            if key in ours:
+                return (f"state {k!r} of a parameter shares memory with flatpool's pools "
+                        "(another parameter's entry): torch's step updates it in place")
+            if local.numel():
+                start = local.data_ptr()
+                spans.setdefault(key, []).append((start, start + _extent(local), k))
+        for found in spans.values():
+            found.sort()
+            for (_, end, k), (start, _, _) in zip(found, found[1:]):
+                if start < end:
+                    return (f"two state entries ({k!r}) share bytes: torch's step updates them "
+                            "in place, each seeing the other")
+        return None
 
     def _foreign(self, i: int, kind: str, v: Any) -> str | None:
         """Why entry ``v`` cannot be adopted into member ``i``'s place, or ``None``."""

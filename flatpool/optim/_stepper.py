@@ -186,6 +186,9 @@ class Stepper:
                     fresh.add(i)
                 elif status != POOLED:
                     return status
+            why = self.state.shared(adopt, (p.storage_key for p in self.grads.pools()))
+            if why is not None:
+                return why
             self.state.adopt(adopt)
         torch_params = [gp.params[i] for i in gp.others]
         runs: list[Run] = []
@@ -206,9 +209,14 @@ class Stepper:
         steps = [0.0] * len(idx)
         if self.rule.has_step:
             slots, first = self.state.step_slot(idx[0])
-            steps = slots.span(first, first + len(idx)).tolist()
-        if everyone and not fresh and steps.count(steps[0]) == len(steps):
-            return [self._run(seg, idx, 0, len(idx), False, steps[0], slots, first)]
+            span = slots.span(first, first + len(idx))
+            if everyone and not fresh and len(idx) > 256:  # the steady step: no list a member
+                if torch.equal(span[1:], span[:-1]):  # (one comparison kernel, no fill)
+                    return [self._run(seg, idx, 0, len(idx), False, span[0].item(), slots,
+                                      first)]
+            steps = span.tolist()
+        elif everyone and not fresh:
+            return [self._run(seg, idx, 0, len(idx), False, 0.0, slots, first)]
         flags = [on[i - lo] for i in idx]
         out: list[Run] = []
         a = None
