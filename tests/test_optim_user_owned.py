@@ -294,3 +294,58 @@ def test_a_state_entry_whose_memory_moved_is_stepped_where_it_is_now(kind: str) 
                     o.step()
             o.zero_grad()
         same(ref, o_ref, flat, o_flat)
+
+
+class _Squares(nn.Module):
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(3, 3, generator=g)) for _ in range(3)])
+
+    def forward(self) -> torch.Tensor:
+        w = torch.arange(9.0).view(3, 3)
+        return torch.stack([((k + 1) * w * q).sum() for k, q in enumerate(self.ps)]).sum()
+
+
+@pytest.mark.parametrize("what,cls,kw", [
+    ("param", torch.optim.AdamW, {}), ("grad", torch.optim.AdamW, {}),
+    ("exp_avg", torch.optim.AdamW, {}),
+    ("grad", torch.optim.SGD, dict(momentum=0.9, nesterov=True)),  # writes into the .grad
+])
+def test_a_tensor_re_viewed_over_its_own_place_is_stepped_as_torch_steps_it(
+        what: str, cls: type[torch.optim.Optimizer], kw: dict[str, Any]) -> None:
+    """``t.data = t.data.t()`` keeps the data pointer and moves every element but the diagonal:
+    the flat step checks each place's contiguity with its address (it stepped the old layout)."""
+    runs = []
+    for flat in (False, True):
+        g = torch.Generator().manual_seed(3)
+        model = _Squares(g)
+        ps = list(model.ps)
+        opt = cls(ps, lr=0.1, foreach=True, **kw)
+        if flat:  # module=: the backward writes into pooled .grad views
+            pool = FlatPool(name="square")
+            pool.adopt(ps)
+            FlatOptimizer(opt, [pool], module=model)
+        for step in range(3):
+            opt.zero_grad()
+            model().backward()
+            if step == 2:
+                p = ps[1]
+                if what == "param":
+                    p.data = p.data.t()
+                elif what == "grad":
+                    assert p.grad is not None
+                    p.grad.data = p.grad.data.t()
+                else:
+                    entry = opt.state[p]["exp_avg"]
+                    entry.data = entry.data.t()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FlatStepWarning)  # (torch steps what it aliases)
+                opt.step()
+        runs.append((ps, opt))
+    (ref, o_ref), (flat_ps, o_flat) = runs
+    for a, b in zip(ref, flat_ps):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        assert sorted(o_ref.state[a]) == sorted(o_flat.state[b])
+        for key in o_ref.state[a]:
+            assert torch.equal(o_ref.state[a][key], o_flat.state[b][key]), key

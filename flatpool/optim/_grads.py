@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from attrs import define
 
+from .. import _torch_compat as tc
 from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ._torch import local_of
@@ -36,6 +37,7 @@ _version_of = operator.attrgetter("_version")
 _requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
 _data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
 _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
@@ -221,9 +223,18 @@ class Grads:
             except RuntimeError:  # a source overlapping the pool: refused before any write
                 done = False
             if not done:
-                torch._foreach_copy_(dst, src)
+                torch._foreach_copy_(dst, self.off_pools(src))
         del src, dst, flat
         self.unwritten = self._without(indices)
+
+    def off_pools(self, src: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``src`` with each tensor on a gradient pool's memory cloned (a ``.grad`` re-viewed
+        over its own place, ``g.data = g.data.t()``): a copy between overlapping tensors is
+        refused by torch, and one source could be overwritten before it is read."""
+        ours = {p.storage_key for p in self._pools.values()}
+        if ours.isdisjoint(map(tc.storage_address, src)):
+            return src
+        return [s.clone() if tc.storage_address(s) in ours else s for s in src]
 
     def _places(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The local views to copy ``indices``' foreign gradients into, placed where needed, and
@@ -265,7 +276,7 @@ class Grads:
                     and list(map(_shape_of, locs)) == last.shapes
                     and list(map(_dtype_of, locs)) == last.dtypes
                     and list(map(_device_of, locs)) == last.devices):
-                return at, locs  # type: ignore[return-value]
+                return self._off_pools(at, locs)  # type: ignore[arg-type]
         self._checked.pop(lo, None)
         for i, grad in zip(at, grads):
             why = unpoolable(grad, self.members[i])  # type: ignore[arg-type]
@@ -278,6 +289,16 @@ class Grads:
         self._checked[lo] = Checked(at, list(map(type, grads)), all(map(operator.is_, locs, grads)),
                                     [m.shape for m in ms], [m.dtype for m in ms],
                                     [m.pool.device for m in ms])
+        return self._off_pools(at, locs)
+
+    def _off_pools(self, at: list[int], locs: list[torch.Tensor]
+                   ) -> tuple[list[int], list[torch.Tensor]] | str:
+        """``(at, locs)``, or why not when a gradient is on a gradient pool's memory (its own
+        view re-viewed, ``g.data = g.data.t()``, or another member's): copying the pool into
+        itself would change the user's gradient, which torch's step only reads."""
+        if self._pools and self.off_pools(locs) is not locs:
+            return ("a .grad on flatpool's gradient memory that is not its pooled view "
+                    "(re-viewed, or another parameter's): torch's step reads it where it is")
         return at, locs
 
     def reinstall(self, indices: Sequence[int],
@@ -355,7 +376,8 @@ class Grads:
             whole = lo == 0 and hi == len(self.locals)
             locals_ = self.locals if whole else self.locals[lo:hi]
             if ((not self.any_wrapped or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
-                    and list(map(_data_ptr, locals_)) == (self.addrs if whole else self.addrs[lo:hi])):  # type: ignore[arg-type]
+                    and list(map(_data_ptr, locals_)) == (self.addrs if whole else self.addrs[lo:hi])  # type: ignore[arg-type]
+                    and all(map(_contiguous, locals_))):  # type: ignore[arg-type]  # (not re-viewed: .t())
                 return [True] * (hi - lo)
         same = list(map(operator.is_, grads, objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
@@ -366,7 +388,8 @@ class Grads:
         locals_ = list(map(self.locals.__getitem__, at))
         if ((not self.any_wrapped or all(map(operator.is_, map(local_of, map(self.objs.__getitem__, at)),  # type: ignore[arg-type]
                                              locals_)))
-                and list(map(_data_ptr, locals_)) == list(map(self.addrs.__getitem__, at))):  # type: ignore[arg-type]
+                and list(map(_data_ptr, locals_)) == list(map(self.addrs.__getitem__, at))  # type: ignore[arg-type]
+                and all(map(_contiguous, locals_))):  # type: ignore[arg-type]
             return same
         return [s and self._at_place(lo + k) for k, s in enumerate(same)]
 
@@ -376,7 +399,7 @@ class Grads:
             return False
         if self.wrapped[i] and local_tensor(obj) is not local:
             return False
-        return _data_ptr(local) == self.addrs[i]
+        return _data_ptr(local) == self.addrs[i] and local.is_contiguous()
 
     def release(self) -> bool:
         """Drop the gradient pools and views when no member has a gradient (freed as torch's)."""

@@ -21,6 +21,7 @@ from ._rules import Rule, group_refusal
 from ._wrap import supported
 
 _data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
 _local_of = operator.attrgetter("_local_tensor")
 
 PLACE_REASONS = ("in none of the given pools", "in pool ", "a meta tensor")
@@ -150,10 +151,13 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
     for g, (group, gp) in enumerate(zip(groups, plan.groups)):
         if options(group, rule) != gp.options:
             return f"param_groups[{g}]'s options changed"
-    if list(map(_data_ptr, plan.member_locals_of(plan.member_params))) != plan.member_addrs:
+    locals_ = plan.member_locals_of(plan.member_params)
+    if list(map(_data_ptr, locals_)) != plan.member_addrs:
         moved = next(gp for gp in plan.groups
                      if list(map(_data_ptr, gp.locals_of(gp.members))) != gp.addrs)
         return f"a parameter of param_groups[{plan.groups.index(moved)}] left its pooled place"
+    if not all(map(_contiguous, locals_)):  # re-viewed in place (``p.data = p.data.t()``)
+        return "a parameter was re-viewed over its place (not contiguous there now)"
     for g in plan.rechecks:
         gp = plan.groups[g]
         for i in gp.recheck:

@@ -38,6 +38,7 @@ def _extent(t: torch.Tensor) -> int:
 
 POOLED, FRESH = "pooled", "fresh"
 _data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
 Entry = tuple[int, str, torch.Tensor]
 """(member index, state key, the entry found there)."""
 
@@ -150,7 +151,7 @@ class State:
             return False
         if self.wrapped[i] and kind != "step" and _local_of(entry) is not local:
             return False
-        return _data_ptr(local) == self._addrs[kind][i]
+        return _data_ptr(local) == self._addrs[kind][i] and local.is_contiguous()
 
     def _all_at_place(self, kind: str) -> bool:
         """:meth:`_at_place` of every member (C-level passes: every entry exists)."""
@@ -159,7 +160,8 @@ class State:
         if at and not all(map(operator.is_, map(_local_of, map(entries.__getitem__, at)),  # type: ignore[arg-type]
                               map(locals_.__getitem__, at))):
             return False
-        return list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
+        return (list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
+                and all(map(_contiguous, locals_)))  # type: ignore[arg-type]  # (not re-viewed: .t())
 
     def _forget(self, i: int, kind: str) -> None:
         """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
