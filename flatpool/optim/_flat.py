@@ -21,6 +21,7 @@ from ..errors import FlatStepWarning, InvalidRequestError, InvalidTypeError
 from ..pool import FlatPool
 from ._torch import after_backward, is_dtensor
 from . import _clip
+from ._collective import Layouts
 from ._companions import Companions
 from ._dropin import DropIn
 from ._grads import Grads, unpoolable
@@ -84,6 +85,8 @@ class _Current:
     grads: Grads
     state: State
     stepper: Stepper
+    layouts: Layouts
+    """The collective-output checks made under this plan (:meth:`FlatOptimizer.collective_output`)."""
 
 
 class FlatOptimizer:
@@ -203,7 +206,8 @@ class FlatOptimizer:
                       [plan.groups[m.group].group for m in plan.members], companions)
         stepper = Stepper(self.optimizer, self.rule, plan, grads, state, companions, self.fused,
                           self._say)
-        self._now = _Current(plan, grads, state, stepper)  # one store: never half a plan
+        layouts = Layouts(grads)
+        self._now = _Current(plan, grads, state, stepper, layouts)  # one store: never half a plan
         self.reasons = dict(stepper.why)  # said by the step that runs torch's step for them
 
     def _sparse_params(self) -> set[int]:
@@ -264,6 +268,11 @@ class FlatOptimizer:
 
     # -- what is where ----------------------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the optimizer steps as torch's own again (read-only)."""
+        return self._closed
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimizer's param groups (what ``GradScaler.unscale_``/``step`` read)."""
         return self.optimizer.param_groups
@@ -283,6 +292,40 @@ class FlatOptimizer:
     def buffers(self) -> dict[str, list[FlatPool]]:
         """The companion pools: ``{"grad": [...], "state": [...]}`` (state includes the steps)."""
         return {"grad": self.grads.pools(), "state": self.state.pools()}
+
+    # -- a gradient pool as a collective's output ---------------------------------------------
+    def check_collective_output(self, pool: FlatPool, params: Sequence[torch.Tensor],
+                                offsets: Sequence[int]) -> str | None:
+        """Why the gradient pool of parameter pool ``pool`` cannot be a collective's output for
+        ``params`` (in the collective's order) at byte ``offsets``, or ``None`` when it can:
+        they are exactly this plan's flat members of ``pool``, at those offsets.
+
+        Checked once per plan, storage of ``pool`` and ``params``/``offsets`` objects (compared
+        by identity: pass the same unchanged sequences, tuples, to reuse the check at every
+        backward)."""
+        if self._closed:
+            return "the flat optimizer is closed"
+        found = self._now.layouts.get(pool, params, offsets)
+        return found if isinstance(found, str) else None
+
+    def collective_output(self, pool: FlatPool, params: Sequence[torch.Tensor],
+                          offsets: Sequence[int], numel: int,
+                          dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient pool of parameter pool ``pool`` as one flat ``numel``-element ``dtype``
+        tensor at storage offset 0, for a collective (FSDP2's reduce-scatter) to write whole and
+        view each member's ``.grad`` out of (absolute storage offsets), which the step then
+        recognizes as the pooled gradients: no zeroing, no copy.
+
+        ``None`` (the collective uses a buffer of its own; the step copies) when
+        :meth:`check_collective_output` gives a reason, when closed, or while a member has a
+        ``.grad`` (the collective then adds into it, exact as without flatpool). The pool is not
+        zeroed: the collective must write all ``numel`` elements."""
+        if self._closed:
+            return None
+        found = self._now.layouts.get(pool, params, offsets)
+        if isinstance(found, str):
+            return None
+        return self.grads.hand_out(pool, found, numel, dtype)
 
     # -- hooks ------------------------------------------------------------------------------
     def _serve(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:

@@ -8,9 +8,9 @@ installed elsewhere (the user's buffer, autograd's own) is copied in at every st
 (:meth:`Grads.absorb`) and stays the ``.grad``: only views flatpool installed are flatpool's.
 
 FSDP2's reduce-scatter can write a group's gradients straight into its pool instead
-(:meth:`Grads.hand_out`, called from the integration's ``ReduceScatter.allocate``): FSDP2 then
-makes every ``.grad`` as a view of the pool itself, and :meth:`Grads.pooled` recognizes those
-new objects by one address comparison per group.
+(:meth:`Grads.hand_out`, through :meth:`FlatOptimizer.collective_output` from the integration's
+``ReduceScatter.allocate``): FSDP2 then makes every ``.grad`` as a view of the pool itself, and
+:meth:`Grads.pooled` recognizes those new objects by one address comparison per group.
 """
 
 from __future__ import annotations

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from attrs import define
 from torch.distributed.fsdp import FSDPModule
 
 from flatpool import _torch_compat as tc
 from flatpool._warn import logger, warn
 from flatpool.errors import FlatStepWarning
 from flatpool.optim import FlatOptimizer
-from flatpool.optim._grads import Run, run_of
 
 from .members import padded_size
 
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 def _static_reason(group: Any, default: type) -> str | None:
     """Why a group's gradients cannot be reduce-scattered into its pool at all, or ``None``."""
     comm = tc.fsdp_group_reduce_scatter_comm(group)
-    if isinstance(comm, _IntoPool) and comm._fo._closed:  # a closed flat optimizer's: ours
+    if isinstance(comm, _IntoPool) and comm._fo.closed:  # a closed flat optimizer's: ours
         comm = comm._default
     if type(comm) is not default:
         return (f"a custom reduce-scatter is set ({type(comm).__name__}): it stays, and the "
@@ -67,8 +66,8 @@ class _IntoPool:
         self._fo, self._fused, self._index, self._default = fo, fused, index, default
         self._expect: int | None = None
         """Elements of the output expected next (set by the input's allocation)."""
-        self._layout: tuple[tuple[Any, Any, int | None], tuple[Run, int] | None] | None = None
-        """The last layout check: (gradients, pool, storage) and its result."""
+        self._layout: tuple[tuple[Any, int | None, int], _Layout] | None = None
+        """FSDP2's layout as last read: for (pool, storage, the optimizer's replans)."""
         self._said: set[str] = set()
         self.handed = 0
         """How many reduce-scatters wrote into the gradient pool (for tests and benchmarks)."""
@@ -102,7 +101,7 @@ class _IntoPool:
 
     def _output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         fo = self._fo
-        if fo._closed:
+        if fo.closed:
             return None
         buf = self._fused.buffers[self._index]
         if not buf.adopted or len(buf.buckets) != 1:
@@ -110,33 +109,29 @@ class _IntoPool:
         bucket = buf.buckets[0]
         if bucket.dtype != dtype or bucket.pool.device != device:
             return None
-        layout = self._members(bucket.pool, dtype)
-        if layout is None or layout[1] != numel:
+        layout = self._fsdp_layout(bucket.pool, dtype)
+        why = fo.check_collective_output(bucket.pool, layout.params, layout.offsets)
+        if why is not None:
+            self._say(why)
             return None
-        return fo.grads.hand_out(bucket.pool, layout[0], numel, dtype)
+        if layout.numel != numel:
+            return None
+        return fo.collective_output(bucket.pool, layout.params, layout.offsets, numel, dtype)
 
-    def _members(self, pool: Any, dtype: torch.dtype) -> tuple[Run, int] | None:
-        """The plan's members of ``pool`` in FSDP2's order and the output's elements, if the
-        pool packs their padded shards from byte 0 without gaps (cached per plan and storage)."""
-        grads = self._fo.grads
-        key = (grads, pool, pool.storage_key)
+    def _fsdp_layout(self, pool: Any, dtype: torch.dtype) -> _Layout:
+        """FSDP2's parameters of the group and their padded shards' byte offsets packed from
+        byte 0 (per-member work: read again only for a new pool, storage or plan; the same
+        tuples let the optimizer reuse its check)."""
+        key = (pool, pool.storage_key, self._fo.replans)
         have = self._layout
-        if have is not None and all(map(operator.is_, have[0][:2], key[:2])) \
-                and have[0][2] == key[2]:
+        if have is not None and have[0][0] is pool and have[0][1:] == key[1:]:
             return have[1]
         params = self._group.fsdp_params
-        idx = [i for i, m in enumerate(grads.members) if m.pool is pool]
         offsets, at = [], 0
         for k, p in enumerate(params):
             offsets.append(at * dtype.itemsize)
             at += padded_size(p, k).numel()
-        found: tuple[Run, int] | None = (run_of(grads, idx), at)
-        if [id(grads.params[i]) for i in idx] != [id(p.sharded_param) for p in params]:
-            self._say("not every member of the group is a flat member of this optimizer")
-            found = None
-        elif [grads.members[i].offset for i in idx] != offsets:
-            self._say("the pool has gaps between the padded shards (alignment > 1)")
-            found = None
+        found = _Layout(tuple(p.sharded_param for p in params), tuple(offsets), at)
         self._layout = (key, found)
         return found
 
@@ -145,6 +140,16 @@ class _IntoPool:
             self._said.add(why)
             warn(f"fsdp{self._index}: FSDP2 reduce-scatters into its own buffer and the step "
                  f"copies the gradients into the pool: {why}", FlatStepWarning, past_torch=True)
+
+
+@define(frozen=True)
+class _Layout:
+    """A group's reduce-scatter output as FSDP2 lays it out: its parameters in FSDP2's order,
+    their byte offsets and the output's elements."""
+
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    numel: int
 
 
 def _sharded_params(group: Any) -> list[torch.Tensor]:
