@@ -161,7 +161,8 @@ class State:
                               map(locals_.__getitem__, at))):
             return False
         return (list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
-                and all(map(_contiguous, locals_)))  # type: ignore[arg-type]  # (not re-viewed: .t())
+                and (kind == "step"  # (0-d: always contiguous)
+                     or all(map(_contiguous, locals_))))  # type: ignore[arg-type]  # (not .t())
 
     def _forget(self, i: int, kind: str) -> None:
         """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
