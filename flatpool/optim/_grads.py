@@ -29,7 +29,7 @@ from .._aliasing import local_tensor
 from ..pool import FlatPool
 from ._torch import local_of
 from ._companions import new_pool, views
-from ._layout import Member, Segment
+from ._layout import Member, Segment, multi_dim
 from ._wrap import wrap_like
 
 _grad_of = operator.attrgetter("grad")
@@ -87,6 +87,9 @@ class Grads:
         self.params = [m.param for m in self.members]
         self.wrapped = [local_tensor(p) is not p for p in self.params]
         self.any_wrapped = any(self.wrapped)
+        self.multi = multi_dim(self.members)
+        """Members whose views' contiguity is checked (:func:`~._layout.multi_dim`)."""
+        self._is_multi = [len(m.shape) > 1 for m in self.members]
         self._pools: dict[int, FlatPool] = {}
         """The current gradient pool of each parameter pool (absent: released)."""
         self._flat: dict[int, torch.Tensor] = {}
@@ -377,7 +380,9 @@ class Grads:
             locals_ = self.locals if whole else self.locals[lo:hi]
             if ((not self.any_wrapped or all(map(operator.is_, map(local_of, objs), locals_)))  # type: ignore[arg-type]
                     and list(map(_data_ptr, locals_)) == (self.addrs if whole else self.addrs[lo:hi])  # type: ignore[arg-type]
-                    and all(map(_contiguous, locals_))):  # type: ignore[arg-type]  # (not re-viewed: .t())
+                    and all(map(_contiguous, map(self.locals.__getitem__,  # type: ignore[arg-type]
+                                                 self.multi if whole else
+                                                 [i for i in self.multi if lo <= i < hi])))):
                 return [True] * (hi - lo)
         same = list(map(operator.is_, grads, objs))
         if not self._all_placed and any(map(_is_none, objs)):  # None is None: not pooled
@@ -389,7 +394,7 @@ class Grads:
         if ((not self.any_wrapped or all(map(operator.is_, map(local_of, map(self.objs.__getitem__, at)),  # type: ignore[arg-type]
                                              locals_)))
                 and list(map(_data_ptr, locals_)) == list(map(self.addrs.__getitem__, at))  # type: ignore[arg-type]
-                and all(map(_contiguous, locals_))):  # type: ignore[arg-type]
+                and all(map(_contiguous, compress(locals_, map(self._is_multi.__getitem__, at))))):  # type: ignore[arg-type]
             return same
         return [s and self._at_place(lo + k) for k, s in enumerate(same)]
 
@@ -399,7 +404,7 @@ class Grads:
             return False
         if self.wrapped[i] and local_tensor(obj) is not local:
             return False
-        return _data_ptr(local) == self.addrs[i] and local.is_contiguous()
+        return _data_ptr(local) == self.addrs[i] and (not self._is_multi[i] or local.is_contiguous())
 
     def release(self) -> bool:
         """Drop the gradient pools and views when no member has a gradient (freed as torch's)."""

@@ -188,3 +188,11 @@ def _adjacent(a: Member, b: Member) -> bool:
 def _segment(run: list[Member]) -> Segment:
     first, last = run[0], run[-1]
     return Segment(first.pool, first.dtype, first.group, tuple(run), first.offset, last.end)
+
+
+def multi_dim(members: Sequence[Member]) -> list[int]:
+    """Indices of ``members`` of two or more dimensions: the places whose contiguity the step
+    checks (``t.data = t.data.t()`` keeps the address). A 1-D place re-viewed at its address
+    (``t.data = t.data[::2]``) pairs its elements with the gradient's and state's as the flat
+    step does, or torch raises on the shapes, unless a hand-made stride re-views one of them."""
+    return [i for i, m in enumerate(members) if len(m.shape) > 1]

@@ -16,7 +16,7 @@ from attrs import define, field
 
 from .._aliasing import local_tensor
 from ..pool import FlatPool
-from ._layout import Member, Places, Segment, plan_group, segments_of
+from ._layout import Member, Places, Segment, multi_dim, plan_group, segments_of
 from ._rules import Rule, group_refusal
 from ._wrap import supported
 
@@ -68,6 +68,9 @@ class Plan:
     member_locals_of: Callable[[list[torch.Tensor]], list[torch.Tensor]] = field(default=list)
     rechecks: list[int] = field(factory=list)
     """Groups with parameters to look up again at every step."""
+    member_multi: list[int] = field(factory=list)
+    """Members of two or more dimensions: their contiguity is checked (``p.data = p.data.t()``
+    keeps the address; a 1-D place re-viewed at its address needs a hand-made stride)."""
 
 
 def options(group: dict[str, Any], rule: Rule) -> tuple[Any, ...]:
@@ -122,7 +125,7 @@ def make_plan(opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[FlatPool])
                 members, segments_of(members), by_pool,
                 [p for gp in groups for p in gp.params], mparams,
                 list(map(_data_ptr, locals_of(mparams))), locals_of,
-                [g for g, gp in enumerate(groups) if gp.recheck])
+                [g for g, gp in enumerate(groups) if gp.recheck], multi_dim(members))
 
 
 def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[FlatPool]) -> str | None:
@@ -156,7 +159,7 @@ def stale(plan: Plan, opt: torch.optim.Optimizer, rule: Rule, pools: Sequence[Fl
         moved = next(gp for gp in plan.groups
                      if list(map(_data_ptr, gp.locals_of(gp.members))) != gp.addrs)
         return f"a parameter of param_groups[{plan.groups.index(moved)}] left its pooled place"
-    if not all(map(_contiguous, locals_)):  # re-viewed in place (``p.data = p.data.t()``)
+    if not all(map(_contiguous, map(locals_.__getitem__, plan.member_multi))):  # (``.t()``)
         return "a parameter was re-viewed over its place (not contiguous there now)"
     for g in plan.rechecks:
         gp = plan.groups[g]

@@ -19,7 +19,7 @@ from ._torch import is_dtensor, step_dtype
 from ._torch import local_of as wrapped_local
 from ._torch import local_of as _local_of
 from ._companions import Companions, StepSlots, views
-from ._layout import Member
+from ._layout import Member, multi_dim
 from ._rules import Rule
 from ._wrap import wrap_like
 
@@ -53,6 +53,8 @@ class State:
         self.params = [m.param for m in self.members]
         self.wrapped = [local_tensor(p) is not p for p in self.params]
         self._wrapped_at = [i for i, w in enumerate(self.wrapped) if w]
+        self._multi = multi_dim(self.members)
+        """Members whose entries' contiguity is checked (:func:`~._layout.multi_dim`)."""
         self.companions = companions
         n = len(self.members)
         self._kinds: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
@@ -151,7 +153,8 @@ class State:
             return False
         if self.wrapped[i] and kind != "step" and _local_of(entry) is not local:
             return False
-        return _data_ptr(local) == self._addrs[kind][i] and local.is_contiguous()
+        return _data_ptr(local) == self._addrs[kind][i] and (
+            kind == "step" or len(self.members[i].shape) < 2 or local.is_contiguous())
 
     def _all_at_place(self, kind: str) -> bool:
         """:meth:`_at_place` of every member (C-level passes: every entry exists)."""
@@ -162,7 +165,7 @@ class State:
             return False
         return (list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
                 and (kind == "step"  # (0-d: always contiguous)
-                     or all(map(_contiguous, locals_))))  # type: ignore[arg-type]  # (not .t())
+                     or all(map(_contiguous, map(locals_.__getitem__, self._multi)))))  # type: ignore[arg-type]
 
     def _forget(self, i: int, kind: str) -> None:
         """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
