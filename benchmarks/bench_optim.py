@@ -180,6 +180,7 @@ def _host(n: int, quick: bool) -> list[Result]:
     import torch
 
     steps, _ = _cases(n, [(4,)] * n)
+    steps["passes"] = _passes(n)
     cases: dict[str, Case] = {k: (lambda f=f: timed(f)) for k, f in steps.items()}
     with torch.no_grad():
         t = interleaved(cases, reps=3 if quick else 15, warmup=1)
@@ -195,7 +196,52 @@ def _host(n: int, quick: bool) -> list[Result]:
         None if quick or not big else flat <= HOST_FLOOR_S * n,
         note=f"{flat / n * 1e6:.2f} us a member; the user's own .grads (copied in): "
              f"{fmt_s(user)}; fused=True {fmt_s(median(t['fused']))}, "
-             f"foreach=True {fmt_s(median(t['foreach']))}")]
+             f"foreach=True {fmt_s(median(t['foreach']))}"),
+        Result("optim", f"AdamW step host time, {n} 4-element params: the per-member passes "
+               "its checks make alone, vs the flat step", fmt_s(median(t["passes"])), fmt_s(flat),
+               median_ratio(t["passes"], t["flat pooled"]), "reported", None,
+               note=f"{median(t['passes']) / n * 1e6:.2f} us a member: reading each .grad, the "
+                    "data pointers of parameters, gradients and 3 state entries, identities "
+                    "(groups, .grads, optimizer.state, 3 entries), the version bump")]
+
+
+def _passes(n: int) -> Callable[[], None]:
+    """The C-level passes over the members that a torch-exact steady flat AdamW step makes
+    (docs/optim.md "torch decides every step"), alone, over a replica of the benchmark's
+    parameters: the floor of any step that checks at every step what torch's step reads."""
+    import operator
+
+    import torch
+    from torch.autograd.graph import increment_version
+
+    ptr, grad_of, is_ = torch.Tensor.data_ptr, operator.attrgetter("grad"), operator.is_
+    ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(n)]
+    pbuf, gbuf = torch.zeros(4 * n), torch.zeros(4 * n)
+    bufs = {k: torch.zeros(4 * n) for k in ("exp_avg", "exp_avg_sq")}
+    steps = torch.zeros(n)
+    state: dict[Any, dict[str, torch.Tensor]] = {}
+    for i, p in enumerate(ps):
+        p.data = pbuf[4 * i:4 * i + 4]
+        p.grad = gbuf[4 * i:4 * i + 4]
+        state[p] = {"step": steps[i], **{k: b[4 * i:4 * i + 4] for k, b in bufs.items()}}
+    group = list(ps)
+    grads = [g for p in ps if (g := p.grad) is not None]
+    keys, dicts = list(state), list(state.values())
+    entries = {k: [d[k] for d in dicts] for k in ("step", "exp_avg", "exp_avg_sq")}
+    addrs = {k: list(map(ptr, v)) for k, v in entries.items()}
+    paddrs, gaddrs = list(map(ptr, ps)), list(map(ptr, grads))
+
+    def passes() -> None:
+        ok = (all(map(is_, group, ps)) and list(map(ptr, ps)) == paddrs
+              and all(map(is_, state.keys(), keys)) and all(map(is_, state.values(), dicts))
+              and all(map(is_, map(grad_of, ps), grads)) and list(map(ptr, grads)) == gaddrs)
+        for k, v in entries.items():
+            ok = ok and all(map(is_, map(operator.itemgetter(k), dicts), v)) and list(
+                map(ptr, v)) == addrs[k]
+        assert ok
+        increment_version(ps)
+
+    return passes
 
 
 __all__ = ["peak_bytes", "run"]
