@@ -230,13 +230,18 @@ class Grads:
         del src, dst, flat
         self.unwritten = self._without(indices)
 
+    def on_pools(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether one of ``tensors`` is on a gradient pool's memory (one C-level pass)."""
+        ours = {p.storage_key for p in self._pools.values()}
+        return bool(ours) and not ours.isdisjoint(map(tc.storage_address, tensors))
+
     def off_pools(self, src: list[torch.Tensor]) -> list[torch.Tensor]:
         """``src`` with each tensor on a gradient pool's memory cloned (a ``.grad`` re-viewed
         over its own place, ``g.data = g.data.t()``): a copy between overlapping tensors is
         refused by torch, and one source could be overwritten before it is read."""
-        ours = {p.storage_key for p in self._pools.values()}
-        if ours.isdisjoint(map(tc.storage_address, src)):
+        if not self.on_pools(src):
             return src
+        ours = {p.storage_key for p in self._pools.values()}
         return [s.clone() if tc.storage_address(s) in ours else s for s in src]
 
     def _places(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -299,7 +304,7 @@ class Grads:
         """``(at, locs)``, or why not when a gradient is on a gradient pool's memory (its own
         view re-viewed, ``g.data = g.data.t()``, or another member's): copying the pool into
         itself would change the user's gradient, which torch's step only reads."""
-        if self._pools and self.off_pools(locs) is not locs:
+        if self.on_pools(locs):
             return ("a .grad on flatpool's gradient memory that is not its pooled view "
                     "(re-viewed, or another parameter's): torch's step reads it where it is")
         return at, locs

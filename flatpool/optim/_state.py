@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from .. import _torch_compat as tc
 from .._aliasing import local_tensor
 from ._torch import is_dtensor, step_dtype
 from ._torch import local_of as wrapped_local
-from ._torch import local_of as _local_of
 from ._companions import Companions, StepSlots, views
 from ._layout import Member, multi_dim
 from ._rules import Rule
@@ -151,21 +151,28 @@ class State:
         entry, local = entries[i], locals_[i]
         if entry is None or local is None:
             return False
-        if self.wrapped[i] and kind != "step" and _local_of(entry) is not local:
+        if self.wrapped[i] and kind != "step" and wrapped_local(entry) is not local:
             return False
         return _data_ptr(local) == self._addrs[kind][i] and (
             kind == "step" or len(self.members[i].shape) < 2 or local.is_contiguous())
 
-    def _all_at_place(self, kind: str) -> bool:
-        """:meth:`_at_place` of every member (C-level passes: every entry exists)."""
+    def _all_at_place(self, kind: str, idx: list[int] | None = None) -> bool:
+        """:meth:`_at_place` of every member, or of members ``idx`` (C-level passes: their
+        entries exist)."""
         entries, locals_ = self._kinds[kind]
-        at = self._wrapped_at if kind != "step" else []  # (a step entry is a plain tensor)
-        if at and not all(map(operator.is_, map(_local_of, map(entries.__getitem__, at)),  # type: ignore[arg-type]
-                              map(locals_.__getitem__, at))):
+        addrs = self._addrs[kind]
+        wrapped, multi = self._wrapped_at, self._multi
+        if idx is not None:
+            chosen = set(idx)
+            wrapped, multi = [i for i in wrapped if i in chosen], [i for i in multi if i in chosen]
+            locals_, addrs = list(map(locals_.__getitem__, idx)), list(map(addrs.__getitem__, idx))
+        if kind != "step" and wrapped and not all(map(  # (a step entry is a plain tensor)
+                operator.is_, map(wrapped_local, map(entries.__getitem__, wrapped)),  # type: ignore[arg-type]
+                map(self._kinds[kind][1].__getitem__, wrapped))):
             return False
-        return (list(map(_data_ptr, locals_)) == self._addrs[kind]  # type: ignore[arg-type]
+        return (list(map(_data_ptr, locals_)) == addrs  # type: ignore[arg-type]
                 and (kind == "step"  # (0-d: always contiguous)
-                     or all(map(_contiguous, map(locals_.__getitem__, self._multi)))))  # type: ignore[arg-type]
+                     or all(map(_contiguous, map(self._kinds[kind][1].__getitem__, multi)))))  # type: ignore[arg-type]
 
     def _forget(self, i: int, kind: str) -> None:
         """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
@@ -197,7 +204,7 @@ class State:
                 return False
             if not all(map(operator.is_, got, pair[0][lo:hi])):
                 return False
-            if not all(self._at_place(i, k) for i in range(lo, hi)):
+            if not self._all_at_place(k, list(range(lo, hi))):
                 return False
         return True
 
@@ -236,7 +243,8 @@ class State:
                         return [lo == hi for lo, hi, _ in spans]
                     got = map(operator.itemgetter(k), self.dicts)  # type: ignore[arg-type]
                     ok = list(map(operator.and_, ok, map(operator.is_, got, pair[0])))
-                    ok = [o and self._at_place(i, k) for i, o in enumerate(ok)]
+                    if not self._all_at_place(k, list(compress(range(len(ok)), ok))):
+                        ok = [o and self._at_place(i, k) for i, o in enumerate(ok)]
             except (KeyError, TypeError):  # a member without a recorded dict or entry
                 pass
             else:

@@ -361,7 +361,7 @@ class Stepper:
             if idx:
                 dst = [back[i] for i in idx]
                 src = [self.grads.locals[i] for i in idx]
-                if self.grads.off_pools(dst) is not dst:  # a .grad on the pool: from a snapshot
+                if self.grads.on_pools(dst):  # a .grad on the pool: written from a snapshot
                     src = [s.clone() for s in src]  # type: ignore[union-attr]
                 torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
         for r in runs:
