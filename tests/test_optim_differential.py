@@ -102,9 +102,10 @@ OPS = st.one_of(
               st.one_of(st.none(), st.integers(0, 400))),
     st.tuples(st.just("accumulate"), st.lists(st.booleans(), min_size=4, max_size=4)),
     st.tuples(st.just("freeze"), st.integers(0, 3), st.booleans()),
-    st.tuples(st.sampled_from(["grad_none", "grad_data", "grad_assign"]), st.integers(0, 3)),
+    st.tuples(st.sampled_from(["grad_none", "grad_data", "grad_assign", "grad_t", "param_t",
+                               "param_data"]), st.integers(0, 3)),
     st.tuples(st.sampled_from(["state_replace", "state_inplace", "step_edit", "state_del",
-                               "state_data", "step_data", "state_alias"]),
+                               "state_data", "step_data", "state_alias", "state_t"]),
               st.integers(0, 3)),
     st.tuples(st.just("state_clear")),
     st.tuples(st.just("hyper"), st.sampled_from(["lr", "momentum", "nesterov", "amsgrad"])),
@@ -214,6 +215,19 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
         ps[op[1]].requires_grad_(op[2])
     elif kind == "grad_none":
         ps[op[1]].grad = None
+    elif kind == "grad_t":  # re-viewed over its own place: same data pointer
+        g = ps[op[1]].grad
+        if g is not None and g.dim() == 2:
+            g.data = g.data.t()
+    elif kind == "param_t":  # a layout change: the parameter and what pairs with it, alike
+        p = ps[op[1]]      # (torch raises on mismatched shapes after updating part of the state)
+        if p.dim() == 2:
+            st_ = opt.state.get(p, {})
+            for t_ in [p, p.grad] + [v for k, v in st_.items() if k != "step"]:
+                if torch.is_tensor(t_) and t_.dim() == 2:
+                    t_.data = t_.data.t()
+    elif kind == "param_data":  # moved off its place (out of the pool)
+        ps[op[1]].data = ps[op[1]].data.clone()
     elif kind in ("grad_data", "grad_assign"):
         p = ps[op[1]]
         new = torch.full_like(p, 0.125 * (op[1] + 1))
@@ -222,7 +236,7 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
         elif p.grad is not None:
             p.grad.data = new
     elif kind in ("state_replace", "state_inplace", "step_edit", "state_del", "state_data",
-                  "step_data", "state_alias"):
+                  "step_data", "state_alias", "state_t"):
         st_ = opt.state.get(ps[op[1]])
         if not st_:
             return
@@ -241,6 +255,10 @@ def apply(t: Twin, op: tuple[Any, ...], seed: int) -> None:
             if there is not None:
                 assert key is not None
                 st_[key].data = there.data.flatten()[:st_[key].numel()].view(st_[key].shape)
+        elif kind == "state_t":  # the same entry re-viewed over its own place
+            key = next((k for k in st_ if k != "step" and torch.is_tensor(st_[k])), None)
+            if key is not None and st_[key].dim() == 2:
+                st_[key].data = st_[key].data.t()
         elif kind == "state_data":  # offloading code: the same entry, its data moved
             key = next((k for k in st_ if k != "step" and torch.is_tensor(st_[k])), None)
             if key is not None:
