@@ -226,23 +226,14 @@ class Grads:
             except RuntimeError:  # a source overlapping the pool: refused before any write
                 done = False
             if not done:
-                torch._foreach_copy_(dst, self.off_pools(src))
+                torch._foreach_copy_(dst, src)
         del src, dst, flat
         self.unwritten = self._without(indices)
 
-    def on_pools(self, tensors: Iterable[torch.Tensor]) -> bool:
+    def _on_pools(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether one of ``tensors`` is on a gradient pool's memory (one C-level pass)."""
         ours = {p.storage_key for p in self._pools.values()}
         return bool(ours) and not ours.isdisjoint(map(tc.storage_address, tensors))
-
-    def off_pools(self, src: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``src`` with each tensor on a gradient pool's memory cloned (a ``.grad`` re-viewed
-        over its own place, ``g.data = g.data.t()``): a copy between overlapping tensors is
-        refused by torch, and one source could be overwritten before it is read."""
-        if not self.on_pools(src):
-            return src
-        ours = {p.storage_key for p in self._pools.values()}
-        return [s.clone() if tc.storage_address(s) in ours else s for s in src]
 
     def _places(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The local views to copy ``indices``' foreign gradients into, placed where needed, and
@@ -284,7 +275,7 @@ class Grads:
                     and list(map(_shape_of, locs)) == last.shapes
                     and list(map(_dtype_of, locs)) == last.dtypes
                     and list(map(_device_of, locs)) == last.devices):
-                return self._off_pools(at, locs)  # type: ignore[arg-type]
+                return self._unless_on_pools(at, locs)  # type: ignore[arg-type]
         self._checked.pop(lo, None)
         for i, grad in zip(at, grads):
             why = unpoolable(grad, self.members[i])  # type: ignore[arg-type]
@@ -297,14 +288,15 @@ class Grads:
         self._checked[lo] = Checked(at, list(map(type, grads)), all(map(operator.is_, locs, grads)),
                                     [m.shape for m in ms], [m.dtype for m in ms],
                                     [m.pool.device for m in ms])
-        return self._off_pools(at, locs)
+        return self._unless_on_pools(at, locs)
 
-    def _off_pools(self, at: list[int], locs: list[torch.Tensor]
-                   ) -> tuple[list[int], list[torch.Tensor]] | str:
+    def _unless_on_pools(self, at: list[int], locs: list[torch.Tensor]
+                         ) -> tuple[list[int], list[torch.Tensor]] | str:
         """``(at, locs)``, or why not when a gradient is on a gradient pool's memory (its own
         view re-viewed, ``g.data = g.data.t()``, or another member's): copying the pool into
-        itself would change the user's gradient, which torch's step only reads."""
-        if self.on_pools(locs):
+        itself would change the user's gradient, which torch's step only reads. So no gradient
+        copied in (nor written back after the kernel) overlaps the places it meets."""
+        if self._on_pools(locs):
             return ("a .grad on flatpool's gradient memory that is not its pooled view "
                     "(re-viewed, or another parameter's): torch's step reads it where it is")
         return at, locs

@@ -359,11 +359,8 @@ class Stepper:
         if back:  # what torch's in-place kernel leaves in a .grad the step read by copy
             idx = [i for r in runs for i in r.members if i in back]
             if idx:
-                dst = [back[i] for i in idx]
-                src = [self.grads.locals[i] for i in idx]
-                if self.grads.on_pools(dst):  # a .grad on the pool: written from a snapshot
-                    src = [s.clone() for s in src]  # type: ignore[union-attr]
-                torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
+                torch._foreach_copy_([back[i] for i in idx],
+                                     [self.grads.locals[i] for i in idx])  # type: ignore[misc]
         for r in runs:
             if r.slots is not None and len(r.members) > 1:  # the others' steps, as torch counts
                 r.slots.span(r.slot + 1, r.slot + len(r.members)).add_(1.0)
