@@ -159,8 +159,8 @@ class State:
     def _all_at_place(self, kind: str, idx: list[int] | None = None) -> bool:
         """:meth:`_at_place` of every member, or of members ``idx`` (C-level passes: their
         entries exist)."""
-        entries, locals_ = self._kinds[kind]
-        addrs = self._addrs[kind]
+        entries, every_local = self._kinds[kind]
+        locals_, addrs = every_local, self._addrs[kind]
         wrapped, multi = self._wrapped_at, self._multi
         if idx is not None:
             chosen = set(idx)
@@ -168,11 +168,11 @@ class State:
             locals_, addrs = list(map(locals_.__getitem__, idx)), list(map(addrs.__getitem__, idx))
         if kind != "step" and wrapped and not all(map(  # (a step entry is a plain tensor)
                 operator.is_, map(wrapped_local, map(entries.__getitem__, wrapped)),  # type: ignore[arg-type]
-                map(self._kinds[kind][1].__getitem__, wrapped))):
+                map(every_local.__getitem__, wrapped))):
             return False
         return (list(map(_data_ptr, locals_)) == addrs  # type: ignore[arg-type]
                 and (kind == "step"  # (0-d: always contiguous)
-                     or all(map(_contiguous, map(self._kinds[kind][1].__getitem__, multi)))))  # type: ignore[arg-type]
+                     or all(map(_contiguous, map(every_local.__getitem__, multi)))))  # type: ignore[arg-type]
 
     def _forget(self, i: int, kind: str) -> None:
         """Member ``i``'s ``kind`` entry left its place: it is the user's now (adopted like any
